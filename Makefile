@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make quickstart` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install quickstart test lint bench clean
+
+# Reinstall when the dependency list changes. constraints.txt pins torch so that no package pulls a CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+quickstart: $(STAMP)
+	$(VENV)/bin/finetune train examples/yaml/quickstart.yaml output_dir=runs/quickstart --overwrite
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check finetune tests benchmarks scripts
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check finetune tests benchmarks scripts
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
