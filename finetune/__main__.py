@@ -1,0 +1,7 @@
+"""`python -m finetune` (what torchrun runs): the same CLI."""
+
+import sys
+
+from finetune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,152 @@
+"""Atomic, resumable checkpoints: trainable weights (safetensors), optimizer, scheduler, RNG, data position.
+
+A checkpoint is written into a temporary directory, every file fsynced, a COMPLETE marker written last, and
+the directory renamed into place: a crash at any instant leaves the previous checkpoint intact and loadable,
+and a half-written one is never mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from finetune.errors import UserError
+
+MARKER = "COMPLETE"
+PREFIX = "step-"
+
+
+def checkpoint_root(output_dir: Path) -> Path:
+    return output_dir / "checkpoints"
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters by name (tied parameters appear once), as contiguous CPU tensors."""
+    return {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler: Any, trainer_state: dict[str, Any], keep_last: int) -> Path:
+    """Write checkpoints/step-N atomically and prune all but the newest `keep_last`. Returns its path."""
+    root = checkpoint_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step}"
+    tmp = root / f".tmp-{PREFIX}{step}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file(trainable_state(model), str(tmp / "model.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+                   tmp / "state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        for file in tmp.iterdir():
+            _fsync(file)
+        (tmp / MARKER).write_text(str(step))
+        _fsync(tmp / MARKER)
+        if final.exists():  # a rerun of the same step: replace it, never leave two
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"writing checkpoint {final} failed ({e}); the previous checkpoints are intact. "
+                        "Free disk space or fix permissions, then resume with resume: auto") from None
+    _prune(root, keep_last)
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = sorted(complete_checkpoints(root), key=_step_of)
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories that finished writing (have the marker), any order."""
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir()
+            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and (p / MARKER).exists()]
+
+
+def find_latest(output_dir: Path, warn: Any = print) -> Path | None:
+    """The newest checkpoint that is complete and readable; broken ones are skipped with a message."""
+    for path in sorted(complete_checkpoints(checkpoint_root(output_dir)), key=_step_of, reverse=True):
+        problem = _verify(path)
+        if problem is None:
+            return path
+        warn(f"skipping checkpoint {path}: {problem}")
+    return None
+
+
+def _verify(path: Path) -> str | None:
+    try:
+        json.loads((path / "trainer_state.json").read_text())
+        load_file(str(path / "model.safetensors"))
+        if not (path / "state.pt").is_file():
+            return "state.pt is missing"
+    except Exception as e:  # any failure to read means this checkpoint cannot be resumed
+        return f"unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns its trainer_state."""
+    problem = _verify(path)
+    if problem:
+        raise UserError(f"resume: checkpoint {path} cannot be used: {problem}")
+    tensors = load_file(str(path / "model.safetensors"))
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
+    if missing:
+        raise UserError(f"resume: checkpoint {path} lacks {len(missing)} trainable tensors (e.g. {missing[0]}); "
+                        "it belongs to a different model or adapter")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+    # weights_only: a checkpoint is data; loading it must not be able to run code.
+    state = torch.load(path / "state.pt", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories; rename is still atomic
+        _fsync(path)

@@ -1,0 +1,138 @@
+"""Command line: argv -> recipe -> command. The only module that knows exit codes.
+
+A user error (bad recipe, missing file, bad data row, wrong versions) exits 2 with one clear message and no
+traceback; `--debug` shows the traceback. Heavy modules (torch, the trainer) are imported only by the
+commands that need them, so `finetune validate` answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from finetune import __version__
+from finetune.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_USER_ERROR
+    try:
+        result = args.handler(args)
+        return int(result or 0)
+    except UserError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finetune", description="Config-driven fine-tuning of language models.")
+    parser.add_argument("--version", action="version", version=f"finetune {__version__}")
+    sub = parser.add_subparsers(dest="command")
+
+    def command(name: str, handler: Callable, help_text: str, recipe: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if recipe:
+            p.add_argument("recipe", help="recipe YAML file")
+            p.add_argument("overrides", nargs="*", metavar="key.path=value",
+                           help="override recipe keys; values are parsed as YAML scalars")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+        p.set_defaults(handler=handler)
+        return p
+
+    p = command("train", cmd_train, "run a recipe")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+    p.add_argument("--allow-unpinned", action="store_true",
+                   help="run even if pinned libraries are at other versions (recorded in versions.json)")
+    p.add_argument("--nproc", type=int, default=None, help="run data-parallel on N local processes via torchrun")
+    command("validate", cmd_validate, "check a recipe and print it fully resolved")
+    p = command("eval", cmd_eval, "token-weighted eval loss of a recipe's model (or a run's final model)")
+    p.add_argument("--model", default=None, help="evaluate this model directory instead (e.g. RUN/final)")
+    command("env", cmd_env, "show pinned vs installed library versions and the device", recipe=False)
+    p = command("schema", cmd_schema, "write the recipe JSON Schema", recipe=False)
+    p.add_argument("--out", default=None, help="file to write (default: stdout)")
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _exec_torchrun(args)
+    allow = args.allow_unpinned or os.environ.get("FINETUNE_ALLOW_UNPINNED") == "1"
+    from finetune.trainer import train  # heavy: torch and transformers
+
+    train(recipe, overwrite=args.overwrite, allow_unpinned=allow)
+    return 0
+
+
+def _exec_torchrun(args: argparse.Namespace) -> int:
+    """`--nproc N`: hand over to torchrun on this machine with the same recipe and flags."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            "-m", "finetune", "train", args.recipe, *args.overrides]
+    argv += [flag for flag, on in (("--overwrite", args.overwrite), ("--allow-unpinned", args.allow_unpinned),
+                                   ("--debug", args.debug)) if on]
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from finetune.recipe import load_recipe, to_yaml
+
+    print(to_yaml(load_recipe(args.recipe, args.overrides)), end="")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from finetune.recipe import load_recipe
+
+    overrides = list(args.overrides)
+    if args.model:
+        overrides += [f"model.path={args.model}", "model.init=pretrained", "adapter.type=none"]
+    recipe = load_recipe(args.recipe, overrides)
+    from finetune.evaluate import run_eval
+
+    loss, tokens = run_eval(recipe)
+    print(f"eval_loss {loss:.6f} over {tokens} target tokens")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from finetune.versions import env_table
+
+    Console().print(env_table())
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from finetune.recipe import Recipe
+
+    text = json.dumps(Recipe.model_json_schema(), indent=2) + "\n"
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Data loading: recipe datasets -> tokenized samples -> per-epoch rows -> each optimizer step's micro-batches.
+
+One optimizer step consumes `micro_batch_size x gradient_accumulation_steps x world_size` rows (a row is a
+padded sample, or a packed row of up to max_seq_len tokens). The rows of step s are the same for every world
+size: ranks only split them. That is what makes a run on 1 process and on N the same training.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.data.collate import collate_padded
+from finetune.data.formats import Example, to_example
+from finetune.data.pack import collate_packed, pack_samples
+from finetune.data.sources import BadRow, read_rows
+from finetune.data.tokenize import IGNORE_INDEX, tokenize_example
+from finetune.errors import UserError
+from finetune.recipe import DataConfig, DatasetConfig, Recipe
+
+
+@dataclass
+class DataStats:
+    """What happened to the data on its way to samples: nothing is dropped without being counted here."""
+
+    rows_read: int = 0
+    bad_rows_skipped: int = 0
+    samples: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    bad_row_examples: list[str] = field(default_factory=list)
+
+
+def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats) -> list[Example]:
+    """Read and convert every row of the given datasets; bad rows raise or are counted per `on_bad_row`."""
+    examples = []
+    for cfg in configs:
+        taken = 0
+        for row in read_rows(cfg.path, split=cfg.split, name=cfg.name):
+            if cfg.max_rows is not None and taken >= cfg.max_rows:
+                break
+            stats.rows_read += 1
+            try:
+                examples.append(to_example(row, cfg.format, messages_field=cfg.messages_field,
+                                           text_field=cfg.text_field, train_on_inputs=cfg.train_on_inputs))
+                taken += 1
+            except BadRow as e:
+                if on_bad_row == "error":
+                    raise UserError(f"{e}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
+                                    "(they are counted).") from None
+                stats.bad_rows_skipped += 1
+                if len(stats.bad_row_examples) < 5:
+                    stats.bad_row_examples.append(str(e))
+    return examples
+
+
+def tokenize_examples(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
+                      on_bad_row: str = "error") -> list[dict]:
+    """Tokenize, then truncate or drop samples longer than max_seq_len (counted in stats)."""
+    samples = []
+    for example in examples:
+        try:
+            sample = tokenize_example(example, tokenizer)
+        except BadRow as e:
+            if on_bad_row == "error":
+                raise UserError(str(e)) from None
+            stats.bad_rows_skipped += 1
+            continue
+        if data.max_seq_len is not None and len(sample["input_ids"]) > data.max_seq_len:
+            if data.truncation == "drop":
+                stats.dropped_too_long += 1
+                continue
+            stats.truncated += 1
+            sample = {k: v[: data.max_seq_len] for k, v in sample.items()}
+        if not sample["input_ids"]:
+            stats.dropped_too_long += 1
+            continue
+        stats.samples += 1
+        stats.tokens += len(sample["input_ids"])
+        stats.target_tokens += sum(1 for x in sample["labels"][1:] if x != IGNORE_INDEX)
+        samples.append(sample)
+    return samples
+
+
+def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict], DataStats, DataStats]:
+    """Train and eval samples for a recipe: eval from eval_datasets, else a seeded val_fraction split."""
+    train_stats, eval_stats = DataStats(), DataStats()
+    on_bad = recipe.data.on_bad_row
+    train_examples = load_examples(recipe.datasets, on_bad, train_stats)
+    eval_examples = load_examples(recipe.eval_datasets, on_bad, eval_stats)
+    if not recipe.eval_datasets and recipe.data.val_fraction > 0:
+        order = list(range(len(train_examples)))
+        random.Random(recipe.seed).shuffle(order)
+        n_val = max(1, round(len(order) * recipe.data.val_fraction))
+        held = set(order[:n_val])
+        eval_examples = [e for i, e in enumerate(train_examples) if i in held]
+        train_examples = [e for i, e in enumerate(train_examples) if i not in held]
+    train = tokenize_examples(train_examples, tokenizer, recipe.data, train_stats, on_bad)
+    evals = tokenize_examples(eval_examples, tokenizer, recipe.data, eval_stats, on_bad)
+    if not train:
+        raise UserError("no training samples: every row was skipped or empty (see data.on_bad_row)")
+    if train_stats.target_tokens == 0:
+        raise UserError("the training data has no target tokens (every label is masked): nothing would be "
+                        "learned. Check the format, or set train_on_inputs: true.")
+    return train, evals, train_stats, eval_stats
+
+
+def epoch_rows(samples: Sequence[dict], data: DataConfig, seed: int, epoch: int) -> list[dict]:
+    """The rows of one epoch, in training order: packed rows (repacked per epoch) or shuffled samples."""
+    if data.packing:
+        rows, _ = pack_samples(samples, data.max_seq_len, seed=seed, epoch=epoch, truncation=data.truncation)
+        return rows  # pack_samples already orders rows by a (seed, epoch) shuffle
+    rows = list(samples)
+    if data.shuffle:
+        random.Random(f"{seed}:{epoch}").shuffle(rows)
+    return rows
+
+
+def steps_in(n_rows: int, global_batch: int, drop_last: bool) -> int:
+    """Optimizer steps an epoch of n_rows yields: a short last step runs unless drop_last."""
+    return n_rows // global_batch if drop_last else -(-n_rows // global_batch)
+
+
+def rank_micro_batches(step_rows: Sequence[dict], micro_batch_size: int, world_size: int, rank: int,
+                       group_by_length: bool = False) -> list[list[dict]]:
+    """This rank's micro-batches of one step's rows.
+
+    The step's rows are cut into micro-batches of `micro_batch_size` in order and dealt round-robin to ranks.
+    A rank left with fewer micro-batches than rank 0 (a short last step) gets filler micro-batches: a copy of
+    a row with every label ignored, so every rank runs the same number of forward/backward passes (no
+    distributed hang) while adding exactly nothing to the loss or the gradient.
+    """
+    rows = list(step_rows)
+    if group_by_length:
+        # Within the step only, so the step's set of rows (and its gradient) is unchanged.
+        rows.sort(key=lambda r: len(r["input_ids"]), reverse=True)
+    chunks = [rows[i: i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    per_rank = -(-len(chunks) // world_size)
+    mine = chunks[rank::world_size]
+    filler = [{**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}]
+    return mine + [filler] * (per_rank - len(mine))
+
+
+def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
+    """Tensors for one micro-batch: packed rows (no attention mask, position ids per document) or padded."""
+    if data.packing:
+        return collate_packed(rows, pad_token_id)
+    return collate_padded(rows, pad_token_id, data.pad_to_multiple_of)
+
+
+def eval_batches(samples: Sequence[dict], data: DataConfig, micro_batch_size: int,
+                 pad_token_id: int) -> Iterator[dict]:
+    """Micro-batches over the eval samples in a fixed order (packed with epoch 0 when packing is on)."""
+    rows = epoch_rows(samples, data, seed=0, epoch=0) if data.packing else list(samples)
+    for i in range(0, len(rows), micro_batch_size):
+        yield collate(rows[i: i + micro_batch_size], data, pad_token_id)

@@ -1,0 +1,75 @@
+"""Examples -> token ids and labels, with -100 on every token that is not trained.
+
+Chat examples are rendered once with the tokenizer's chat template; the character spans of assistant turns
+are found by rendering each conversation prefix, then mapped to tokens through the tokenizer's offsets.
+That works with any template whose rendering of a conversation prefix is a prefix of the whole rendering,
+and it is checked: a template that rewrites earlier turns is reported, not silently mis-masked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.data.formats import Example
+from finetune.data.sources import BadRow
+from finetune.errors import UserError
+
+IGNORE_INDEX = -100
+
+
+def tokenize_example(example: Example, tokenizer: Any) -> dict[str, list[int]]:
+    """Token ids and labels (unshifted) for one example.
+
+    The first token's label is always IGNORE_INDEX: nothing predicts it, and a packed row then never trains
+    one document's last token to predict the next document's first.
+    """
+    if example.text is not None:
+        ids = tokenizer(example.text, add_special_tokens=True)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids = [*ids, tokenizer.eos_token_id]
+        labels = list(ids)
+    else:
+        ids, labels = _tokenize_chat(example, tokenizer)
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels}
+
+
+def _tokenize_chat(example: Example, tokenizer: Any) -> tuple[list[int], list[int]]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the tokenizer has no chat template; set tokenizer.chat_template in the recipe "
+                        "(or use format: completion)")
+    messages = list(example.messages)
+    full = _render(tokenizer, messages, example)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" and not example.train_on_inputs:
+            continue
+        start_text = _render(tokenizer, messages[:i], example, generation_prompt=message["role"] == "assistant")
+        end_text = _render(tokenizer, messages[: i + 1], example)
+        if not (full.startswith(end_text) and end_text.startswith(start_text)):
+            raise UserError(
+                f"{example.origin}: the chat template renders a conversation prefix differently from the whole "
+                "conversation, so assistant turns cannot be located for label masking. Use a template whose "
+                "earlier turns do not change (tokenizer.chat_template), or set train_on_inputs: true."
+            )
+        spans.append((len(start_text), len(end_text)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    labels = [IGNORE_INDEX] * len(ids)
+    span_index = 0
+    for t, (start, _end) in enumerate(encoded["offset_mapping"]):
+        while span_index < len(spans) and start >= spans[span_index][1]:
+            span_index += 1
+        if span_index < len(spans) and spans[span_index][0] <= start < spans[span_index][1]:
+            labels[t] = ids[t]
+    return ids, labels
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], example: Example, generation_prompt: bool = False) -> str:
+    if not messages:
+        return ""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
+        raise BadRow(f"{example.origin}: the chat template refused this conversation: {e}") from None

@@ -1,0 +1,65 @@
+"""Rank and world facts from torchrun's environment, and the few collectives the trainer needs.
+
+Everything is a no-op in a single process, so the trainer reads the same with and without torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def from_env() -> World:
+    """The world as torchrun describes it (RANK, WORLD_SIZE, LOCAL_RANK); one process otherwise."""
+    return World(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                 int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init(world: World, timeout_s: float = 600.0) -> torch.device:
+    """Start the process group (nccl on CUDA, gloo on CPU) and return this rank's device."""
+    device = torch.device("cuda", world.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world.distributed and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum across ranks, in place; returns the tensor."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Barrier, then destroy the group: destroying without the barrier is flaky under gloo."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,387 @@
+"""Fused linear cross-entropy: the output projection and the token cross-entropy in one step.
+
+The trainer sums token cross-entropies over every micro-batch of an optimizer step and divides once by the
+step's total number of target tokens (exact gradient accumulation). So everything here returns a SUM of
+per-token losses and the COUNT of target tokens, never a mean.
+
+Three implementations with the same semantics:
+
+* ``torch``: the naive reference. Builds the full ``[N, V]`` float32 logits; simple and obviously right.
+* ``chunked``: pure torch. Walks the target rows in chunks of ``chunk_size`` so that at most one chunk of
+  logits exists at a time, in forward and backward (the gradients are computed during the forward, chunk by
+  chunk, the way Liger-Kernel does it; backward only scales them).
+* ``liger``: Liger-Kernel's Triton fused linear cross-entropy (CUDA only, optional dependency).
+
+Optional extras, identical in all three: ``z_loss`` adds ``z_loss * logsumexp(logits)**2`` per target token
+(PaLM's z-loss, Liger's ``lse_square_scale``); ``softcap`` maps ``logits -> softcap * tanh(logits / softcap)``
+before the softmax (Gemma-2 style, Liger's ``softcap``); the z-loss uses the capped logits.
+
+This module imports only torch and finetune.errors so that it stays cheap to import; liger_kernel is imported
+lazily because importing it without a GPU fails ("0 active drivers").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from finetune.errors import UserError
+
+IGNORE_INDEX: int = -100
+IMPLS = ("auto", "liger", "chunked", "torch")
+
+_LIGER_FIX = "install it with `pip install 'finetune[liger]'` or set `loss.impl: chunked`"
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """[..., T] -> [..., T]: position t gets labels[..., t+1]; the last position gets IGNORE_INDEX.
+
+    Position t's hidden state predicts token t+1. Packed rows rely on the data pipeline having set the first
+    label of every packed document to IGNORE_INDEX, so that no position predicts across a document boundary.
+    """
+    shifted = labels.new_full(labels.shape, IGNORE_INDEX)
+    shifted[..., :-1] = labels[..., 1:]
+    return shifted
+
+
+@functools.lru_cache(maxsize=1)
+def _liger_import() -> tuple[Callable[..., torch.Tensor] | None, str]:
+    """(liger_fused_linear_cross_entropy, "") or (None, why it failed). Cached: the import is slow and a
+    failure will not fix itself within a process."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception as exc:  # ImportError, or triton's RuntimeError when it finds no usable GPU driver
+        return None, f"{type(exc).__name__}: {exc}"
+    return liger_fused_linear_cross_entropy, ""
+
+
+def resolve_impl(impl: str, device: torch.device | str) -> str:
+    """'auto' -> 'liger' on CUDA when liger_kernel imports, else 'chunked'. 'liger' on a non-CUDA device or
+    without liger-kernel installed raises UserError naming `loss.impl` and the fix (pip install 'finetune[liger]'
+    or use loss.impl: chunked). Unknown names raise UserError listing IMPLS."""
+    if impl not in IMPLS:
+        raise UserError(f"loss.impl: unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+    device = torch.device(device)
+    if impl == "auto":
+        if device.type == "cuda" and _liger_import()[0] is not None:
+            return "liger"
+        return "chunked"
+    if impl == "liger":
+        if device.type != "cuda":
+            raise UserError(
+                f"loss.impl: liger needs a CUDA device but the model is on {device.type!r}; "
+                "set `loss.impl: chunked` (or `auto`) on this machine"
+            )
+        fn, why = _liger_import()
+        if fn is None:
+            raise UserError(f"loss.impl: liger is selected but liger-kernel cannot be imported ({why}); {_LIGER_FIX}")
+    return impl
+
+
+# --------------------------------------------------------------------------------------------------------------
+# helpers shared by the implementations
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float32, or float64 when the inputs are float64 (keeps the gradcheck exact)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _has_mm_out_dtype(device: torch.device) -> bool:
+    """Whether torch.mm(..., out_dtype=torch.float32) works for bf16/fp16 on this device.
+
+    Only CUDA implements it (the CPU backend has no `aten::mm.dtype` kernel); Liger gates the same call on
+    compute capability >= 8 (Ampere)."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "get_device_capability"):
+        return False
+    try:
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    except Exception:  # a broken CUDA setup: the fallback below is still correct
+        return False
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b with an acc_dtype result. For bf16/fp16 on recent GPUs the GEMM writes fp32 directly (no rounding
+    of the logits to 16 bits); elsewhere it computes in the input dtype and upcasts."""
+    if a.dtype == acc_dtype:
+        return torch.mm(a, b)
+    if _has_mm_out_dtype(a.device):
+        return torch.mm(a, b, out_dtype=acc_dtype)
+    return torch.mm(a, b).to(acc_dtype)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the projection runs in: what nn.Linear would use. Under autocast that is the autocast dtype;
+    otherwise the promoted dtype of hidden and weight (they normally match)."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    dev = hidden.device.type
+    # autocast leaves float64 alone, and so do we
+    if dev in ("cuda", "cpu") and dtype != torch.float64 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return dtype
+
+
+# --------------------------------------------------------------------------------------------------------------
+# chunked implementation
+
+
+def _chunk_loss_and_grad(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    z_loss: float,
+    softcap: float | None,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed loss of one chunk of rows and, if need_grad, d(loss)/d(logits) for it ([c, V], acc dtype).
+
+    Works in place on the chunk's logits buffer so that, without softcap, one [c, V] buffer is live (two with
+    softcap: the tanh values are needed again for the chain rule)."""
+    acc = _acc_dtype(h.dtype)
+    logits = _mm_f32(h, weight.t(), acc)  # [c, V]
+    if bias is not None:
+        logits.add_(bias)
+    if softcap is not None:
+        t = logits.div_(softcap).tanh_()  # the logits buffer now holds tanh(logits / softcap)
+        x = t * softcap
+    else:
+        t = None
+        x = logits
+    del logits
+    x_y = x.gather(1, y.unsqueeze(1)).squeeze(1)  # target logit, read before x is overwritten
+    m = x.amax(dim=1, keepdim=True)
+    e = x.sub_(m).exp_()  # x is consumed: e = exp(x - max), in place
+    s = e.sum(dim=1, keepdim=True)
+    lse = (m + s.log()).squeeze(1)
+    per_token = lse - x_y
+    if z_loss:
+        per_token = per_token + z_loss * lse.square()
+    loss = per_token.sum()
+    if not need_grad:
+        return loss, None
+    grad = e.div_(s)  # softmax, in place
+    if z_loss:
+        # d(z * lse^2)/dx_i = 2 z lse softmax_i, so the softmax is scaled by (1 + 2 z lse)
+        grad.mul_((1.0 + 2.0 * z_loss * lse).unsqueeze(1))
+    grad.scatter_add_(1, y.unsqueeze(1), grad.new_full((y.numel(), 1), -1.0))  # - onehot(y)
+    if t is not None:
+        grad.mul_(t.square_().neg_().add_(1.0))  # chain rule through softcap: 1 - tanh^2, in t's buffer
+    return loss, grad
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed CE of (hidden @ weight.T + bias) against targets, one chunk of rows at a time.
+
+    All inputs share one dtype (the caller casts). Gradients are produced during forward (memory: one chunk of
+    logits plus the gradient buffers, never [N, V]) and saved; backward multiplies them by grad_output."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk_size: int,
+        z_loss: float,
+        softcap: float | None,
+        grad_flags: tuple[bool, bool, bool],
+    ) -> torch.Tensor:
+        # grad_flags is decided by the caller: ctx.needs_input_grad is True even under torch.no_grad()
+        need_h, need_w, need_b = grad_flags
+        need_grad = need_h or need_w or need_b
+        n = hidden.shape[0]
+        acc = _acc_dtype(hidden.dtype)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # weight/bias grads accumulate over chunks in fp32 (even for bf16 weights) and are cast once at the end
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        # sum the chunk losses in fp64 (a scalar, so free); MPS has no fp64
+        total = torch.zeros((), dtype=acc if hidden.device.type == "mps" else torch.float64, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            h = hidden[start : start + chunk_size]
+            loss, g = _chunk_loss_and_grad(h, weight, bias, targets[start : start + chunk_size], z_loss, softcap,
+                                           need_grad)
+            total += loss
+            if g is None:
+                continue
+            # The two backward GEMMs take bf16/fp16 operands where the inputs are 16-bit (tensor cores), with the
+            # products accumulated in fp32; the bias gradient is summed from the fp32 chunk directly.
+            g_lp = g if g.dtype == hidden.dtype else g.to(hidden.dtype)
+            if grad_h is not None:
+                torch.mm(g_lp, weight, out=grad_h[start : start + chunk_size])
+            if grad_b is not None:
+                grad_b.add_(g.sum(dim=0))
+            if grad_w is not None:
+                if g.dtype == hidden.dtype:
+                    grad_w.addmm_(g.t(), h)
+                elif _has_mm_out_dtype(hidden.device):
+                    torch.addmm(grad_w, g_lp.t(), h, out_dtype=acc, out=grad_w)
+                else:
+                    # no 16-bit GEMM with fp32 output here (CPU): do this one in fp32 from the fp32 chunk
+                    grad_w.addmm_(g.t(), h.to(acc))
+            del g, g_lp  # free this chunk before the next one is built
+        # cast now so the fp32 copies do not stay alive until backward
+        ctx.save_for_backward(
+            grad_h,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+        )
+        return total.to(acc)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+
+        def scale(g: torch.Tensor | None) -> torch.Tensor | None:
+            # out of place: autograd may call backward more than once on the same graph (retain_graph)
+            return None if g is None else g * grad_output.to(g.dtype)
+
+        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the other two implementations (on rows that all have a target)
+
+
+def _torch_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, z_loss: float,
+                softcap: float | None) -> torch.Tensor:
+    """Naive reference: full [N, V] logits upcast to fp32, F.cross_entropy(reduction='sum') + z-loss."""
+    logits = F.linear(h, weight, bias)
+    logits = logits.to(_acc_dtype(logits.dtype))
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(logits, y, reduction="sum")
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(logits, dim=-1).square().sum()
+    return loss
+
+
+def _liger_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, z_loss: float,
+                softcap: float | None) -> torch.Tensor:
+    """Liger-Kernel 0.8.5's liger_fused_linear_cross_entropy with reduction='sum'."""
+    fn, why = _liger_import()
+    if fn is None:
+        raise UserError(f"loss.impl: liger is selected but liger-kernel cannot be imported ({why}); {_LIGER_FIX}")
+    kwargs: dict[str, Any] = {
+        "bias": bias,
+        "ignore_index": IGNORE_INDEX,
+        "lse_square_scale": float(z_loss),
+        "reduction": "sum",
+        "softcap": softcap,
+    }
+    # fp32 accumulation of grad_weight/grad_bias for 16-bit weights (Liger's default accumulates in the weight
+    # dtype). Never for fp32/fp64 weights, where it would be a no-op or a downgrade.
+    if weight.dtype in (torch.float16, torch.bfloat16) and "accum_dtype" in _liger_params(fn):
+        kwargs["accum_dtype"] = torch.float32
+    if torch.is_grad_enabled() and not h.requires_grad and (
+        weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        # Liger 0.8.5 computes grad_weight/grad_bias only when its input requires grad (frozen trunk, trained
+        # head): give it a detached input that does, and let its (unused) input gradient fall on the floor.
+        h = h.detach().requires_grad_(True)
+    return fn(h, weight, y, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _liger_params(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# public entry point
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    impl: str = "chunked",
+    chunk_size: int = 1024,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, T, H] (or [T, H]), weight [V, H] (the output layer's weight), labels [B, T] (or [T]) UNSHIFTED,
+    IGNORE_INDEX where no loss. Shifts the labels itself, drops ignored positions BEFORE the projection
+    (index_select the hidden rows that have a target), then computes the cross entropy summed over targets.
+    Returns (loss_sum: float32 scalar tensor with grad, n_targets: int64 scalar tensor).
+    impl must already be resolved ('liger' | 'chunked' | 'torch'). With zero targets, returns a loss_sum that
+    is 0.0 but still connected to the graph (e.g. hidden.sum() * 0 + weight.sum() * 0) so backward works and
+    distributed gradient hooks fire.
+
+    loss_sum is float64 instead when the inputs are float64 (tests). z_loss adds z_loss * logsumexp^2 per
+    target; softcap caps the logits with softcap * tanh(logits / softcap) before the softmax.
+    """
+    if impl not in ("liger", "chunked", "torch"):
+        raise ValueError(f"impl must be resolved with resolve_impl() first; got {impl!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise UserError(f"loss.chunk_size must be a positive integer, got {chunk_size!r}")
+    if softcap is not None and not softcap > 0:
+        raise UserError(f"loss.softcap must be a positive number or null, got {softcap!r}")
+    if hidden.dim() not in (2, 3) or labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: want [B, T, H] and [B, T]"
+                         " (or [T, H] and [T])")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    vocab, hsize = weight.shape
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match vocab size {vocab}")
+
+    targets = shift_labels(labels).reshape(-1)
+    keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # the one host sync: the row count is dynamic
+    n_targets = torch.tensor(keep.numel(), dtype=torch.int64, device=hidden.device)
+    out_dtype = _acc_dtype(_compute_dtype(hidden, weight))
+
+    if keep.numel() == 0:
+        # 0.0 that still reaches every parameter: backward runs and DDP/FSDP hooks fire. Empty slices instead of
+        # x.sum() * 0 so that an inf/nan somewhere in hidden cannot turn the zero into a nan.
+        zero = hidden.reshape(-1)[:0].sum() + weight.reshape(-1)[:0].sum()
+        if bias is not None:
+            zero = zero + bias[:0].sum()
+        return zero.to(out_dtype), n_targets
+
+    y = targets.index_select(0, keep)
+    bad = (y < 0) | (y >= vocab)
+    if bool(bad.any()):
+        raise UserError(
+            f"labels contain token ids outside the model's vocabulary [0, {vocab}) (e.g. "
+            f"{int(y[bad][0])}); the tokenizer and model do not match, or labels were masked with a value "
+            f"other than {IGNORE_INDEX}"
+        )
+    h = hidden.reshape(-1, hsize).index_select(0, keep)  # [N, H]: only rows with a target are projected
+
+    # Cast explicitly (differentiably) to the dtype nn.Linear would use, then compute with autocast off, so the
+    # three implementations see the same operands and autocast cannot silently downcast the fp32 work.
+    dtype = _compute_dtype(hidden, weight)
+    h = h.to(dtype)
+    w = weight.to(dtype)
+    b = bias.to(dtype) if bias is not None else None
+    dev = hidden.device.type
+    with torch.autocast(device_type=dev, enabled=False) if dev in ("cuda", "cpu") else contextlib.nullcontext():
+        if impl == "torch":
+            loss = _torch_loss(h, w, b, y, z_loss, softcap)
+        elif impl == "liger":
+            if hidden.device.type != "cuda":
+                resolve_impl("liger", hidden.device)  # raises the UserError naming loss.impl
+            loss = _liger_loss(h, w, b, y, z_loss, softcap)
+        else:
+            grad_on = torch.is_grad_enabled()
+            flags = (
+                grad_on and h.requires_grad,
+                grad_on and w.requires_grad,
+                grad_on and b is not None and b.requires_grad,
+            )
+            loss = _ChunkedLinearCrossEntropy.apply(h, w, b, y, chunk_size, float(z_loss), softcap, flags)
+    return loss.to(out_dtype), n_targets
+

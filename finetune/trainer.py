@@ -1,0 +1,288 @@
+"""The training loop, written out. Read it top to bottom: setup, then one optimizer step at a time.
+
+The loss contract (DESIGN.md section 5): for one optimizer step, every rank gathers its micro-batches first,
+the step's target-token count N is all-reduced before the first backward, and each micro-batch
+backpropagates `loss_sum / N` (times the world size, because DDP/FSDP average gradients over ranks). The
+logged loss is the sum of every token loss of the step over N: exactly the quantity whose gradient we apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from finetune import checkpoint, dist, versions
+from finetune.data import DataStats, build_samples, collate, epoch_rows, rank_micro_batches, steps_in
+from finetune.data.isolation import check_packing_isolation
+from finetune.errors import UserError
+from finetune.evaluate import CausalLMWithLoss, evaluate_loss, model_inputs
+from finetune.loss import resolve_impl
+from finetune.metrics import Stopwatch, open_sinks, peak_memory_mb
+from finetune.model import count_parameters, load_model, load_tokenizer, save_final
+from finetune.optim import build_optimizer, build_scheduler
+from finetune.recipe import Recipe, recipe_hash, to_yaml, training_keys
+from finetune.wrap import wrap_model
+
+RUN_FILES = ("metrics.jsonl", "recipe.yaml", "versions.json", "checkpoints", "final", "tensorboard")
+
+
+def required_packages(recipe: Recipe) -> list[str]:
+    """The pinned packages this recipe's training depends on (their versions are enforced at start)."""
+    packages = ["torch", "transformers", "peft"]
+    if recipe.loss.impl == "liger":
+        packages.append("liger-kernel")
+    if recipe.adapter.type == "qlora" or recipe.train.optimizer == "adamw_8bit":
+        packages.append("bitsandbytes")
+    if recipe.model.attn_implementation == "flash_attention_2":
+        packages.append("flash-attn")
+    return packages
+
+
+@dataclass
+class StepPlan:
+    """Which rows each global optimizer step uses: (epoch, first row, end row) into that epoch's rows."""
+
+    steps: list[tuple[int, int, int]]
+    global_batch: int
+
+
+def plan_steps(samples: list[dict], recipe: Recipe, world_size: int) -> StepPlan:
+    t, d = recipe.train, recipe.data
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
+    steps: list[tuple[int, int, int]] = []
+    epoch = 0
+    while (t.epochs is None or epoch < t.epochs) and (t.max_steps is None or len(steps) < t.max_steps):
+        n_rows = len(epoch_rows(samples, d, recipe.seed, epoch))
+        n_steps = steps_in(n_rows, global_batch, d.drop_last)
+        if n_steps == 0:
+            raise UserError(f"one optimizer step needs {global_batch} rows but an epoch has only {n_rows} "
+                            "(data.drop_last: true drops them all); lower train.micro_batch_size or "
+                            "gradient_accumulation_steps, or set data.drop_last: false")
+        steps += [(epoch, s * global_batch, min(n_rows, (s + 1) * global_batch)) for s in range(n_steps)]
+        epoch += 1
+    return StepPlan(steps[: t.max_steps] if t.max_steps else steps, global_batch)
+
+
+def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = False,
+          console: Console | None = None) -> Path:
+    """Run a recipe to the end; returns the output directory. Works alone and under torchrun."""
+    world = dist.from_env()
+    device = dist.init(world)
+    console = console or Console()
+    if not world.is_main:
+        console = Console(quiet=True)
+    try:
+        return _train(recipe, world, device, console, overwrite, allow_unpinned)
+    finally:
+        dist.shutdown()
+
+
+def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Console, overwrite: bool,
+           allow_unpinned: bool) -> Path:
+    out = Path(recipe.output_dir)
+    warnings = versions.enforce(required_packages(recipe), allow_unpinned=allow_unpinned)
+    for w in warnings:
+        console.print(f"[yellow]warning: {w}[/yellow]")
+    resume_from = _resume_path(recipe, out, console)
+    if world.is_main:
+        _prepare_output_dir(out, fresh=resume_from is None, overwrite=overwrite)
+    dist.barrier()
+
+    torch.manual_seed(recipe.seed)
+    tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
+    train_samples, eval_samples, stats, _ = build_samples(recipe, tokenizer)
+    _report_data(console, stats, len(eval_samples))
+    plan = plan_steps(train_samples, recipe, world.size)
+
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
+    if recipe.model.trust_remote_code:
+        console.print("[yellow]model.trust_remote_code is on: running code shipped with the model[/yellow]")
+    trainable, total = count_parameters(lm)
+    if trainable == 0:
+        raise UserError("the model has no trainable parameters; nothing would be learned")
+    if recipe.data.packing and recipe.data.packing_check:
+        err = check_packing_isolation(lm, len(tokenizer))
+        console.print(f"packing isolation check passed (max logit difference {err:.1e})")
+    impl = resolve_impl(recipe.loss.impl, device)
+    console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
+                  f"device: {device}; world size {world.size}; {len(plan.steps)} optimizer steps of "
+                  f"{plan.global_batch} rows")
+    net = wrap_model(CausalLMWithLoss(lm, impl, recipe.loss.chunk_size, recipe.loss.z_loss, recipe.loss.softcap),
+                     recipe, world, device)
+    params = [p for p in net.parameters() if p.requires_grad]
+    optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
+    scheduler = build_scheduler(optimizer, len(plan.steps), recipe.train)
+
+    start_step = 0
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, lm, optimizer, scheduler)
+        _check_resume_recipe(recipe, state)
+        start_step = state["step"]
+        console.print(f"resumed from {resume_from} at step {start_step}")
+    if world.is_main:
+        (out / "recipe.yaml").write_text(to_yaml(recipe))
+        (out / "versions.json").write_text(json.dumps(versions.snapshot(warnings), indent=2))
+    logger = open_sinks(out, recipe.logging, console, len(plan.steps), start_step) if world.is_main else None
+    pad_id = tokenizer.pad_token_id
+    eval_every = recipe.eval.every_steps
+    eval_micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
+
+    def evaluate(step: int) -> None:
+        if not eval_samples:
+            return
+        loss, n = evaluate_loss(net, eval_samples, recipe, eval_micro, pad_id, world, device)
+        if logger:
+            logger.log({"step": step, "eval_loss": loss, "eval_tokens": n})
+
+    if start_step == 0 and recipe.eval.at_start:
+        evaluate(0)
+    clock, tokens_seen, bad_streak, rows_cache = Stopwatch(), 0, 0, {}
+    for step in range(start_step, len(plan.steps)):
+        epoch, first, end = plan.steps[step]
+        if epoch not in rows_cache:
+            rows_cache = {epoch: epoch_rows(train_samples, recipe.data, recipe.seed, epoch)}
+        step_rows = rows_cache[epoch][first:end]
+        micro = [collate(rows, recipe.data, pad_id) for rows in rank_micro_batches(
+            step_rows, recipe.train.micro_batch_size, world.size, world.rank, recipe.data.group_by_length)]
+
+        # N_step: the step's target tokens over all micro-batches and ranks, known before any backward.
+        local_targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
+        counts = dist.all_reduce_sum(torch.tensor([local_targets, sum(m["seq_tokens"] for m in micro),
+                                                   sum(m["padded_tokens"] for m in micro)], device=device))
+        n_step, seq_tokens, padded_tokens = (int(x) for x in counts.tolist())
+        loss_total = torch.zeros((), device=device, dtype=torch.float32)
+        net.train()
+        for i, batch in enumerate(micro):
+            # DDP: synchronize gradients only on the step's last micro-batch.
+            sync = i == len(micro) - 1
+            with contextlib.nullcontext() if sync or not hasattr(net, "no_sync") else net.no_sync():
+                loss_sum, _ = net(**model_inputs(batch, device))
+                (loss_sum * (world.size / max(n_step, 1))).backward()
+            loss_total += loss_sum.detach()
+        step_loss = float(dist.all_reduce_sum(loss_total)) / max(n_step, 1)
+
+        max_norm = recipe.train.max_grad_norm or math.inf
+        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        healthy = math.isfinite(step_loss) and math.isfinite(grad_norm) and n_step > 0
+        before = [p.detach().clone() for p in params] if healthy else None
+        if healthy:
+            optimizer.step()
+            bad_streak = 0
+        elif n_step > 0:
+            bad_streak += 1
+            console.print(f"[red]step {step + 1}: non-finite loss or gradient; update skipped "
+                          f"({bad_streak} in a row)[/red]")
+            if bad_streak >= recipe.train.max_bad_steps:
+                raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
+                                f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
+                                "check the data, or use float32")
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        update_ratio = _update_ratio(before, params) if before is not None else 0.0
+        if healthy and update_ratio == 0.0:
+            console.print(f"[yellow]step {step + 1}: the trainable weights did not change[/yellow]")
+        seconds = clock.lap()
+        tokens_seen += seq_tokens
+        if logger:
+            logger.log({
+                "step": step + 1, "total_steps": len(plan.steps), "epoch": epoch, "loss": step_loss,
+                "grad_norm": grad_norm, "grad_norm_clipped": min(grad_norm, max_norm), "lr": lr,
+                "tokens": n_step, "seq_tokens": seq_tokens, "padded_tokens": padded_tokens,
+                "tokens_seen": tokens_seen, "tokens_per_s": seq_tokens / seconds,
+                "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": update_ratio,
+                "skipped": not healthy, "peak_memory_mb": peak_memory_mb(), "elapsed_s": clock.elapsed,
+            })
+        done = step + 1
+        if eval_every and done % eval_every == 0 and done != len(plan.steps):
+            evaluate(done)
+        if recipe.checkpoint.every_steps and done % recipe.checkpoint.every_steps == 0 and world.is_main:
+            checkpoint.save(out, done, lm, optimizer, scheduler,
+                            {"step": done, "epoch": epoch, "recipe_hash": recipe_hash(recipe),
+                             "training_keys": training_keys(recipe), "tokens_seen": tokens_seen},
+                            recipe.checkpoint.keep_last)
+        dist.barrier()
+    evaluate(len(plan.steps))
+    if world.is_main:
+        save_final(lm, tokenizer, out / "final")
+        logger.close()
+        console.print(f"done: {out / 'final'}")
+    return out
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """FSDP2 returns the norm as a DTensor; its full value is what we log and compare."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _update_ratio(before: list[torch.Tensor], params: list[torch.Tensor]) -> float:
+    """||w_after - w_before|| / ||w_before|| over all trainable weights: 0 means the step changed nothing."""
+    delta = sum(float((_local(p).detach().float() - _local(b).float()).pow(2).sum()) for p, b in zip(params, before))
+    norm = sum(float(_local(b).float().pow(2).sum()) for b in before)
+    totals = dist.all_reduce_sum(torch.tensor([delta, norm], dtype=torch.float64)) if _sharded(params) else \
+        torch.tensor([delta, norm], dtype=torch.float64)
+    return math.sqrt(float(totals[0])) / max(math.sqrt(float(totals[1])), 1e-12)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sharded(params: list[torch.Tensor]) -> bool:
+    return any(hasattr(p, "to_local") for p in params)
+
+
+def _resume_path(recipe: Recipe, out: Path, console: Console) -> Path | None:
+    if recipe.resume is None:
+        return None
+    if recipe.resume == "auto":
+        found = checkpoint.find_latest(out, warn=lambda m: console.print(f"[yellow]{m}[/yellow]"))
+        console.print(f"resume: auto -> {found or 'no complete checkpoint, starting fresh'}")
+        return found
+    return Path(recipe.resume)
+
+
+def _check_resume_recipe(recipe: Recipe, state: dict[str, Any]) -> None:
+    saved, now = state.get("training_keys", {}), training_keys(recipe)
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if changed:
+        lines = "\n".join(f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+        raise UserError(f"resume refused: the recipe changed in ways that alter training:\n{lines}\n"
+                        "  Restore these keys, or start a new run in another output_dir.")
+
+
+def _prepare_output_dir(out: Path, *, fresh: bool, overwrite: bool) -> None:
+    """Refuse to start a fresh run over an existing one unless asked; check the directory is writable."""
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    if fresh and existing and not overwrite:
+        raise UserError(f"output_dir {out} already holds a run ({', '.join(existing)}). Use resume: auto to "
+                        "continue it, another output_dir, or --overwrite to replace it.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output_dir {out} is not writable ({e})") from None
+    if fresh and overwrite:
+        for name in existing:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _report_data(console: Console, stats: DataStats, n_eval: int) -> None:
+    line = (f"data: {stats.samples} samples, {stats.tokens} tokens, {stats.target_tokens} target tokens; "
+            f"{n_eval} eval samples")
+    if stats.truncated or stats.dropped_too_long:
+        line += f"; {stats.truncated} truncated, {stats.dropped_too_long} dropped (too long)"
+    if stats.bad_rows_skipped:
+        line += f"; [yellow]{stats.bad_rows_skipped} bad rows skipped[/yellow]"
+    console.print(line)

@@ -1,0 +1,360 @@
+"""The tested library matrix, checked at run time, and the data behind `finetune env`.
+
+Why this exists: packed-sequence masking, LoRA injection names, fused-loss numerics and 4-bit
+loading all change between releases of the libraries below, so a run on an untested version can
+silently train a different model. Recipes are therefore run only on the exact pins (or, for torch,
+the tested minor series) unless the user opts out with --allow-unpinned / FINETUNE_ALLOW_UNPINNED=1,
+in which case the mismatch is recorded in the run's versions.json.
+
+This is a leaf module: it imports nothing from the package except finetune.errors and nothing heavy
+at import time (torch, rich and packaging are imported inside the functions that need them), so
+`docker/build.sh` can read the pins with a bare python3 and the CLI can check versions before it
+pays for importing torch. pyproject.toml, constraints.txt and the Docker build args are tested to
+agree with the constants here (tests/test_versions.py, tests/test_docker.py).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from finetune.errors import UserError
+
+if TYPE_CHECKING:  # only for the annotation; rich is imported lazily in env_table()
+    from rich.table import Table
+
+# Exact pins. Must equal pyproject.toml (dependencies and extras); tests/test_versions.py checks it.
+PINNED: dict[str, str] = {
+    "transformers": "5.23.0",
+    "peft": "0.21.2",
+    "liger-kernel": "0.8.5",
+    "bitsandbytes": "0.50.2",
+    "flash-attn": "2.8.3.post2",
+}
+
+# torch is a range, not a pin: CPU, CUDA 12.x and CUDA 13.x builds of one release differ only in the
+# local label (+cpu, +cu130) and any 2.13.x patch keeps our numerics, but 2.14 is untested.
+# Kept as the two PEP 440 clauses of pyproject's "torch>=2.13,<2.14" (joined with "," it is a
+# specifier set).
+TORCH_RANGE: tuple[str, str] = (">=2.13", "<2.14")
+
+# The one torch release CI (Makefile, constraints.txt) and the Docker images install; any version in
+# TORCH_RANGE is accepted at run time, but images need one exact version to be reproducible.
+TORCH_TESTED = "2.13.0"
+
+# Always needed: nothing trains without them.
+CORE: tuple[str, ...] = ("torch", "transformers", "peft")
+
+# Recipe feature -> the optional package it needs. Only required when a recipe turns the feature on.
+FEATURE_PACKAGES: dict[str, str] = {
+    "liger": "liger-kernel",
+    "flash_attention_2": "flash-attn",
+    "bnb": "bitsandbytes",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "tensorboard": "tensorboard",
+    "gguf": "gguf",
+}
+
+# pyproject extra that provides each optional package, for the friendlier "pip install 'finetune[x]'".
+EXTRAS: dict[str, str] = {
+    "liger-kernel": "liger",
+    "flash-attn": "flash",
+    "bitsandbytes": "bnb",
+    "wandb": "tracking",
+    "mlflow": "tracking",
+    "tensorboard": "tracking",
+    "gguf": "gguf",
+}
+
+# Lower bounds of the unpinned optional packages (trackers only log; any recent release works).
+# Also equal to pyproject.toml, checked by the tests.
+MINIMUMS: dict[str, str] = {
+    "wandb": ">=0.17",
+    "mlflow": ">=2.10",
+    "tensorboard": ">=2.15",
+    "gguf": ">=0.10",
+}
+
+# Libraries recorded in versions.json: the matrix plus the ones whose behaviour feeds the data path.
+SNAPSHOT_PACKAGES: tuple[str, ...] = (
+    "torch",
+    "transformers",
+    "peft",
+    "liger-kernel",
+    "bitsandbytes",
+    "flash-attn",
+    "tokenizers",
+    "datasets",
+    "safetensors",
+    "accelerate",
+)
+
+ALLOW_ENV = "FINETUNE_ALLOW_UNPINNED"
+
+
+@dataclass
+class VersionProblem:
+    """One library that is missing or not at the tested version."""
+
+    package: str
+    wanted: str  # a PEP 440 specifier: "==5.23.0" or ">=2.13,<2.14"
+    installed: str | None  # None: not installed
+    fix: str  # the exact pip command that installs the tested version
+
+    def describe(self) -> str:
+        have = "not installed" if self.installed is None else f"installed {self.installed}"
+        return f"{self.package}: {have}, tested {self.wanted}; fix: {self.fix}"
+
+
+def installed_version(package: str) -> str | None:
+    """Version string from the installed distribution's metadata, or None if it is not installed.
+
+    Uses importlib.metadata rather than importing the module: importing torch or flash-attn takes
+    seconds and can fail for reasons unrelated to the version (no driver, ABI mismatch).
+    """
+    # Distribution names are normalized by importlib.metadata on 3.11+, not on every 3.10 patch
+    # release, so also try the underscore spelling used by the dist-info directory.
+    for name in dict.fromkeys((package, package.replace("-", "_"), package.replace("_", "-"))):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def wanted_spec(package: str) -> str | None:
+    """The tested specifier for a package: exact pin, torch range, tracker minimum, or None."""
+    if package == "torch":
+        return ",".join(TORCH_RANGE)
+    if package in PINNED:
+        return f"=={PINNED[package]}"
+    return MINIMUMS.get(package)
+
+
+def pip_line(package: str, spec: str | None = None) -> str:
+    """The exact pip command that installs `package` at `spec` (default: its tested version)."""
+    spec = wanted_spec(package) if spec is None else spec
+    line = f"pip install '{package}{spec or ''}'"
+    if package == "flash-attn":
+        # flash-attn's setup.py imports torch, so it must build against the installed torch.
+        line += " --no-build-isolation"
+    return line
+
+
+def compare_version(package: str, wanted: str, installed: str | None) -> VersionProblem | None:
+    """Pure check of one installed version against a specifier; None when it satisfies it.
+
+    PEP 440 semantics via `packaging` (a transformers dependency, so present wherever this matters):
+    a local label is ignored by "==" (2.13.0+cu130 == 2.13.0), and pre-releases are rejected
+    (an NGC 2.13.0a0 build is not the tested 2.13.0).
+    """
+    fix = pip_line(package, wanted)
+    if installed is None:
+        return VersionProblem(package, wanted, None, fix)
+    if _satisfies(installed, wanted):
+        return None
+    return VersionProblem(package, wanted, installed, fix)
+
+
+def _satisfies(installed: str, wanted: str) -> bool:
+    from packaging.specifiers import SpecifierSet  # lazy: keeps module import stdlib-only
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        version = Version(installed)
+    except InvalidVersion:
+        return False  # an unparseable version (a git checkout, say) is not a tested one
+    return SpecifierSet(wanted).contains(version, prereleases=False)
+
+
+def check_versions(packages: Iterable[str] = CORE) -> list[VersionProblem]:
+    """Problems for the given packages: missing, or outside the pin/range. Empty list means all good.
+
+    Packages with no pin, range or minimum (e.g. "tokenizers") are only checked for presence.
+    """
+    problems = []
+    for package in dict.fromkeys(packages):  # de-duplicated, order kept for stable messages
+        installed = installed_version(package)
+        wanted = wanted_spec(package)
+        if wanted is None:
+            if installed is None:
+                problems.append(VersionProblem(package, "any", None, f"pip install '{package}'"))
+            continue
+        problem = compare_version(package, wanted, installed)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def packages_for(features: Iterable[str]) -> list[str]:
+    """CORE plus the optional packages the given recipe features need (for `enforce`)."""
+    return [*CORE, *(_package_for(f) for f in features)]
+
+
+def _package_for(feature: str) -> str:
+    if feature in FEATURE_PACKAGES:
+        return FEATURE_PACKAGES[feature]
+    if feature in FEATURE_PACKAGES.values():  # a package name is accepted as its own feature
+        return feature
+    known = ", ".join(sorted(FEATURE_PACKAGES))
+    raise ValueError(f"unknown feature {feature!r}; known features: {known}")
+
+
+def require_packages(features: Iterable[str]) -> None:
+    """Raise UserError naming every optional package a recipe needs that is not installed.
+
+    Only presence is checked here; whether an installed one is at its pin is `enforce`'s job, so
+    the two messages stay separate (install something vs. change a version).
+    """
+    missing = []
+    for feature in dict.fromkeys(features):
+        package = _package_for(feature)
+        if installed_version(package) is None:
+            extra = EXTRAS.get(package)
+            alt = f" (or pip install 'finetune[{extra}]')" if extra else ""
+            missing.append(f"  - {package} (needed by {feature!r}): {pip_line(package)}{alt}")
+    if missing:
+        raise UserError(
+            "the recipe needs optional packages that are not installed:\n"
+            + "\n".join(missing)
+            + "\nInstall them, or turn the feature off in the recipe."
+        )
+
+
+def _env_allows() -> bool:
+    return os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def enforce(packages: Iterable[str], *, allow_unpinned: bool) -> list[str]:
+    """Refuse to run on untested library versions unless the user opted out.
+
+    Returns warning strings (one per mismatch, for the log and versions.json) when allowed via the
+    argument or FINETUNE_ALLOW_UNPINNED=1; raises UserError listing every mismatch otherwise.
+    """
+    problems = check_versions(packages)
+    if not problems:
+        return []
+    lines = [p.describe() for p in problems]
+    if allow_unpinned or _env_allows():
+        return [f"unpinned: {line}" for line in lines]
+    raise UserError(
+        "installed libraries differ from the tested versions:\n"
+        + "\n".join(f"  - {line}" for line in lines)
+        + f"\nRun the fix commands above, or pass --allow-unpinned (or set {ALLOW_ENV}=1) to run"
+        " anyway; the mismatch is then recorded in versions.json."
+    )
+
+
+def device_info() -> dict[str, Any]:
+    """What the run will compute on. Imports torch (lazily: this is the only place that does)."""
+    info: dict[str, Any] = {
+        "device": "cpu",
+        "count": 0,
+        "cuda_version": None,
+        "capability": None,
+        "bf16": False,
+    }
+    try:
+        import torch
+    except ImportError:
+        info["device"] = "cpu (torch not installed)"
+        return info
+    info["cuda_version"] = torch.version.cuda  # what torch was built with; None for CPU builds
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        info.update(
+            device=torch.cuda.get_device_name(0),
+            count=torch.cuda.device_count(),
+            capability=f"{major}.{minor}",
+            bf16=bool(torch.cuda.is_bf16_supported()),
+        )
+    else:
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            info.update(device="mps", count=1)
+        # torch implements bf16 kernels on CPU (slow without AMX, but correct), and on MPS.
+        info["bf16"] = True
+    return info
+
+
+def _finetune_version() -> str | None:
+    # The package root is version-only (no heavy imports) and is already imported as this module's
+    # parent, so this adds no dependency; metadata is the fallback for unusual loaders.
+    try:
+        from finetune import __version__
+
+        return __version__
+    except ImportError:
+        return installed_version("finetune")
+
+
+def snapshot(warnings: Sequence[str] = ()) -> dict[str, Any]:
+    """Everything versions.json records: interpreter, platform, library versions, device, warnings.
+
+    JSON-serializable. Missing libraries are None rather than absent so runs compare key by key.
+    """
+    data: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "executable": sys.executable,
+        "finetune": _finetune_version(),
+    }
+    for package in SNAPSHOT_PACKAGES:
+        data[package] = installed_version(package)
+    data["device_info"] = device_info()
+    data["unpinned_warnings"] = list(warnings)
+    return data
+
+
+def env_table() -> Table:
+    """The `finetune env` table: each library's pin, installed version, status and fix, then device."""
+    from rich.table import Table
+
+    table = Table(
+        title="finetune environment", caption=f"mismatches stop a run unless --allow-unpinned / {ALLOW_ENV}=1"
+    )
+    for column in ("library", "pinned", "installed", "status", "fix"):
+        table.add_column(column, no_wrap=column != "fix")
+    optional = [p for p in dict.fromkeys(FEATURE_PACKAGES.values()) if p not in CORE]
+    for package in (*CORE, *optional):
+        installed = installed_version(package)
+        wanted = wanted_spec(package)
+        problem = compare_version(package, wanted, installed) if wanted else None
+        if installed is None:
+            status = "[red]missing[/red]" if package in CORE else "[dim]optional-missing[/dim]"
+            fix = pip_line(package)
+        elif problem is not None:
+            status, fix = "[bold red]MISMATCH[/bold red]", problem.fix
+        else:
+            status, fix = "[green]ok[/green]", ""
+        table.add_row(package, wanted or "", installed or "-", status, fix)
+    table.add_section()
+    table.add_row("python", "", platform.python_version(), "", "")
+    info = device_info()
+    for key in ("device", "count", "cuda_version", "capability", "bf16"):
+        value = info[key]
+        table.add_row(key, "", "-" if value is None else str(value), "", "")
+    return table
+
+
+def _shell_exports() -> str:
+    """Pins as shell assignments, for docker/build.sh (`eval "$(python3 -m finetune.versions)"`)."""
+    values = {
+        "TORCH_VERSION": TORCH_TESTED,
+        "TRANSFORMERS_VERSION": PINNED["transformers"],
+        "PEFT_VERSION": PINNED["peft"],
+        "LIGER_KERNEL_VERSION": PINNED["liger-kernel"],
+        "BITSANDBYTES_VERSION": PINNED["bitsandbytes"],
+        "FLASH_ATTN_VERSION": PINNED["flash-attn"],
+    }
+    return "\n".join(f"{key}={value}" for key, value in values.items())
+
+
+if __name__ == "__main__":
+    print(_shell_exports())

@@ -1,0 +1,48 @@
+"""Wrap the model for data parallelism per `distributed.strategy`: DDP, or FSDP2 (`fully_shard`).
+
+Both average gradients over ranks, which is why the trainer scales each micro-batch's loss by the world size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.dist import World
+from finetune.model import DTYPES
+from finetune.recipe import Recipe
+
+
+def wrap_model(module: torch.nn.Module, recipe: Recipe, world: World, device: torch.device) -> torch.nn.Module:
+    """The module as the trainer runs it: unchanged in one process, DDP- or FSDP2-wrapped under torchrun."""
+    if not world.distributed:
+        return module
+    if recipe.distributed.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids)
+    return _fully_shard(module, recipe, device)
+
+
+def _fully_shard(module: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    dtype = DTYPES[recipe.model.dtype]
+    # Gradients are reduced in float32 whatever the compute dtype: summation order matters less in fp32.
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    kwargs = {"mp_policy": policy}
+    if recipe.distributed.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    # Each decoder layer is its own shard group (gathered just in time); the rest goes with the root.
+    for layer in _decoder_layers(module):
+        fully_shard(layer, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    layers = []
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.ModuleList) and len(sub) and "DecoderLayer" in type(sub[0]).__name__:
+            layers.extend(sub)
+    return layers
