@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     command("validate", cmd_validate, "check a recipe and print it fully resolved")
     p = command("eval", cmd_eval, "token-weighted eval loss of a recipe's model (or a run's final model)")
     p.add_argument("--model", default=None, help="evaluate this model directory instead (e.g. RUN/final)")
+    p = command("verify", cmd_verify, "prove exact gradient accumulation on this recipe's first optimizer step")
+    p.add_argument("--world", type=int, default=1, help="simulate this many data-parallel ranks")
+    p.add_argument("--reference-micro-batch", type=int, default=None,
+                   help="rows per pass of the reference gradient (default: all rows in one batch)")
     command("env", cmd_env, "show pinned vs installed library versions and the device", recipe=False)
     p = command("schema", cmd_schema, "write the recipe JSON Schema", recipe=False)
     p.add_argument("--out", default=None, help="file to write (default: stdout)")
@@ -109,6 +113,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     loss, tokens = run_eval(recipe)
     print(f"eval_loss {loss:.6f} over {tokens} target tokens")
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    from finetune.verify import verify
+
+    result = verify(recipe, world_size=args.world, reference_micro_batch=args.reference_micro_batch)
+    table = Table(title=f"first step: {result.rows} rows, {result.micro_batches} micro-batches, "
+                        f"{result.targets} target tokens")
+    table.add_column("parameter group")
+    table.add_column("configured vs one batch", justify="right")
+    table.add_column("naive mean-of-means vs one batch", justify="right")
+    for group, (configured, naive) in result.groups.items():
+        table.add_row(group, f"{configured:.2e}", f"{naive:.2e}")
+    console = Console()
+    console.print(table)
+    verdict = "PASS" if result.passed else "FAIL"
+    console.print(f"{verdict}: max relative gradient difference {result.configured_max:.2e} "
+                  f"(tolerance {result.tolerance:.0e}); the naive mean-of-means would be off by "
+                  f"{result.naive_max:.2e}")
+    return 0 if result.passed else 1
 
 
 def cmd_env(args: argparse.Namespace) -> int:

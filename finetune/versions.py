@@ -235,20 +235,32 @@ def enforce(packages: Iterable[str], *, allow_unpinned: bool) -> list[str]:
     """Refuse to run on untested library versions unless the user opted out.
 
     Returns warning strings (one per mismatch, for the log and versions.json) when allowed via the
-    argument or FINETUNE_ALLOW_UNPINNED=1; raises UserError listing every mismatch otherwise.
+    argument or FINETUNE_ALLOW_UNPINNED=1; raises UserError listing every mismatch otherwise. A
+    package that is not installed at all raises either way: no flag makes a run without it possible,
+    and failing here gives the install line instead of an ImportError mid-setup.
     """
     problems = check_versions(packages)
     if not problems:
         return []
-    lines = [p.describe() for p in problems]
-    if allow_unpinned or _env_allows():
-        return [f"unpinned: {line}" for line in lines]
-    raise UserError(
-        "installed libraries differ from the tested versions:\n"
-        + "\n".join(f"  - {line}" for line in lines)
-        + f"\nRun the fix commands above, or pass --allow-unpinned (or set {ALLOW_ENV}=1) to run"
-        " anyway; the mismatch is then recorded in versions.json."
+    allowed = allow_unpinned or _env_allows()
+    missing = [p for p in problems if p.installed is None]
+    if allowed and not missing:
+        return [f"unpinned: {p.describe()}" for p in problems]
+    listed = missing if allowed else problems
+    hints = []
+    if any(p.installed is not None for p in listed):
+        hints.append(
+            f"Run the fix commands above, or pass --allow-unpinned (or set {ALLOW_ENV}=1) to run on"
+            " these versions anyway; the mismatch is then recorded in versions.json."
+        )
+    if missing:
+        hints.append("Missing packages must be installed: --allow-unpinned only covers other versions.")
+    header = (
+        "libraries this run needs are not installed:"
+        if len(missing) == len(listed)
+        else "installed libraries differ from the tested versions:"
     )
+    raise UserError("\n".join([header, *(f"  - {p.describe()}" for p in listed), *hints]))
 
 
 def device_info() -> dict[str, Any]:

@@ -1,0 +1,55 @@
+"""Shared helpers for integration tests: run the real CLI, read a run's metrics and weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "yaml" / "quickstart.yaml"
+
+# A smaller model than the quickstart's, same data and tokenizer: integration tests stay fast.
+TINY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+        "data.max_seq_len=256", "eval.at_start=false", "eval.every_steps=null", "logging.every_steps=1"]
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m finetune ARGS` in a subprocess from the repo root; returns the completed process."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def train_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "loss" in r]
+
+
+def eval_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "eval_loss" in r]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted((run_dir / "final").glob("*.safetensors"))
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: the strictest elementwise relative error."""
+    scale = b.abs().max().clamp_min(1e-30)
+    return float((a.double() - b.double()).abs().max() / scale)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius) for one tensor: the usual relative difference of two weight tensors."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))

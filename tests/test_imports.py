@@ -1,0 +1,99 @@
+"""The import direction of DESIGN.md section 1, checked by parsing every module's imports with ast.
+
+recipe -> data -> model -> loss -> trainer -> metrics. Leaves (errors, versions, recipe, dist) import nothing
+from the package but `errors`; data, model, loss, optim, metrics never import each other; only cli imports
+the trainer, and lazily.
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
+
+LEAVES = {"errors", "versions", "recipe", "dist"}
+SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
+# What each module may import from the package (beyond `errors`, which everything may import).
+ALLOWED = {
+    "errors": set(),
+    "versions": set(),
+    "recipe": set(),
+    "dist": set(),
+    "data": {"recipe", "data"},
+    "model": {"recipe"},
+    "loss": set(),
+    "optim": {"recipe"},
+    "metrics": set(),
+    "checkpoint": set(),
+    "wrap": {"dist", "model", "recipe"},
+    "evaluate": {"dist", "data", "loss", "model", "recipe"},
+    "trainer": {"checkpoint", "data", "dist", "evaluate", "loss", "metrics", "model", "optim", "recipe",
+                "versions", "wrap"},
+    "cli": {"recipe", "trainer", "versions", "evaluate", "verify", "__init__"},
+    "verify": {"data", "evaluate", "loss", "model", "recipe"},
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+
+
+def _top(module_path: Path) -> str:
+    rel = module_path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(package-level module imported, imported at module top level?)"""
+    tree = ast.parse(path.read_text())
+    found = []
+    top_level = set(id(n) for n in tree.body)
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("finetune"):
+            parts = node.module.split(".")
+            if len(parts) == 1:
+                names = [alias.name for alias in node.names]
+            else:
+                names = [parts[1]]
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[1] for a in node.names if a.name.startswith("finetune.")]
+        for name in names:
+            found.append((name, id(node) in top_level))
+    return found
+
+
+def test_every_module_is_known():
+    modules = {_top(p) for p in PACKAGE.rglob("*.py")}
+    assert modules <= set(ALLOWED), f"add new modules to ALLOWED: {modules - set(ALLOWED)}"
+
+
+def test_import_direction():
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _top(path)
+        for name, _ in _imports(path):
+            if name in ("errors", "__version__"):
+                continue
+            if name not in ALLOWED[me] and name != me:
+                problems.append(f"{path.relative_to(PACKAGE)} imports finetune.{name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_siblings_never_import_each_other():
+    for path in PACKAGE.rglob("*.py"):
+        me = _top(path)
+        if me in SIBLINGS:
+            bad = {n for n, _ in _imports(path)} & (SIBLINGS - {me})
+            assert not bad, f"{path.name} imports {bad}"
+
+
+def test_only_cli_imports_trainer_and_lazily():
+    for path in PACKAGE.rglob("*.py"):
+        for name, top_level in _imports(path):
+            if name == "trainer":
+                assert _top(path) == "cli", f"{path.name} imports the trainer"
+                assert not top_level, "cli must import the trainer inside the command (lazily)"
+
+
+def test_leaves_import_nothing_from_the_package():
+    for leaf in LEAVES:
+        names = {n for n, _ in _imports(PACKAGE / f"{leaf}.py")} - {"errors", "__version__"}
+        assert not names, f"{leaf}.py imports {names}"

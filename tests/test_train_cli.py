@@ -1,0 +1,105 @@
+"""The real CLI end to end on the quickstart (shrunk for speed): run directory contents, exact gradient
+accumulation across factorizations of the same global batch, eval-loss invariance, error exits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from helpers import QUICKSTART, TINY, eval_lines, final_weights, max_rel_diff, rel_diff, run_cli, train_lines
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    result = run_cli("train", str(QUICKSTART), f"output_dir={out}", *TINY, "train.max_steps=3",
+                     "eval.at_start=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_quickstart_run_directory_has_every_file(quick_run):
+    out, result = quick_run
+    assert (out / "recipe.yaml").is_file() and (out / "versions.json").is_file()
+    recipe = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert recipe["train"]["max_steps"] == 3
+    versions = json.loads((out / "versions.json").read_text())
+    assert versions["transformers"] == "5.23.0"
+    lines = train_lines(out)
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    required = {"step", "epoch", "loss", "grad_norm", "lr", "tokens", "seq_tokens", "padded_tokens",
+                "tokens_per_s", "elapsed_s"}
+    for r in lines:
+        assert required <= set(r), required - set(r)
+        assert r["tokens"] > 0 and r["seq_tokens"] <= r["padded_tokens"]
+    evals = eval_lines(out)
+    assert [e["step"] for e in evals] == [0, 3]
+    assert all(e["eval_tokens"] > 0 for e in evals)
+    final = out / "final"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (final / name).is_file(), name
+    assert "packing isolation check passed" in result.stdout
+
+
+def test_fresh_run_refuses_existing_output_dir(quick_run):
+    out, _ = quick_run
+    before = (out / "metrics.jsonl").read_text()
+    result = run_cli("train", str(QUICKSTART), f"output_dir={out}", *TINY, "train.max_steps=1")
+    assert result.returncode == 2
+    assert "already holds a run" in result.stderr and "Traceback" not in result.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def _run(tmp_path, name, *overrides):
+    out = tmp_path / name
+    result = run_cli("train", str(QUICKSTART), f"output_dir={out}", *TINY, *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_accumulation_factorizations_give_identical_training(tmp_path, packing):
+    """micro x accum = 8x1, 1x8, 2x4 for 3 steps: same logged losses, grad norms and final weights (fp32).
+
+    The quickstart's own schedule (warmup, clipping). Adam normalizes each entry by its own gradient scale, so
+    entries with near-zero gradients turn float summation-order noise into weight noise proportional to lr:
+    the elementwise max relative difference reaches ~1e-5 here, so weights are compared per tensor with
+    ||a - b|| / ||b|| <= 1e-5, and elementwise within 1e-4.
+    """
+    runs = {}
+    for micro, accum in ((8, 1), (1, 8), (2, 4)):
+        runs[(micro, accum)] = _run(tmp_path, f"m{micro}a{accum}", f"data.packing={packing}", "train.max_steps=3",
+                                    f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accum}")
+    ref = runs[(8, 1)]
+    ref_lines, ref_weights = train_lines(ref), final_weights(ref)
+    for key, out in runs.items():
+        lines = train_lines(out)
+        assert len(lines) == len(ref_lines) == 3
+        for a, b in zip(lines, ref_lines):
+            assert a["tokens"] == b["tokens"]
+            assert abs(a["loss"] - b["loss"]) / abs(b["loss"]) <= 1e-5, (key, a["loss"], b["loss"])
+            assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] <= 1e-5, (key, a["grad_norm"])
+        weights = final_weights(out)
+        for name, tensor in ref_weights.items():
+            assert rel_diff(weights[name], tensor) <= 1e-5, (key, name, rel_diff(weights[name], tensor))
+            assert max_rel_diff(weights[name], tensor) <= 1e-4, (key, name)
+
+
+def test_eval_loss_same_with_packing_on_off_and_any_micro_batch(tmp_path):
+    losses = []
+    for packing, micro in ((True, 1), (True, 8), (False, 1), (False, 5)):
+        out = tmp_path / f"p{packing}m{micro}"
+        result = run_cli("eval", str(QUICKSTART), f"output_dir={out}", *TINY, f"data.packing={packing}",
+                         f"eval.micro_batch_size={micro}")
+        assert result.returncode == 0, result.stderr[-2000:]
+        losses.append(float(result.stdout.split()[1]))
+    for value in losses:
+        assert abs(value - losses[0]) / losses[0] <= 1e-5, losses
+
+
+def test_bad_override_exits_2_without_traceback():
+    result = run_cli("train", str(QUICKSTART), "train.lrr=1")
+    assert result.returncode == 2
+    assert "train.lrr: unknown key; did you mean 'lr'?" in result.stderr
+    assert "Traceback" not in result.stderr

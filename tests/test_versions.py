@@ -1,0 +1,206 @@
+"""The pinned matrix: one source of truth (finetune.versions) that pyproject and run time agree with."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import versions
+from finetune.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the project supports 3.10, where tomllib is the third-party tomli
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _requirements() -> dict[str, str]:
+    """Every requirement string in pyproject (dependencies and extras), keyed by package name."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        reqs.extend(extra)
+    out: dict[str, str] = {}
+    for req in reqs:
+        name, spec = re.match(r"^([A-Za-z0-9_.\-]+)\s*(.*)$", req).groups()
+        # The same package may appear in two extras (dev repeats bitsandbytes); they must agree.
+        assert out.setdefault(name.lower(), spec.replace(" ", "")) == spec.replace(" ", ""), req
+    return out
+
+
+def test_pyproject_pins_equal_versions_module():
+    reqs = _requirements()
+    for package, version in versions.PINNED.items():
+        assert reqs[package] == f"=={version}", f"{package}: pyproject {reqs[package]} vs PINNED {version}"
+    assert reqs["torch"] == ",".join(versions.TORCH_RANGE)
+    for package, minimum in versions.MINIMUMS.items():
+        assert reqs[package] == minimum, package
+    # Every exact pin in pyproject is in PINNED, so a new pin cannot bypass the run-time check.
+    exact = {name for name, spec in reqs.items() if spec.startswith("==")}
+    assert exact == set(versions.PINNED)
+
+
+def test_tested_torch_is_in_range_and_matches_constraints():
+    assert versions.compare_version("torch", ",".join(versions.TORCH_RANGE), versions.TORCH_TESTED) is None
+    constraints = (ROOT / "constraints.txt").read_text()
+    assert f"torch=={versions.TORCH_TESTED}" in constraints.split()
+
+
+def test_feature_packages_have_extras():
+    for feature, package in versions.FEATURE_PACKAGES.items():
+        assert package in versions.EXTRAS, feature
+        assert package in versions.PINNED or package in versions.MINIMUMS, package
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for package, extra in versions.EXTRAS.items():
+        names = [re.split(r"[=<>]", r)[0] for r in project["optional-dependencies"][extra]]
+        assert package in names, f"extra {extra!r} does not provide {package}"
+
+
+def test_core_versions_pass_here():
+    assert versions.check_versions(versions.CORE) == []
+    assert versions.enforce(versions.CORE, allow_unpinned=False) == []
+
+
+@pytest.mark.parametrize(
+    ("package", "wanted", "installed", "ok"),
+    [
+        ("transformers", "==5.23.0", "5.23.0", True),
+        ("transformers", "==5.23.0", "5.24.0", False),
+        ("transformers", "==5.23.0", "5.23.0rc1", False),
+        ("peft", "==0.21.2", "0.21.2+local", True),  # PEP 440: local labels do not break ==
+        ("flash-attn", "==2.8.3.post2", "2.8.3.post1", False),
+        ("torch", ">=2.13,<2.14", "2.13.0+cpu", True),
+        ("torch", ">=2.13,<2.14", "2.13.1+cu130", True),
+        ("torch", ">=2.13,<2.14", "2.14.0", False),
+        ("torch", ">=2.13,<2.14", "2.12.1", False),
+        ("torch", ">=2.13,<2.14", "2.13.0a0+git1234", False),  # NGC-style pre-release build
+        ("torch", ">=2.13,<2.14", "not a version", False),
+    ],
+)
+def test_compare_version(package, wanted, installed, ok):
+    problem = versions.compare_version(package, wanted, installed)
+    assert (problem is None) == ok
+
+
+def test_faked_mismatch_gives_pip_line():
+    problem = versions.compare_version("transformers", "==5.23.0", "4.57.1")
+    assert problem is not None
+    assert problem.installed == "4.57.1"
+    assert problem.fix == "pip install 'transformers==5.23.0'"
+    missing = versions.compare_version("flash-attn", "==2.8.3.post2", None)
+    assert missing.installed is None
+    assert missing.fix == "pip install 'flash-attn==2.8.3.post2' --no-build-isolation"
+    assert versions.pip_line("torch") == "pip install 'torch>=2.13,<2.14'"
+
+
+def test_enforce_raises_and_allow_returns_warnings(monkeypatch):
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    # Fake an installed transformers at another version (our own lookup, not the library).
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda p: "5.22.0" if p == "transformers" else real(p))
+    with pytest.raises(UserError) as err:
+        versions.enforce(versions.CORE, allow_unpinned=False)
+    message = str(err.value)
+    assert "transformers: installed 5.22.0, tested ==5.23.0" in message
+    assert "pip install 'transformers==5.23.0'" in message
+    assert "--allow-unpinned" in message and "FINETUNE_ALLOW_UNPINNED=1" in message
+    assert "peft" not in message  # only the mismatches are listed
+
+    warnings = versions.enforce(versions.CORE, allow_unpinned=True)
+    assert len(warnings) == 1 and "transformers" in warnings[0] and "5.22.0" in warnings[0]
+
+    monkeypatch.setenv(versions.ALLOW_ENV, "1")
+    assert versions.enforce(versions.CORE, allow_unpinned=False) == warnings
+
+
+def test_enforce_missing_package_raises_even_when_allowed(monkeypatch):
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    # liger-kernel is not installed in the test environment.
+    assert versions.installed_version("liger-kernel") is None
+    for allow in (False, True):
+        with pytest.raises(UserError) as err:
+            versions.enforce([*versions.CORE, "liger-kernel"], allow_unpinned=allow)
+        message = str(err.value)
+        assert "liger-kernel: not installed" in message
+        assert "pip install 'liger-kernel==0.8.5'" in message
+        assert "transformers" not in message
+    assert "--allow-unpinned" in message  # explains that the flag does not cover missing packages
+
+
+def test_require_packages(monkeypatch):
+    with pytest.raises(UserError) as err:
+        versions.require_packages(["liger", "bnb"])
+    message = str(err.value)
+    assert "pip install 'liger-kernel==0.8.5'" in message
+    assert "pip install 'finetune[liger]'" in message
+    assert "bitsandbytes" not in message  # installed here, so not reported
+    versions.require_packages(["bnb", "tensorboard"])  # both installed: no error
+    versions.require_packages([])
+    with pytest.raises(ValueError, match="unknown feature"):
+        versions.require_packages(["no-such-feature"])
+
+
+def test_packages_for():
+    assert versions.packages_for(["liger", "flash_attention_2"]) == [
+        "torch",
+        "transformers",
+        "peft",
+        "liger-kernel",
+        "flash-attn",
+    ]
+
+
+def test_snapshot_is_json_and_complete():
+    data = json.loads(json.dumps(versions.snapshot(["w1"])))
+    for key in (
+        "python",
+        "platform",
+        "finetune",
+        *versions.SNAPSHOT_PACKAGES,
+        "device_info",
+        "unpinned_warnings",
+    ):
+        assert key in data, key
+    assert data["unpinned_warnings"] == ["w1"]
+    assert data["transformers"] == versions.PINNED["transformers"]
+    assert data["liger-kernel"] is None
+    assert {"device", "count", "cuda_version", "bf16"} <= set(data["device_info"])
+
+
+def test_env_table_renders():
+    from rich.console import Console
+
+    console = Console(width=200, record=True, color_system=None)
+    console.print(versions.env_table())
+    text = console.export_text()
+    assert "transformers" in text and "ok" in text
+    assert "optional-missing" in text  # liger-kernel / flash-attn are absent here
+    assert "pip install 'liger-kernel==0.8.5'" in text
+
+
+def test_import_is_light():
+    # In a fresh interpreter: importing the module (and reading the pins, as docker/build.sh does)
+    # must not pull in torch, transformers, rich or packaging.
+    code = (
+        "import sys, finetune.versions as v; v.PINNED;"
+        "heavy = [m for m in ('torch', 'transformers', 'peft', 'rich', 'packaging') if m in sys.modules];"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_shell_exports_for_build_script():
+    out = subprocess.run(
+        [sys.executable, "-m", "finetune.versions"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    values = dict(line.split("=", 1) for line in out.stdout.split())
+    assert values["FLASH_ATTN_VERSION"] == versions.PINNED["flash-attn"]
+    assert values["TORCH_VERSION"] == versions.TORCH_TESTED
