@@ -65,6 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=1, help="simulate this many data-parallel ranks")
     p.add_argument("--reference-micro-batch", type=int, default=None,
                    help="rows per pass of the reference gradient (default: all rows in one batch)")
+    p = command("merge", cmd_merge, "merge a run's LoRA adapter into its base model (HF format)", recipe=False)
+    p.add_argument("run_dir", help="a run directory (with final/ and recipe.yaml)")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/merged)")
+    for name, help_text in (("generate", "generate a reply to a prompt with a trained model"),
+                            ("chat", "chat interactively with a trained model")):
+        p = command(name, cmd_generate, help_text, recipe=False)
+        p.add_argument("run_dir", help="a run directory, or an HF model directory")
+        if name == "generate":
+            p.add_argument("--prompt", required=True, help="the user message")
+        p.add_argument("--system", default=None, help="a system message")
+        p.add_argument("--max-new-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=0)
+    p = command("plot", cmd_plot, "plot loss, lr, grad norm and throughput of one or more runs", recipe=False)
+    p.add_argument("run_dirs", nargs="+", help="run directories")
+    p.add_argument("--out", default="curves.png", help="PNG file to write")
+    p.add_argument("--x", choices=("steps", "tokens", "samples"), default="tokens", help="x axis")
+    p = command("runs", cmd_runs, "compare runs", recipe=False)
+    p.add_argument("action", choices=("compare",))
+    p.add_argument("run_a")
+    p.add_argument("run_b")
     command("env", cmd_env, "show pinned vs installed library versions and the device", recipe=False)
     p = command("schema", cmd_schema, "write the recipe JSON Schema", recipe=False)
     p.add_argument("--out", default=None, help="file to write (default: stdout)")
@@ -139,6 +161,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
                   f"(tolerance {result.tolerance:.0e}); the naive mean-of-means would be off by "
                   f"{result.naive_max:.2e}")
     return 0 if result.passed else 1
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from finetune.merge import merge_run
+
+    out = merge_run(args.run_dir, args.out)
+    print(f"merged model written to {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from finetune.generate import GenerationOptions, chat, generate
+
+    options = GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed, system=args.system)
+    if args.command == "chat":
+        chat(args.run_dir, options)
+    else:
+        generate(args.run_dir, args.prompt, options)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from finetune.plot import plot_runs
+
+    print(f"wrote {plot_runs(args.run_dirs, args.out, x=args.x)}")
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from finetune.runs import compare_runs
+
+    Console().print(compare_runs(args.run_a, args.run_b))
+    return 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:
