@@ -15,17 +15,19 @@ its own document, the first label of every document is set to -100. In an unpack
 never a target anyway (nothing precedes it), so packing trains exactly the same targets.
 
 Algorithm: best-fit decreasing (BFD) rather than first-fit decreasing (FFD).
-  * Both sort samples by length, longest first, and both never split a sample.
+  * Both sort samples by length, longest first, and never split a sample; both are within 11/9 of
+    the optimal number of rows in the worst case and, on realistic data, within 0-2% of the lower
+    bound ceil(tokens / max_seq_len).
   * FFD puts a sample into the *first* row it fits, BFD into the row where it fits *tightest*
     (smallest free capacity that is still >= its length). BFD keeps large holes open for the large
-    samples still to come and fills small holes with small samples; on long-tailed length
-    distributions (chat/instruction data) it packs at least as tightly as FFD, typically a little
-    tighter (tests assert >= 0.98 efficiency on lognormal lengths at 2048).
-  * BFD is also the cheaper one to implement well: the free capacities live in a sorted list and
-    the best row is one ``bisect`` away (O(log R) search). FFD needs the *first* row with enough
-    room, which is a max-segment-tree query to do faster than a linear scan. The list insert/delete
-    after each placement is a memmove, O(R) in theory but negligible in practice (a few thousand rows
-    pack in milliseconds); rows that become full leave the list for good.
+    samples still to come and fills small holes with small samples, which tends to help the
+    long tail. Measured on 3000 lognormal lengths at max_seq_len 512-2048 both gave the same row
+    counts (efficiency 0.98-0.999; tests assert >= 0.98): the packing quality is not the reason.
+  * The reason is cost: BFD's question ("smallest free capacity >= n") is one ``bisect`` on a
+    sorted list of (free capacity, row) pairs, O(log R); FFD's ("first row with room >= n") needs a
+    max-segment-tree to beat a linear scan, and the linear scan makes FFD O(n * R), quadratic on
+    large datasets. The list insert/delete after a placement is a memmove, O(R) in theory but
+    negligible in practice (4000 samples pack in well under a second); full rows leave the list.
 
 Determinism and epochs: everything random comes from ``random.Random`` seeded with a stable hash of
 (seed, epoch) (not Python's ``hash``, so it is the same across processes and versions). The seeded
@@ -173,7 +175,12 @@ def pack_samples(
             target_tokens += sum(1 for x in labels[1:] if x != IGNORE_INDEX)
         tokens += len(row_ids)
         rows.append(
-            {"input_ids": row_ids, "labels": row_labels, "position_ids": positions, "doc_lengths": doc_lengths}
+            {
+                "input_ids": row_ids,
+                "labels": row_labels,
+                "position_ids": positions,
+                "doc_lengths": doc_lengths,
+            }
         )
 
     stats = PackStats(
