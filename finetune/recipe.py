@@ -12,6 +12,7 @@ import copy
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,7 +70,7 @@ class AdapterConfig(Section):
 
 
 class DatasetConfig(Section):
-    path: str
+    path: str = Field(min_length=1)
     """A local .jsonl/.json/.parquet/.csv file, or a hub dataset name."""
     format: Literal["alpaca", "chat", "completion"] = "chat"
     """alpaca: instruction/input/output. chat: a messages list. completion: plain text."""
@@ -220,6 +221,46 @@ _PATH_KEYS = (("model", "path"), ("model", "gguf_file"), ("tokenizer", "path"))
 _DATASET_LISTS = ("datasets", "eval_datasets")
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """yaml.safe_load with two fixes for recipes.
+
+    * `1e-4` is a float. PyYAML follows YAML 1.1, where a float needs a dot, so `lr: 1e-4` would be the
+      *string* "1e-4": the schema coerces it for typed keys, but free-form ones (model.config) would pass a
+      string to transformers. YAML 1.2 (and every user) reads it as a number.
+    * A key written twice in one mapping is an error naming both lines. PyYAML silently keeps the last one,
+      so a second `train:` section would quietly replace the first.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges; keys written next to it legitimately override the anchor's
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base constructor reports it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first written on line {first}); keep only one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse recipe YAML (a file or an override's value) with RecipeLoader."""
+    return yaml.load(text, Loader=RecipeLoader)  # safe: RecipeLoader is a SafeLoader
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a recipe file (following `extends:`), apply `key.path=value` overrides, validate everything."""
     raw = load_raw(path)
@@ -236,7 +277,8 @@ def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise UserError(f"extends cycle: {cycle}\n  Remove one of these `extends:` entries.")
     if not file.is_file():
         where = f" (extended from {_chain[-1]})" if _chain else ""
-        raise UserError(f"recipe file not found: {path}{where}")
+        what = "is a directory, not a recipe file" if file.is_dir() else "recipe file not found"
+        raise UserError(f"{what}: {path}{where}")
     data = _read_yaml(file)
     _resolve_paths(data, file.parent)
     parents = data.pop("extends", None)
@@ -258,13 +300,20 @@ def _read_yaml(file: Path) -> dict[str, Any]:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{file}: not UTF-8 text ({e})") from None
+    except OSError as e:  # permission denied, a broken link: the user can fix the file, not the code
+        raise UserError(f"{file}: cannot read the recipe ({e.strerror or e})") from None
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
         problem = getattr(e, "problem", None) or str(e)
-        raise UserError(f"{where}: YAML syntax error: {problem}") from None
+        # A duplicate key is well-formed YAML that we refuse; everything else is a syntax error.
+        kind = "YAML error" if isinstance(e, yaml.constructor.ConstructorError) else "YAML syntax error"
+        hint = " (indent with spaces, not tabs)" if "'\\t'" in problem else \
+            " (check the indentation of this line)" if "<block" in problem else \
+            " (check the indentation of this line and the one above)" if "mapping values" in problem else ""
+        raise UserError(f"{where}: {kind}: {problem}{hint}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -279,7 +328,8 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
     """
 
     def fix(holder: Any, key: str) -> None:
-        if isinstance(holder, dict) and isinstance(holder.get(key), str):
+        # An empty string is Path("."), which exists: leave it for the schema to reject, not resolve it.
+        if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key].strip():
             value = Path(holder[key]).expanduser()
             if not value.is_absolute() and (base / value).exists():
                 holder[key] = str((base / value).resolve())
@@ -309,31 +359,42 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key.strip():
         raise UserError(f"override {item!r}: expected key.path=value, e.g. train.lr=1e-4")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = parse_yaml(text) if text.strip() else None
     except yaml.YAMLError as e:
-        raise UserError(f"override {item!r}: the value is not valid YAML ({e})") from None
-    parts = key.strip().split(".")
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"override {item!r}: the value is not valid YAML ({problem}); to pass it as a string, "
+                        f"quote it: {key.strip()}='...'") from None
+    key = key.strip()
+    parts = key.split(".")
+    if not all(parts):
+        raise UserError(f"override {item!r}: {key!r} has an empty part; expected key.path=value, e.g. train.lr=1e-4")
     node: Any = raw
     for i, part in enumerate(parts[:-1]):
         node = _descend(node, part, ".".join(parts[: i + 1]), item)
     last = parts[-1]
     if isinstance(node, list):
         node[_list_index(node, last, key, item)] = value
-    else:
+    elif isinstance(node, dict):
         node[last] = value
+    else:  # e.g. train.lr.x=1: the recipe holds a value, not a section, at train.lr
+        raise UserError(f"override {item!r}: {'.'.join(parts[:-1])} is a value ({node!r}), not a section")
 
 
 def _descend(node: Any, part: str, dotted: str, item: str) -> Any:
     if isinstance(node, list):
         return node[_list_index(node, part, dotted, item)]
     if not isinstance(node, dict):
-        raise UserError(f"override {item!r}: {dotted} is not a section")
+        parent = dotted.rpartition(".")[0] or dotted
+        raise UserError(f"override {item!r}: {parent} is a value ({node!r}), not a section")
     if node.get(part) is None:
         node[part] = {}
     return node[part]
 
 
 def _list_index(node: list, part: str, dotted: str, item: str) -> int:
+    # Only existing entries: an override can change a dataset, not invent half of one.
+    if not node:
+        raise UserError(f"override {item!r}: {dotted} indexes an empty list (the recipe has no entries there)")
     if not part.isdigit() or int(part) >= len(node):
         raise UserError(f"override {item!r}: {dotted} needs an index 0..{len(node) - 1}")
     return int(part)
@@ -344,8 +405,7 @@ def validate(raw: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
-        lines = [_describe(err) for err in e.errors()]
-        raise UserError(_error_block(source, lines)) from None
+        raise UserError(_error_block(source, _describe_all(e.errors()))) from None
     problems = cross_checks(recipe)
     if problems:
         raise UserError(_error_block(source, problems))
@@ -355,6 +415,21 @@ def validate(raw: dict[str, Any], source: str = "recipe") -> Recipe:
 def _error_block(source: str, lines: list[str]) -> str:
     noun = "problem" if len(lines) == 1 else "problems"
     return f"{source}: {len(lines)} {noun} in the recipe:\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def _describe_all(errors: list[dict[str, Any]]) -> list[str]:
+    """One line per key: a union (e.g. 'all-linear' or a list) fails once per member, joined here with 'or'."""
+    by_key: dict[str, list[str]] = {}
+    for err in errors:
+        key, _, text = _describe(err).partition(": ")
+        by_key.setdefault(key, [])
+        if text not in by_key[key]:
+            by_key[key].append(text)
+    lines = []
+    for key, texts in by_key.items():
+        first, rest = texts[0], [t.partition("; ")[2] or t for t in texts[1:]]
+        lines.append(f"{key}: " + "; or ".join([first, *rest]))
+    return lines
 
 
 def _describe(err: dict[str, Any]) -> str:
@@ -427,7 +502,8 @@ def to_yaml(recipe: Recipe) -> str:
 
 
 # Keys that may change between a checkpoint and its resume without changing the training itself.
-HARMLESS_KEYS = ("logging", "eval", "checkpoint", "resume", "output_dir", "data.num_proc", "requires")
+HARMLESS_KEYS = ("logging", "eval", "checkpoint", "resume", "output_dir", "data.num_proc", "data.packing_check",
+                 "requires")
 
 
 def training_keys(recipe: Recipe) -> dict[str, Any]:

@@ -92,8 +92,8 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     for w in warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
     resume_from = _resume_path(recipe, out, console)
-    if world.is_main:
-        _prepare_output_dir(out, fresh=resume_from is None, overwrite=overwrite)
+    # Checked now, before anything slow; an old run is only removed once everything has loaded (below).
+    replaced = _check_output_dir(out, fresh=resume_from is None, overwrite=overwrite) if world.is_main else []
     dist.barrier()
 
     torch.manual_seed(recipe.seed)
@@ -128,6 +128,7 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
         start_step = state["step"]
         console.print(f"resumed from {resume_from} at step {start_step}")
     if world.is_main:
+        _remove_previous_run(out, replaced)
         (out / "recipe.yaml").write_text(to_yaml(recipe))
         (out / "versions.json").write_text(json.dumps(versions.snapshot(warnings), indent=2))
     logger = open_sinks(out, recipe.logging, console, len(plan.steps), start_step) if world.is_main else None
@@ -259,8 +260,12 @@ def _check_resume_recipe(recipe: Recipe, state: dict[str, Any]) -> None:
                         "  Restore these keys, or start a new run in another output_dir.")
 
 
-def _prepare_output_dir(out: Path, *, fresh: bool, overwrite: bool) -> None:
-    """Refuse to start a fresh run over an existing one unless asked; check the directory is writable."""
+def _check_output_dir(out: Path, *, fresh: bool, overwrite: bool) -> list[str]:
+    """Refuse to start a fresh run over an existing one unless asked; check the directory is writable.
+
+    Returns the earlier run's files that --overwrite will replace. They are removed only after the tokenizer,
+    the data and the model have loaded, so a bad input never costs the user the run they already had.
+    """
     existing = [name for name in RUN_FILES if (out / name).exists()]
     if fresh and existing and not overwrite:
         raise UserError(f"output_dir {out} already holds a run ({', '.join(existing)}). Use resume: auto to "
@@ -272,10 +277,13 @@ def _prepare_output_dir(out: Path, *, fresh: bool, overwrite: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise UserError(f"output_dir {out} is not writable ({e})") from None
-    if fresh and overwrite:
-        for name in existing:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return existing if fresh and overwrite else []
+
+
+def _remove_previous_run(out: Path, names: list[str]) -> None:
+    for name in names:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _report_data(console: Console, stats: DataStats, n_eval: int) -> None:

@@ -35,26 +35,36 @@ class DataStats:
     bad_row_examples: list[str] = field(default_factory=list)
 
 
-def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats) -> list[Example]:
-    """Read and convert every row of the given datasets; bad rows raise or are counted per `on_bad_row`."""
+def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats,
+                  key: str = "datasets") -> list[Example]:
+    """Read and convert every row of the given datasets; bad rows raise or are counted per `on_bad_row`.
+
+    `key` is the recipe list the configs come from: a problem with a whole source (missing file, unreadable
+    hub dataset) is reported as `datasets.N.path: ...`, a problem with one row by its `file:line`.
+    """
     examples = []
-    for cfg in configs:
+    for index, cfg in enumerate(configs):
         taken = 0
-        for row in read_rows(cfg.path, split=cfg.split, name=cfg.name):
-            if cfg.max_rows is not None and taken >= cfg.max_rows:
-                break
-            stats.rows_read += 1
-            try:
-                examples.append(to_example(row, cfg.format, messages_field=cfg.messages_field,
-                                           text_field=cfg.text_field, train_on_inputs=cfg.train_on_inputs))
-                taken += 1
-            except BadRow as e:
-                if on_bad_row == "error":
-                    raise UserError(f"{e}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
-                                    "(they are counted).") from None
-                stats.bad_rows_skipped += 1
-                if len(stats.bad_row_examples) < 5:
-                    stats.bad_row_examples.append(str(e))
+        try:
+            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name):
+                if cfg.max_rows is not None and taken >= cfg.max_rows:
+                    break
+                stats.rows_read += 1
+                try:
+                    examples.append(to_example(row, cfg.format, messages_field=cfg.messages_field,
+                                               text_field=cfg.text_field, train_on_inputs=cfg.train_on_inputs))
+                    taken += 1
+                except BadRow as e:
+                    if on_bad_row == "error":
+                        raise BadRow(f"{e}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
+                                     "(they are counted).") from None
+                    stats.bad_rows_skipped += 1
+                    if len(stats.bad_row_examples) < 5:
+                        stats.bad_row_examples.append(str(e))
+        except BadRow:
+            raise  # already names its file:line
+        except UserError as e:  # the source as a whole: name the recipe key too
+            raise UserError(f"{key}.{index}.path: {e}") from None
     return examples
 
 
@@ -67,8 +77,11 @@ def tokenize_examples(examples: Sequence[Example], tokenizer: Any, data: DataCon
             sample = tokenize_example(example, tokenizer)
         except BadRow as e:
             if on_bad_row == "error":
-                raise UserError(str(e)) from None
+                raise UserError(f"{e}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
+                                "(they are counted).") from None
             stats.bad_rows_skipped += 1
+            if len(stats.bad_row_examples) < 5:
+                stats.bad_row_examples.append(str(e))
             continue
         if data.max_seq_len is not None and len(sample["input_ids"]) > data.max_seq_len:
             if data.truncation == "drop":
@@ -90,22 +103,29 @@ def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict
     """Train and eval samples for a recipe: eval from eval_datasets, else a seeded val_fraction split."""
     train_stats, eval_stats = DataStats(), DataStats()
     on_bad = recipe.data.on_bad_row
-    train_examples = load_examples(recipe.datasets, on_bad, train_stats)
-    eval_examples = load_examples(recipe.eval_datasets, on_bad, eval_stats)
+    train_examples = load_examples(recipe.datasets, on_bad, train_stats, "datasets")
+    eval_examples = load_examples(recipe.eval_datasets, on_bad, eval_stats, "eval_datasets")
     if not recipe.eval_datasets and recipe.data.val_fraction > 0:
         order = list(range(len(train_examples)))
         random.Random(recipe.seed).shuffle(order)
         n_val = max(1, round(len(order) * recipe.data.val_fraction))
+        if order and n_val >= len(order):
+            raise UserError(f"data.val_fraction: {recipe.data.val_fraction} of {len(order)} training rows leaves "
+                            "none to train on; lower it, or give eval_datasets")
         held = set(order[:n_val])
         eval_examples = [e for i, e in enumerate(train_examples) if i in held]
         train_examples = [e for i, e in enumerate(train_examples) if i not in held]
     train = tokenize_examples(train_examples, tokenizer, recipe.data, train_stats, on_bad)
     evals = tokenize_examples(eval_examples, tokenizer, recipe.data, eval_stats, on_bad)
+    paths = ", ".join(d.path for d in recipe.datasets)
     if not train:
-        raise UserError("no training samples: every row was skipped or empty (see data.on_bad_row)")
+        raise UserError(f"datasets: no training samples in {paths}: {train_stats.rows_read} rows read, "
+                        f"{train_stats.bad_rows_skipped} bad rows skipped, {train_stats.dropped_too_long} "
+                        "dropped as too long (see data.on_bad_row, data.truncation)")
     if train_stats.target_tokens == 0:
-        raise UserError("the training data has no target tokens (every label is masked): nothing would be "
-                        "learned. Check the format, or set train_on_inputs: true.")
+        raise UserError(f"datasets: the training data ({paths}) has no target tokens (every label is masked): "
+                        "nothing would be learned. Check the format and data.max_seq_len (truncation may cut "
+                        "every answer off), or set train_on_inputs: true.")
     return train, evals, train_stats, eval_stats
 
 

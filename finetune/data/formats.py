@@ -56,6 +56,10 @@ def _chat_messages(row: RawRow, field: str) -> tuple[dict[str, str], ...]:
         if not isinstance(message, dict):
             raise BadRow(f"{row.origin}: message {i} is not an object")
         role, content = message.get("role"), message.get("content")
+        if role is None and "from" in message and "value" in message:
+            # The most common mix-up: ShareGPT rows ({from: human|gpt, value}) read as chat.
+            raise BadRow(f"{row.origin}: message {i} looks like ShareGPT ({{from, value}}); chat rows need "
+                         "{role: system|user|assistant, content}. Convert the data first.")
         if role not in ROLES:
             raise BadRow(f"{row.origin}: message {i} has unknown role {role!r}; allowed: {', '.join(ROLES)}")
         if not isinstance(content, str):
@@ -73,7 +77,9 @@ def _alpaca_messages(row: RawRow) -> tuple[dict[str, str], ...]:
             raise BadRow(f"{row.origin}: alpaca rows need a string {key!r}{_fields_hint(data)}")
     prompt = data["instruction"]
     extra = data.get("input")
-    if isinstance(extra, str) and extra.strip():
+    if extra is not None and not isinstance(extra, str):  # e.g. a list: silently dropping it would mis-train
+        raise BadRow(f"{row.origin}: alpaca 'input' must be a string (or absent), got {type(extra).__name__}")
+    if extra and extra.strip():
         prompt = f"{prompt}\n\n{extra}"
     messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": data["output"]}]
     if isinstance(data.get("system"), str) and data["system"]:

@@ -36,9 +36,16 @@ def read_rows(path: str, *, split: str = "train", name: str | None = None) -> It
     """Yield the rows of a local data file or a hub dataset. Malformed rows come with `error` set."""
     local = Path(path).expanduser()
     if local.suffix.lower() in LOCAL_SUFFIXES or local.exists():
+        if local.is_dir():
+            raise UserError(f"{path} is a directory; give a data file ({', '.join(LOCAL_SUFFIXES)})")
         if not local.is_file():
-            raise UserError(f"data file not found: {path}")
-        yield from _read_local(local)
+            # Relative paths were already tried against the recipe's folder (recipe.py), then the cwd.
+            raise UserError(f"data file not found: {path} (relative paths are looked up next to the recipe "
+                            "file, then in the current directory)")
+        try:
+            yield from _read_local(local)
+        except OSError as e:  # unreadable (permissions) or vanished while reading
+            raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
     else:
         yield from _read_hub(path, split=split, subset=name)
 
@@ -62,14 +69,16 @@ def _read_jsonl(file: Path) -> Iterator[RawRow]:
         for number, raw in enumerate(handle, start=1):
             origin = f"{file}:{number}"
             try:
-                line = raw.decode("utf-8")
+                # utf-8-sig on the first line: editors on Windows start files with a BOM, which json rejects.
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 yield _bad(origin, f"not valid UTF-8 ({e.reason} at byte {e.start})")
                 continue
             if not line.strip():
                 continue
             try:
-                data = json.loads(line)
+                # Without its newline: an unfinished line would otherwise be reported at "line 2 column 1".
+                data = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 yield _bad(origin, f"malformed JSON: {e.msg} at column {e.colno}")
                 continue
@@ -81,29 +90,57 @@ def _read_jsonl(file: Path) -> Iterator[RawRow]:
 
 def _read_json(file: Path) -> Iterator[RawRow]:
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        text = file.read_text(encoding="utf-8-sig")
+        data = json.loads(text)
     except UnicodeDecodeError as e:
         raise UserError(f"{file}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"{file}:{e.lineno}: malformed JSON: {e.msg}") from None
+        raise UserError(f"{file}:{e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    if not isinstance(data, list):
+        data, origins = data["data"], [f"{file}[data][{i}]" for i in range(len(data["data"]))]
+    elif isinstance(data, list):
+        # A top-level list: name each item by the line it starts on, like the other formats.
+        origins = [f"{file}:{line}" for line in _item_lines(text)]
+    else:
         raise UserError(f"{file}: expected a JSON list of objects (or {{'data': [...]}})")
-    for index, item in enumerate(data):
-        origin = f"{file}[{index}]"
+    for item, origin in zip(data, origins):
         yield RawRow(item, origin) if isinstance(item, dict) else _bad(origin, "expected a JSON object")
+
+
+def _item_lines(text: str) -> list[int]:
+    """The 1-based line on which each item of a (valid) top-level JSON list starts."""
+    decoder, lines = json.JSONDecoder(), []
+    ws = " \t\r\n"
+    i = text.index("[") + 1
+    while True:
+        while text[i] in ws:
+            i += 1
+        if text[i] == "]":
+            return lines
+        lines.append(text.count("\n", 0, i) + 1)
+        _, i = decoder.raw_decode(text, i)
+        while text[i] in ws:
+            i += 1
+        if text[i] == ",":
+            i += 1
 
 
 def _read_csv(file: Path) -> Iterator[RawRow]:
     try:
-        with file.open(newline="", encoding="utf-8") as handle:
+        with file.open(newline="", encoding="utf-8-sig") as handle:
             reader = csv.DictReader(handle)
             for row in reader:
                 # DictReader's line_num is the physical line just read (header is line 1).
-                yield RawRow(dict(row), f"{file}:{reader.line_num}")
+                origin = f"{file}:{reader.line_num}"
+                if None in row:  # DictReader files surplus values under the key None
+                    yield _bad(origin, f"{len(row[None])} more values than the header's {len(reader.fieldnames)} "
+                                       "columns (a comma in an unquoted value?)")
+                    continue
+                yield RawRow(dict(row), origin)
     except UnicodeDecodeError as e:
         raise UserError(f"{file}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except csv.Error as e:  # e.g. a field over the size limit, a NUL byte
+        raise UserError(f"{file}:{reader.line_num}: malformed CSV: {e}") from None
 
 
 def _read_parquet(file: Path) -> Iterator[RawRow]:

@@ -1,0 +1,72 @@
+"""Shared fixtures: the repository root, the example tokenizer, and a writer for small recipe files.
+
+Kept import-light on purpose (no torch, no transformers at import time): recipe tests must stay fast, and
+the tokenizer fixture imports transformers only when a test asks for it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO_ROOT / "examples" / "tokenizer"
+QUICKSTART_YAML = REPO_ROOT / "examples" / "yaml" / "quickstart.yaml"
+
+# `python -m pytest` puts the repo root on sys.path, `.venv/bin/pytest` does not: make both import `finetune`.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+# The quickstart's model shrunk to the smallest that still runs the real code paths (2 layers, hidden 32),
+# and one optimizer step: for tests that go through the trainer but are about something else.
+TINY_MODEL_CONFIG = {
+    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def tiny_recipe(output_dir: str | Path, data: str | Path = "train.jsonl", fmt: str = "chat") -> dict[str, Any]:
+    """A small valid recipe dict: random-init tiny Llama, the example tokenizer, one dataset, one step."""
+    return {
+        "output_dir": str(output_dir),
+        "seed": 0,
+        "model": {"init": "random", "config": dict(TINY_MODEL_CONFIG)},
+        "tokenizer": {"path": str(TOKENIZER_DIR)},
+        "datasets": [{"path": str(data), "format": fmt}],
+        "data": {"max_seq_len": 128, "packing": True, "packing_check": False},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 1, "lr": 1.0e-3},
+        "eval": {"at_start": False},
+    }
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """The committed example tokenizer (ChatML byte-level BPE; pad id 0, eos `<|im_end|>` id 2)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+@pytest.fixture
+def write_recipe(tmp_path: Path) -> Callable[..., Path]:
+    """`write_recipe(content, name="recipe.yaml")` writes a dict (as YAML) or a str verbatim under tmp_path."""
+
+    def write(content: dict[str, Any] | str, name: str = "recipe.yaml") -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False)
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    return write

@@ -1,0 +1,552 @@
+"""Bad input is handled: every kind of broken recipe, data row, path or output_dir gets exit code 2, one message
+that names the key or the file:line, no traceback, and loses nothing the user already had.
+
+One table (CASES) drives everything: each case writes a tiny recipe (the quickstart, shrunk to hidden 32 and 2
+layers, one step; `extends:` the real quickstart so it stays in step with it), a few data rows, and an
+output_dir that already holds a sentinel file and an earlier run's metrics.jsonl; then it runs the real CLI,
+`python -m finetune train RECIPE ... --overwrite` (or `validate`). `--overwrite` is what gets a run past the
+earlier run to the bad input, and it is exactly when losing that earlier run would hurt.
+
+Two tests per case: `test_bad_input[kind]` (exit code, message, no traceback) and `test_nothing_lost[kind]`
+(every file that was in the case folder before the run is still there, byte for byte).
+
+docs/bad-inputs.md is generated from the same table and the real outputs (`python tests/test_bad_inputs.py
+--regen`); `test_docs_table_is_current` fails when it drifts.
+
+Speed: a fresh `python -m finetune train` spends seconds importing torch before it reaches the bad input. The
+cases therefore run in processes forked from one server that has imported `finetune.trainer` once: each case is
+still its own process running `python -m finetune ARGS` (runpy), with its own cwd, stdout, stderr and exit
+status. Set FINETUNE_TEST_PLAIN_CLI=1 to run every case as a plain subprocess instead (same results, slower).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import QUICKSTART_YAML, REPO_ROOT, TOKENIZER_DIR
+
+from finetune.recipe import deep_merge
+
+DOCS = REPO_ROOT / "docs" / "bad-inputs.md"
+CASE_TIMEOUT_S = 120
+# Offline: a hub dataset name must fail at once, never wait on the network.
+CLI_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+
+
+def chat(user: str, assistant: str) -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+
+
+GOOD_ROWS = [chat(f"What is {i} + {i}?", str(2 * i)) for i in range(6)]
+
+
+def jsonl(*rows: Any) -> str:
+    """JSON lines; a str row is written verbatim (for malformed lines)."""
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+GOOD = jsonl(*GOOD_ROWS)
+
+# The quickstart, shrunk: every case starts from this (deep-merged with the case's patch; lists replaced).
+BASE: dict[str, Any] = {
+    "extends": str(QUICKSTART_YAML),
+    "output_dir": "{d}/out",
+    "model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}},
+    "datasets": [{"path": "train.jsonl", "format": "chat"}],
+    "eval_datasets": [],
+    "data": {"max_seq_len": 128, "packing_check": False},
+    "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 1, "warmup_steps": 0},
+    "eval": {"at_start": False, "every_steps": None},
+}
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    kind: str
+    """What is wrong, in words (the docs table)."""
+    stage: str
+    """Where it is caught: recipe (before torch is imported), output_dir, data, model, checkpoint."""
+    expect: tuple[str, ...]
+    """Substrings of stderr ({d} is the case folder): the key or file:line, and the fix."""
+    patch: dict[str, Any] = field(default_factory=dict)
+    recipe_text: str | None = None
+    """Verbatim recipe text instead of BASE + patch (YAML errors)."""
+    files: dict[str, str | bytes] = field(default_factory=dict)
+    """Files in the case folder; train.jsonl holds GOOD rows unless given here."""
+    args: tuple[str, ...] = ()
+    command: str = "train"
+    recipe_name: str = "recipe.yaml"
+    overwrite: bool = True
+    exit_code: int = 2
+    stdout_expect: tuple[str, ...] = ()
+
+
+CASES = [
+    # --- the recipe: caught by `finetune.recipe` before torch is imported --------------------------------
+    Case("unknown_key", "unknown top-level key `trian`", "recipe",
+         ("{d}/recipe.yaml: 1 problem in the recipe:", "trian: unknown key; did you mean 'train'?"),
+         patch={"trian": {"lr": 0.1}}),
+    Case("misspelt_nested_key", "misspelt nested key `data.max_seq_length`", "recipe",
+         ("data.max_seq_length: unknown key; did you mean 'max_seq_len'?",),
+         patch={"data": {"max_seq_length": 64}}),
+    Case("misspelt_dataset_key", "misspelt key in a datasets entry (`fromat`)", "recipe",
+         ("datasets.0.fromat: unknown key; did you mean 'format'?",),
+         patch={"datasets": [{"path": "train.jsonl", "fromat": "chat"}]}),
+    Case("wrong_type", "a string where an integer goes", "recipe",
+         ('train.micro_batch_size: got "four"; input should be a valid integer',),
+         patch={"train": {"micro_batch_size": "four"}}),
+    Case("bad_enum", "a value outside a fixed set", "recipe",
+         ("train.lr_scheduler: got \"cosin\"; allowed: 'cosine', 'linear' or 'constant'",),
+         patch={"train": {"lr_scheduler": "cosin"}}),
+    Case("negative_lr", "negative learning rate", "recipe",
+         ("train.lr: got -0.0001; input should be greater than 0",), patch={"train": {"lr": -1e-4}}),
+    Case("several_problems", "three problems at once: all reported, counted", "recipe",
+         ("{d}/recipe.yaml: 3 problems in the recipe:", "train.lrr: unknown key", "data.packing: got \"maybe\"",
+          "model.dtype: got \"fp8\""),
+         patch={"train": {"lrr": 1}, "data": {"packing": "maybe"}, "model": {"dtype": "fp8"}}),
+    Case("missing_dataset_path", "a datasets entry without `path`", "recipe",
+         ("datasets.0.path: required, but missing",), patch={"datasets": [{"format": "chat"}]}),
+    Case("packing_without_max_seq_len", "packing on, max_seq_len null", "recipe",
+         ("data.max_seq_len: packing needs a row length; set data.max_seq_len or data.packing: false",),
+         patch={"data": {"max_seq_len": None}}),
+    Case("yaml_syntax_error", "YAML syntax error (bad indentation)", "recipe",
+         ("{d}/recipe.yaml:4:9: YAML syntax error: mapping values are not allowed here",
+          "check the indentation of this line and the one above"),
+         recipe_text="output_dir: out\ntrain:\n lr: 1\n  epochs: 2\n"),
+    Case("yaml_tab", "a tab used for indentation", "recipe",
+         ("{d}/recipe.yaml:2:1: YAML syntax error:", "indent with spaces, not tabs"),
+         recipe_text="train:\n\tlr: 1\n"),
+    Case("duplicate_key", "the same key twice (the second would silently win)", "recipe",
+         ("{d}/recipe.yaml:3:1: YAML error: duplicate key 'train' (first written on line 1)",),
+         recipe_text="train: {lr: 0.1}\nseed: 1\ntrain: {epochs: 2}\n"),
+    Case("missing_recipe", "the recipe file does not exist", "recipe",
+         ("recipe file not found: {d}/nope.yaml",), recipe_name="nope.yaml"),
+    Case("extends_cycle", "`extends:` cycle a -> b -> a", "recipe",
+         ("extends cycle: {d}/recipe.yaml -> {d}/b.yaml -> {d}/recipe.yaml",),
+         patch={"extends": "b.yaml"}, files={"b.yaml": "extends: recipe.yaml\n"}),
+    Case("missing_parent_recipe", "`extends:` names a missing file", "recipe",
+         ("recipe file not found: {d}/base.yaml (extended from {d}/recipe.yaml)",),
+         patch={"extends": "base.yaml"}),
+    Case("resume_missing_checkpoint", "`resume:` points at a missing checkpoint", "recipe",
+         ("resume: checkpoint '{d}/out/checkpoints/step-9' does not exist",),
+         patch={"resume": "{d}/out/checkpoints/step-9"}),
+    Case("bad_override_syntax", "an override without `=`", "recipe",
+         ("override 'train.lr': expected key.path=value, e.g. train.lr=1e-4",), args=("train.lr",)),
+    Case("bad_override_index", "an override indexing a missing datasets entry", "recipe",
+         ("override 'datasets.3.path=x.jsonl': datasets.3 needs an index 0..0",), args=("datasets.3.path=x.jsonl",)),
+    Case("validate_bad_recipe", "`finetune validate` of a bad recipe", "recipe",
+         ("train.lrr: unknown key; did you mean 'lr'?",), patch={"train": {"lrr": 1}}, command="validate"),
+    # --- the output directory --------------------------------------------------------------------------
+    Case("output_dir_holds_a_run", "output_dir already holds a run (no resume, no --overwrite)", "output_dir",
+         ("output_dir {d}/out already holds a run (metrics.jsonl)", "--overwrite"), overwrite=False),
+    Case("output_dir_not_writable", "output_dir under a regular file", "output_dir",
+         ("output_dir {d}/blocker/out is not writable",),
+         patch={"output_dir": "{d}/blocker/out"}, files={"blocker": "a regular file\n"}),
+    # --- data files and rows ----------------------------------------------------------------------------
+    Case("missing_data_file", "a data file that does not exist", "data",
+         ("datasets.0.path: data file not found: missing.jsonl",),
+         patch={"datasets": [{"path": "missing.jsonl"}]}),
+    Case("hub_dataset_offline", "a hub dataset name, offline", "data",
+         ("datasets.0.path: dataset 'no-such-org/no-such-dataset': not a local file",),
+         patch={"datasets": [{"path": "no-such-org/no-such-dataset"}]}),
+    Case("malformed_json_line", "a malformed JSON line", "data",
+         ("{d}/train.jsonl:3: malformed JSON: Expecting value at column 15", "data.on_bad_row: skip"),
+         files={"train.jsonl": jsonl(*GOOD_ROWS[:2], '{"messages": [', *GOOD_ROWS[2:])}),
+    Case("json_line_not_object", "a JSON line that is a list, not an object", "data",
+         ("{d}/train.jsonl:2: expected a JSON object, got list",),
+         files={"train.jsonl": jsonl(GOOD_ROWS[0], [1, 2], *GOOD_ROWS[1:])}),
+    Case("non_utf8_line", "non-UTF-8 bytes in a data line", "data",
+         ("{d}/train.jsonl:2: not valid UTF-8",),
+         files={"train.jsonl": GOOD.encode().replace(b"What is 1", b"What is \xff", 1)}),
+    Case("missing_messages_field", "a chat row without `messages`", "data",
+         ("{d}/train.jsonl:1: missing field 'messages' (fields present: conversation)",),
+         files={"train.jsonl": jsonl({"conversation": GOOD_ROWS[0]["messages"]}, *GOOD_ROWS)}),
+    Case("unknown_role", "a message with an unknown role", "data",
+         ("{d}/train.jsonl:2: message 1 has unknown role 'bot'; allowed: system, user, assistant",),
+         files={"train.jsonl": jsonl(GOOD_ROWS[0], {"messages": [{"role": "user", "content": "hi"},
+                                                                 {"role": "bot", "content": "hello"}]})}),
+    Case("sharegpt_row", "a ShareGPT row ({from, value}) read as chat", "data",
+         ("{d}/train.jsonl:1: message 0 looks like ShareGPT",),
+         files={"train.jsonl": jsonl({"messages": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})}),
+    Case("empty_conversation", "an empty conversation", "data",
+         ("{d}/train.jsonl:4: empty conversation",),
+         files={"train.jsonl": jsonl(*GOOD_ROWS[:3], {"messages": []})}),
+    Case("no_assistant_turn", "a conversation with no assistant turn", "data",
+         ("{d}/train.jsonl:1: no assistant turn, so nothing to train on",),
+         files={"train.jsonl": jsonl({"messages": [{"role": "user", "content": "hi"}]}, *GOOD_ROWS)}),
+    Case("content_not_string", "message content that is not a string", "data",
+         ("{d}/train.jsonl:1: message 1 (assistant) needs a string 'content'",),
+         files={"train.jsonl": jsonl({"messages": [{"role": "user", "content": "2+2"},
+                                                   {"role": "assistant", "content": 4}]})}),
+    Case("alpaca_missing_output", "an alpaca row without `output`", "data",
+         ("{d}/train.jsonl:2: alpaca rows need a string 'output' (fields present: input, instruction)",),
+         patch={"datasets": [{"path": "train.jsonl", "format": "alpaca"}]},
+         files={"train.jsonl": jsonl({"instruction": "Say hi", "output": "hi"},
+                                     {"instruction": "Add", "input": "2 and 3"})}),
+    Case("completion_missing_text", "a completion row without `text`", "data",
+         ("{d}/train.jsonl:1: completion rows need a non-empty string field 'text' (fields present: content)",),
+         patch={"datasets": [{"path": "train.jsonl", "format": "completion"}]},
+         files={"train.jsonl": jsonl({"content": "once upon a time"})}),
+    Case("csv_missing_column", "a CSV without the needed column", "data",
+         ("{d}/train.csv:2: alpaca rows need a string 'output' (fields present: instruction, response)",),
+         patch={"datasets": [{"path": "train.csv", "format": "alpaca"}]},
+         files={"train.csv": "instruction,response\nSay hi,hi\n"}),
+    Case("csv_extra_values", "a CSV row with more values than the header", "data",
+         ("{d}/train.csv:3: 1 more values than the header's 2 columns",),
+         patch={"datasets": [{"path": "train.csv", "format": "alpaca"}]},
+         files={"train.csv": "instruction,output\nSay hi,hi\nAdd 2, 3,5\n"}),
+    Case("every_label_masked", "every answer truncated away: no target tokens", "data",
+         ("datasets: the training data ({d}/train.jsonl) has no target tokens", "data.max_seq_len"),
+         patch={"data": {"max_seq_len": 8}},
+         files={"train.jsonl": jsonl(chat("word " * 30, "ok"), chat("more " * 30, "fine"))}),
+    Case("all_rows_skipped", "on_bad_row: skip, and every row is bad", "data",
+         ("datasets: no training samples in {d}/train.jsonl: 2 rows read, 2 bad rows skipped",),
+         patch={"data": {"on_bad_row": "skip"}}, files={"train.jsonl": jsonl({"x": 1}, {"messages": []})}),
+    Case("val_fraction_takes_everything", "val_fraction leaves no training rows", "data",
+         ("data.val_fraction: 0.5 of 1 training rows leaves none to train on",),
+         patch={"data": {"val_fraction": 0.5}}, files={"train.jsonl": jsonl(GOOD_ROWS[0])}),
+    Case("batch_larger_than_data", "micro batch x accumulation > the data, with drop_last: true", "data",
+         ("one optimizer step needs 16 rows but an epoch has only 6", "data.drop_last: false"),
+         patch={"data": {"drop_last": True, "packing": False},
+                "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 4}}),
+    # --- model and tokenizer paths -----------------------------------------------------------------------
+    Case("tokenizer_path_missing", "tokenizer.path does not exist", "model",
+         ("tokenizer '{d}/no-tokenizer' could not be loaded", "tokenizer.path"),
+         patch={"tokenizer": {"path": "{d}/no-tokenizer"}}),
+    Case("model_path_missing", "model.path does not exist", "model",
+         ("model.path '{d}/no-model' could not be loaded",),
+         patch={"model": {"init": "pretrained", "path": "{d}/no-model"}}),
+    Case("resume_not_a_checkpoint", "`resume:` points at a folder that is not a checkpoint", "checkpoint",
+         ("resume: checkpoint {d}/out cannot be used",), patch={"resume": "{d}/out"}),
+    # --- bad rows skipped on request: the run goes on --------------------------------------------------
+    Case("bad_rows_skipped", "on_bad_row: skip with two bad rows: the run goes on", "data", (),
+         patch={"data": {"on_bad_row": "skip"}, "output_dir": "{d}/fresh"},
+         files={"train.jsonl": jsonl(*GOOD_ROWS[:3], '{"messages": [', {"messages": []}, *GOOD_ROWS[3:])},
+         exit_code=0, stdout_expect=("2 bad rows skipped", "done: {d}/fresh/final")),
+]
+
+
+def fill(value: Any, d: Path) -> Any:
+    """Replace {d} with the case folder in every string of a nested value."""
+    if isinstance(value, str):
+        return value.replace("{d}", str(d))
+    if isinstance(value, dict):
+        return {k: fill(v, d) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fill(v, d) for v in value]
+    return value
+
+
+def prepare(case: Case, d: Path) -> list[str]:
+    """Write the case folder: recipe, data, and an output_dir holding a sentinel and an earlier run."""
+    (d / "out").mkdir(parents=True)
+    (d / "out" / "sentinel.txt").write_text("the user's own file: must survive\n")
+    (d / "out" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5, "note": "an earlier run"}\n')
+    files = {"train.jsonl": GOOD, **case.files}
+    for name, content in files.items():
+        path = d / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    recipe = case.recipe_text if case.recipe_text is not None else \
+        yaml.safe_dump(fill(deep_merge(BASE, case.patch), d), sort_keys=False)
+    (d / "recipe.yaml").write_text(recipe)
+    argv = [case.command, str(d / case.recipe_name), *fill(list(case.args), d)]
+    if case.command == "train" and case.overwrite:
+        argv.append("--overwrite")
+    return argv
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# --- running the CLI ------------------------------------------------------------------------------------
+
+SERVER = r'''
+import json, os, runpy, signal, sys, traceback
+sys.path.insert(0, os.getcwd())  # the repository, absolute: each case runs in its own cwd
+import finetune.trainer  # noqa: F401  the heavy imports (torch, transformers), paid once
+# transformers imports lazily: touch what every case needs so its import is paid once too. Only modules are
+# shared with the cases; each still loads its own tokenizer and model.
+import datasets, transformers  # noqa: E401,F401
+from transformers.models.llama import modeling_llama  # noqa: F401
+transformers.AutoTokenizer.from_pretrained(sys.argv[1])
+print("ready", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:  # one `python -m finetune ARGS`: own cwd, stdout, stderr and exit status
+        code = 1
+        try:
+            signal.alarm(job["timeout"])
+            os.chdir(job["cwd"])
+            for fd, name in ((1, job["stdout"]), (2, job["stderr"])):
+                target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
+            sys.argv = ["finetune", *job["args"]]
+            try:
+                runpy.run_module("finetune", run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as e:  # what the interpreter does with it
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+'''
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+class ForkingCli:
+    """Runs `python -m finetune ARGS` in processes forked from a server that imported the trainer once."""
+
+    def __init__(self) -> None:
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, open as long as the server
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(TOKENIZER_DIR)], cwd=REPO_ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, **CLI_ENV})
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"CLI server did not start: {self._log()}")
+
+    def _log(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def run(self, args: list[str], cwd: Path) -> Result:
+        out, err = cwd / ".stdout", cwd / ".stderr"
+        start = time.perf_counter()
+        job = {"args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err), "timeout": CASE_TIMEOUT_S}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"CLI server died: {self._log()}")
+        result = Result(json.loads(line), out.read_text(errors="replace"), err.read_text(errors="replace"),
+                        time.perf_counter() - start)
+        out.unlink()
+        err.unlink()
+        return result
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+class PlainCli:
+    """Runs `python -m finetune ARGS` as a plain subprocess (where fork is unavailable, or when asked)."""
+
+    def run(self, args: list[str], cwd: Path) -> Result:
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=CASE_TIMEOUT_S, env={**os.environ, **CLI_ENV,
+                                                           "PYTHONPATH": str(REPO_ROOT)})
+        return Result(done.returncode, done.stdout, done.stderr, time.perf_counter() - start)
+
+    def close(self) -> None:
+        pass
+
+
+def make_cli() -> ForkingCli | PlainCli:
+    plain = os.environ.get("FINETUNE_TEST_PLAIN_CLI") == "1" or not hasattr(os, "fork")
+    return PlainCli() if plain else ForkingCli()
+
+
+@dataclass
+class Outcome:
+    case: Case
+    d: Path
+    result: Result
+    lost: list[str]
+    """Files that were in the case folder before the run and are gone or changed after it."""
+
+    def text(self, s: str) -> str:
+        return fill(s, self.d)
+
+
+def run_case(case: Case, cli: ForkingCli | PlainCli, root: Path) -> Outcome:
+    d = root / case.id
+    argv = prepare(case, d)
+    before = snapshot(d)
+    # The case folder is the cwd: a stray relative path would land there, not in the repository.
+    result = cli.run(argv, d)
+    after = snapshot(d)
+    lost = [name for name, data in before.items() if after.get(name) != data]
+    return Outcome(case, d, result, lost)
+
+
+_OUTCOMES: dict[str, Outcome] = {}
+
+
+@pytest.fixture(scope="module")
+def outcome_of(tmp_path_factory):
+    cli = make_cli()
+    root = tmp_path_factory.mktemp("bad-inputs")
+
+    def get(case: Case) -> Outcome:
+        if case.id not in _OUTCOMES:
+            _OUTCOMES[case.id] = run_case(case, cli, root)
+        return _OUTCOMES[case.id]
+
+    yield get
+    cli.close()
+
+
+# --- the tests ------------------------------------------------------------------------------------------
+
+def test_case_ids_are_unique_and_enough():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
+    assert len([c for c in CASES if c.exit_code == 2]) >= 22
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, outcome_of):
+    o = outcome_of(case)
+    r = o.result
+    assert r.rc == case.exit_code, f"exit {r.rc}\nstdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
+    for expected in case.expect:
+        assert o.text(expected) in r.stderr, f"{o.text(expected)!r} not in stderr:\n{r.stderr}"
+    for expected in case.stdout_expect:
+        assert o.text(expected) in r.stdout, f"{o.text(expected)!r} not in stdout:\n{r.stdout}"
+    if case.exit_code == 2:
+        assert r.stderr.startswith("error: "), r.stderr
+    if case.stage == "recipe":
+        assert r.stdout == ""  # nothing half-printed for a bad recipe
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_nothing_lost(case: Case, outcome_of):
+    o = outcome_of(case)
+    assert o.lost == [], f"{case.id}: lost or changed {o.lost}"
+
+
+def test_bad_rows_skipped_run_writes_a_run(outcome_of):
+    case = next(c for c in CASES if c.id == "bad_rows_skipped")
+    o = outcome_of(case)
+    assert o.result.rc == 0, o.result.stderr
+    lines = [json.loads(x) for x in (o.d / "fresh" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "loss" in line] == [1]
+
+
+def test_recipe_errors_are_fast(outcome_of):
+    """Recipe problems are caught before torch is imported (plain subprocess: counts interpreter start too)."""
+    case = next(c for c in CASES if c.id == "unknown_key")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        argv = prepare(case, d)
+        result = PlainCli().run(argv, d)
+    assert result.rc == 2 and "trian: unknown key" in result.stderr
+    assert result.seconds < 5, result.seconds
+
+
+def test_docs_table_is_current(outcome_of):
+    outcomes = [outcome_of(c) for c in CASES]
+    expected = render_docs(outcomes)
+    actual = DOCS.read_text(encoding="utf-8") if DOCS.exists() else ""
+    assert actual == expected, "docs/bad-inputs.md is stale: run `.venv/bin/python tests/test_bad_inputs.py --regen`"
+
+
+# --- docs/bad-inputs.md ---------------------------------------------------------------------------------
+
+def message_of(o: Outcome) -> str:
+    """The message as the docs show it: stderr's first line (plus the first listed problem under a header),
+    with the case folder written as <tmp>."""
+    lines = [line for line in o.result.stderr.splitlines() if line.strip()]
+    if o.case.exit_code == 0:
+        lines = [next(line for line in o.result.stdout.splitlines() if "bad rows skipped" in line)]
+    shown = lines[0] if lines else ""
+    if shown.endswith(":") and len(lines) > 1:
+        shown += " " + lines[1].strip()
+    shown = shown.replace(str(o.d), "<tmp>").replace(str(REPO_ROOT), "<repo>")
+    # A library's own wording after our message (in parentheses) may change with its version: cut it.
+    return re.sub(r" \((OSError|ValueError|HFValidationError|\w+Error): .*", " (...)", shown)
+
+
+def _cell(text: str) -> str:
+    text = text.replace("|", "\\|")
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def render_docs(outcomes: list[Outcome]) -> str:
+    rows = []
+    for i, o in enumerate(outcomes, start=1):
+        kept = "kept" if not o.lost else "**lost** (known trainer bug, see below)"
+        rows.append(f"| {i} | `{o.case.id}`: {o.case.kind} | {o.case.stage} | {o.result.rc} | "
+                    f"{_cell(message_of(o))} | {kept} |")
+    return "\n".join([
+        "# Bad input: what each kind gets",
+        "",
+        "<!-- Generated by `.venv/bin/python tests/test_bad_inputs.py --regen` from the table in",
+        "     tests/test_bad_inputs.py, which also asserts every row. Do not edit by hand. -->",
+        "",
+        "Every row is a real run of `python -m finetune train RECIPE --overwrite` (or `finetune validate`) on a",
+        "tiny recipe whose output_dir already holds a user's file and an earlier run's `metrics.jsonl`.",
+        "A user error always exits with status 2 and one message naming the recipe key or the `file:line`,",
+        "never a traceback (`--debug` shows one). `<tmp>` is the folder the case ran in.",
+        "",
+        "*Caught at*: `recipe` = while reading the recipe, before torch is imported (also what `finetune",
+        "validate` reports); `output_dir`, `data`, `model`, `checkpoint` = at that step of `finetune train`.",
+        "*Earlier run*: whether every file that was there before (the sentinel and the earlier",
+        "`metrics.jsonl`) is still there, byte for byte, after the failed run.",
+        "",
+        "| # | kind | caught at | exit | message (first line) | earlier run |",
+        "|---|------|-----------|------|----------------------|-------------|",
+        *rows,
+        "",
+        "Bad rows can be skipped instead of stopping the run with `data.on_bad_row: skip`: they are counted",
+        "and the count is printed (`bad_rows_skipped` above). The data line then reads, e.g.,",
+        "`data: 6 samples, ... ; 2 bad rows skipped`.",
+        "",
+        "With `--overwrite`, the earlier run is removed only after the tokenizer, the data and the model have",
+        "loaded: a run that fails on bad input leaves the earlier run as it was.",
+        "",
+    ])
+
+
+def regen() -> int:
+    cli = make_cli()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            outcomes = [run_case(c, cli, Path(tmp)) for c in CASES]
+            DOCS.parent.mkdir(exist_ok=True)
+            DOCS.write_text(render_docs(outcomes), encoding="utf-8")
+    finally:
+        cli.close()
+    bad = [o.case.id for o in outcomes if o.result.rc != o.case.exit_code or "Traceback" in o.result.stderr]
+    print(f"wrote {DOCS} ({len(outcomes)} cases){'; check: ' + ', '.join(bad) if bad else ''}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regen"]:
+        sys.exit("usage: python tests/test_bad_inputs.py --regen   (rewrites docs/bad-inputs.md)")
+    sys.exit(regen())
