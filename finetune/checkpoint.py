@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from finetune import dist
 from finetune.errors import UserError
 
 MARKER = "COMPLETE"
@@ -47,34 +48,65 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True under FSDP2: parameters are DTensor shards and checkpoints go through torch.distributed.checkpoint."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
 def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: Any, trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Write checkpoints/step-N atomically and prune all but the newest `keep_last`. Returns its path."""
+    """Write checkpoints/step-N atomically and prune all but the newest `keep_last`. Returns its path.
+
+    Every rank calls this. Unsharded (one process, DDP): rank 0 writes the weights as safetensors. Sharded
+    (FSDP2): every rank writes its shards through torch.distributed.checkpoint, which can be loaded back with
+    another world size. Either way rank 0 writes the marker last and renames the directory into place.
+    """
     root = checkpoint_root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step}"
-    tmp = root / f".tmp-{PREFIX}{step}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        save_file(trainable_state(model), str(tmp / "model.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-                   tmp / "state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        for file in tmp.iterdir():
-            _fsync(file)
-        (tmp / MARKER).write_text(str(step))
-        _fsync(tmp / MARKER)
-        if final.exists():  # a rerun of the same step: replace it, never leave two
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except OSError as e:
+    tmp = root / f".tmp-{PREFIX}{step}"
+    main = dist.is_main()
+    error: OSError | None = None
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"writing checkpoint {final} failed ({e}); the previous checkpoints are intact. "
-                        "Free disk space or fix permissions, then resume with resume: auto") from None
-    _prune(root, keep_last)
+        tmp.mkdir()
+    dist.barrier()
+    try:
+        if is_sharded(model):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp / "dcp"))
+        elif main:
+            save_file(trainable_state(model), str(tmp / "model.safetensors"))
+            torch.save({"optimizer": optimizer.state_dict()}, tmp / "optimizer.pt")
+        if main:
+            torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "state.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+            for file in tmp.rglob("*"):
+                if file.is_file():
+                    _fsync(file)
+    except OSError as e:
+        error = e
+    dist.barrier()
+    if main:
+        if error is None:
+            try:
+                (tmp / MARKER).write_text(str(step))
+                _fsync(tmp / MARKER)
+                if final.exists():  # a rerun of the same step: replace it, never leave two
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _fsync_dir(root)
+            except OSError as e:
+                error = e
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"writing checkpoint {final} failed ({error}); the previous checkpoints are intact. "
+                            "Free disk space or fix permissions, then resume with resume: auto") from None
+        _prune(root, keep_last)
+    dist.barrier()
     return final
 
 
@@ -109,7 +141,13 @@ def find_latest(output_dir: Path, warn: Any = print) -> Path | None:
 def _verify(path: Path) -> str | None:
     try:
         json.loads((path / "trainer_state.json").read_text())
-        load_file(str(path / "model.safetensors"))
+        if (path / "dcp").is_dir():
+            if not (path / "dcp" / ".metadata").is_file():
+                return "dcp/.metadata is missing"
+        else:
+            load_file(str(path / "model.safetensors"))
+            if not (path / "optimizer.pt").is_file():
+                return "optimizer.pt is missing"
         if not (path / "state.pt").is_file():
             return "state.pt is missing"
     except Exception as e:  # any failure to read means this checkpoint cannot be resumed
@@ -122,6 +160,27 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     problem = _verify(path)
     if problem:
         raise UserError(f"resume: checkpoint {path} cannot be used: {problem}")
+    if (path / "dcp").is_dir() != is_sharded(model):
+        kind = "sharded (fsdp)" if (path / "dcp").is_dir() else "unsharded (single process / ddp)"
+        raise UserError(f"resume: checkpoint {path} is {kind}; resume it with the same distributed.strategy")
+    if is_sharded(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        _load_unsharded(path, model, optimizer)
+    # weights_only: a checkpoint is data; loading it must not be able to run code.
+    state = torch.load(path / "state.pt", weights_only=True)
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _load_unsharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     tensors = load_file(str(path / "model.safetensors"))
     params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
@@ -131,12 +190,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     with torch.no_grad():
         for name, tensor in tensors.items():
             params[name].copy_(tensor)
-    # weights_only: a checkpoint is data; loading it must not be able to run code.
-    state = torch.load(path / "state.pt", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    return json.loads((path / "trainer_state.json").read_text())
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True)["optimizer"])
 
 
 def _fsync(path: Path) -> None:

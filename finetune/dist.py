@@ -53,6 +53,11 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def is_main() -> bool:
+    """Rank 0 (or the only process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

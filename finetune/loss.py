@@ -177,11 +177,69 @@ def _chunk_loss_and_grad(
     return loss, grad
 
 
+def _chunked_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk_size: int,
+    z_loss: float,
+    softcap: float | None,
+    grad_flags: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """(summed loss, [grad_hidden, grad_weight, grad_bias]) for rows that all have a target, one chunk at a time.
+
+    grad_flags says which gradients to compute (None for the others). They are d(loss_sum)/d(input), in the
+    input dtypes; weight/bias gradients are accumulated over the chunks in fp32."""
+    need_h, need_w, need_b = grad_flags
+    need_grad = need_h or need_w or need_b
+    n = hidden.shape[0]
+    acc = _acc_dtype(hidden.dtype)
+    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b and bias is not None else None
+    # sum the chunk losses in fp64 (a scalar, so free); MPS has no fp64
+    total = torch.zeros((), dtype=acc if hidden.device.type == "mps" else torch.float64, device=hidden.device)
+    for start in range(0, n, chunk_size):
+        h = hidden[start : start + chunk_size]
+        loss, g = _chunk_loss_and_grad(h, weight, bias, targets[start : start + chunk_size], z_loss, softcap,
+                                       need_grad)
+        total += loss
+        if g is None:
+            continue
+        # The two backward GEMMs take bf16/fp16 operands where the inputs are 16-bit (tensor cores), with the
+        # products accumulated in fp32; the bias gradient is summed from the fp32 chunk directly.
+        g_lp = g if g.dtype == hidden.dtype else g.to(hidden.dtype)
+        if grad_h is not None:
+            torch.mm(g_lp, weight, out=grad_h[start : start + chunk_size])
+        if grad_b is not None:
+            grad_b.add_(g.sum(dim=0))
+        if grad_w is not None:
+            if g.dtype == hidden.dtype:
+                grad_w.addmm_(g.t(), h)
+            elif _has_mm_out_dtype(hidden.device):
+                torch.addmm(grad_w, g_lp.t(), h, out_dtype=acc, out=grad_w)
+            else:
+                # no 16-bit GEMM with fp32 output here (CPU): do this one in fp32 from the fp32 chunk
+                grad_w.addmm_(g.t(), h.to(acc))
+        del g, g_lp  # free this chunk before the next one is built
+    # cast once at the end (for 16-bit weights this also frees the fp32 accumulators before backward)
+    grads = [
+        grad_h,
+        grad_w.to(weight.dtype) if grad_w is not None else None,
+        grad_b.to(bias.dtype) if grad_b is not None and bias is not None else None,
+    ]
+    return total.to(acc), grads
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed CE of (hidden @ weight.T + bias) against targets, one chunk of rows at a time.
 
-    All inputs share one dtype (the caller casts). Gradients are produced during forward (memory: one chunk of
-    logits plus the gradient buffers, never [N, V]) and saved; backward multiplies them by grad_output."""
+    All inputs share one dtype (the caller casts). Gradients are computed during forward (memory: one chunk of
+    logits plus the gradient buffers, never [N, V]) and kept on ctx; backward scales them by grad_output IN
+    PLACE and hands them over, so no second [V, H] buffer appears and AccumulateGrad can adopt the tensor
+    instead of copying it. A repeated backward (retain_graph=True, gradcheck) recomputes them from the saved
+    inputs, which the matmul in an unfused lm_head would have saved as well."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -196,57 +254,27 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_flags: tuple[bool, bool, bool],
     ) -> torch.Tensor:
         # grad_flags is decided by the caller: ctx.needs_input_grad is True even under torch.no_grad()
-        need_h, need_w, need_b = grad_flags
-        need_grad = need_h or need_w or need_b
-        n = hidden.shape[0]
-        acc = _acc_dtype(hidden.dtype)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # weight/bias grads accumulate over chunks in fp32 (even for bf16 weights) and are cast once at the end
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        # sum the chunk losses in fp64 (a scalar, so free); MPS has no fp64
-        total = torch.zeros((), dtype=acc if hidden.device.type == "mps" else torch.float64, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            h = hidden[start : start + chunk_size]
-            loss, g = _chunk_loss_and_grad(h, weight, bias, targets[start : start + chunk_size], z_loss, softcap,
-                                           need_grad)
-            total += loss
-            if g is None:
-                continue
-            # The two backward GEMMs take bf16/fp16 operands where the inputs are 16-bit (tensor cores), with the
-            # products accumulated in fp32; the bias gradient is summed from the fp32 chunk directly.
-            g_lp = g if g.dtype == hidden.dtype else g.to(hidden.dtype)
-            if grad_h is not None:
-                torch.mm(g_lp, weight, out=grad_h[start : start + chunk_size])
-            if grad_b is not None:
-                grad_b.add_(g.sum(dim=0))
-            if grad_w is not None:
-                if g.dtype == hidden.dtype:
-                    grad_w.addmm_(g.t(), h)
-                elif _has_mm_out_dtype(hidden.device):
-                    torch.addmm(grad_w, g_lp.t(), h, out_dtype=acc, out=grad_w)
-                else:
-                    # no 16-bit GEMM with fp32 output here (CPU): do this one in fp32 from the fp32 chunk
-                    grad_w.addmm_(g.t(), h.to(acc))
-            del g, g_lp  # free this chunk before the next one is built
-        # cast now so the fp32 copies do not stay alive until backward
-        ctx.save_for_backward(
-            grad_h,
-            grad_w.to(weight.dtype) if grad_w is not None else None,
-            grad_b.to(bias.dtype) if grad_b is not None else None,
-        )
-        return total.to(acc)
+        loss, grads = _chunked_forward(hidden, weight, bias, targets, chunk_size, z_loss, softcap, grad_flags)
+        if any(grad_flags):
+            ctx.grads = grads
+            ctx.config = (chunk_size, z_loss, softcap, grad_flags)
+            ctx.save_for_backward(hidden, weight, bias, targets)
+        return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-
-        def scale(g: torch.Tensor | None) -> torch.Tensor | None:
-            # out of place: autograd may call backward more than once on the same graph (retain_graph)
-            return None if g is None else g * grad_output.to(g.dtype)
-
-        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None
+        grads = ctx.grads
+        ctx.grads = None  # drop our reference: the tensors now belong to autograd
+        if grads is None:  # this graph is being backpropagated through again
+            hidden, weight, bias, targets = ctx.saved_tensors
+            _, grads = _chunked_forward(hidden, weight, bias, targets, *ctx.config)
+        for g in grads:
+            if g is not None:
+                g.mul_(grad_output)  # 0-dim fp32 factor: computed in fp32, rounded once to g's dtype
+        grad_h, grad_w, grad_b = grads
+        del grads
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------------------

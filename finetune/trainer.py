@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,14 @@ from finetune.data.isolation import check_packing_isolation
 from finetune.errors import UserError
 from finetune.evaluate import CausalLMWithLoss, evaluate_loss, model_inputs
 from finetune.loss import resolve_impl
-from finetune.metrics import Stopwatch, open_sinks, peak_memory_mb
+from finetune.metrics import Stopwatch, mfu, open_sinks, peak_memory_mb
 from finetune.model import count_parameters, load_model, load_tokenizer, save_final
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.recipe import Recipe, recipe_hash, to_yaml, training_keys
-from finetune.wrap import wrap_model
+from finetune.wrap import gather_full_state, wrap_model
 
-RUN_FILES = ("metrics.jsonl", "recipe.yaml", "versions.json", "checkpoints", "final", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "recipe.yaml", "versions.json", "checkpoints", "final", "tensorboard", "wandb",
+             "mlflow.db", "mlartifacts", "mlruns")
 
 
 def required_packages(recipe: Recipe) -> list[str]:
@@ -46,29 +46,52 @@ def required_packages(recipe: Recipe) -> list[str]:
     return packages
 
 
-@dataclass
 class StepPlan:
-    """Which rows each global optimizer step uses: (epoch, first row, end row) into that epoch's rows."""
+    """Which rows each global optimizer step uses, worked out lazily one epoch at a time.
 
-    steps: list[tuple[int, int, int]]
-    global_batch: int
+    Step s of an epoch takes rows [s * global_batch, (s + 1) * global_batch) of that epoch's rows, the same
+    for every world size. Epochs are (re)packed only when reached, so `epochs: null` with a large max_steps
+    costs nothing up front.
+    """
 
+    def __init__(self, samples: list[dict], recipe: Recipe, world_size: int) -> None:
+        t = recipe.train
+        self.samples, self.recipe = samples, recipe
+        self.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
+        self._steps_per_epoch: list[int] = []
+        self._rows: tuple[int, list[dict]] | None = None  # (epoch, rows): the current epoch only
+        if t.epochs is not None:
+            total = sum(self.steps_in_epoch(e) for e in range(t.epochs))
+            self.total = min(total, t.max_steps) if t.max_steps else total
+        else:
+            self.steps_in_epoch(0)  # fail early if one epoch cannot fill a step
+            self.total = t.max_steps
 
-def plan_steps(samples: list[dict], recipe: Recipe, world_size: int) -> StepPlan:
-    t, d = recipe.train, recipe.data
-    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
-    steps: list[tuple[int, int, int]] = []
-    epoch = 0
-    while (t.epochs is None or epoch < t.epochs) and (t.max_steps is None or len(steps) < t.max_steps):
-        n_rows = len(epoch_rows(samples, d, recipe.seed, epoch))
-        n_steps = steps_in(n_rows, global_batch, d.drop_last)
-        if n_steps == 0:
-            raise UserError(f"one optimizer step needs {global_batch} rows but an epoch has only {n_rows} "
-                            "(data.drop_last: true drops them all); lower train.micro_batch_size or "
-                            "gradient_accumulation_steps, or set data.drop_last: false")
-        steps += [(epoch, s * global_batch, min(n_rows, (s + 1) * global_batch)) for s in range(n_steps)]
-        epoch += 1
-    return StepPlan(steps[: t.max_steps] if t.max_steps else steps, global_batch)
+    def rows_of_epoch(self, epoch: int) -> list[dict]:
+        if self._rows is None or self._rows[0] != epoch:
+            self._rows = (epoch, epoch_rows(self.samples, self.recipe.data, self.recipe.seed, epoch))
+        return self._rows[1]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        while len(self._steps_per_epoch) <= epoch:
+            e = len(self._steps_per_epoch)
+            n_rows = len(self.rows_of_epoch(e))
+            n_steps = steps_in(n_rows, self.global_batch, self.recipe.data.drop_last)
+            if n_steps == 0:
+                raise UserError(f"one optimizer step needs {self.global_batch} rows but an epoch has only {n_rows} "
+                                "(data.drop_last: true drops them all); lower train.micro_batch_size or "
+                                "gradient_accumulation_steps, or set data.drop_last: false")
+            self._steps_per_epoch.append(n_steps)
+        return self._steps_per_epoch[epoch]
+
+    def step(self, step: int) -> tuple[int, list[dict]]:
+        """(epoch, rows) of global optimizer step `step` (0-based)."""
+        epoch = 0
+        while step >= self.steps_in_epoch(epoch):
+            step -= self.steps_in_epoch(epoch)
+            epoch += 1
+        rows = self.rows_of_epoch(epoch)
+        return epoch, rows[step * self.global_batch: (step + 1) * self.global_batch]
 
 
 def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = False,
@@ -76,9 +99,10 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
     """Run a recipe to the end; returns the output directory. Works alone and under torchrun."""
     world = dist.from_env()
     device = dist.init(world)
-    console = console or Console()
+    # soft_wrap: log lines stay whole when the output is a file or a pipe (rich would wrap them at 80 columns).
+    console = console or Console(soft_wrap=True)
     if not world.is_main:
-        console = Console(quiet=True)
+        console = Console(quiet=True, soft_wrap=True)
     try:
         return _train(recipe, world, device, console, overwrite, allow_unpinned)
     finally:
@@ -93,14 +117,15 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
         console.print(f"[yellow]warning: {w}[/yellow]")
     resume_from = _resume_path(recipe, out, console)
     # Checked now, before anything slow; an old run is only removed once everything has loaded (below).
-    replaced = _check_output_dir(out, fresh=resume_from is None, overwrite=overwrite) if world.is_main else []
+    replaced = _check_output_dir(out, fresh=resume_from is None, overwrite=overwrite,
+                                 restart_incomplete=recipe.resume == "auto") if world.is_main else []
     dist.barrier()
 
     torch.manual_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
     train_samples, eval_samples, stats, _ = build_samples(recipe, tokenizer)
     _report_data(console, stats, len(eval_samples))
-    plan = plan_steps(train_samples, recipe, world.size)
+    plan = StepPlan(train_samples, recipe, world.size)
 
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
     if recipe.model.trust_remote_code:
@@ -113,25 +138,27 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
     impl = resolve_impl(recipe.loss.impl, device)
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
-                  f"device: {device}; world size {world.size}; {len(plan.steps)} optimizer steps of "
+                  f"device: {device}; world size {world.size}; {plan.total} optimizer steps of "
                   f"{plan.global_batch} rows")
     net = wrap_model(CausalLMWithLoss(lm, impl, recipe.loss.chunk_size, recipe.loss.z_loss, recipe.loss.softcap),
                      recipe, world, device)
     params = [p for p in net.parameters() if p.requires_grad]
     optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
-    scheduler = build_scheduler(optimizer, len(plan.steps), recipe.train)
+    scheduler = build_scheduler(optimizer, plan.total, recipe.train)
 
-    start_step = 0
+    start_step, tokens_seen, samples_seen = 0, 0, 0
     if resume_from is not None:
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
-        _check_resume_recipe(recipe, state)
-        start_step = state["step"]
+        _check_resume_recipe(recipe, state, plan.global_batch)
+        start_step, tokens_seen, samples_seen = state["step"], state["tokens_seen"], state.get("samples_seen", 0)
         console.print(f"resumed from {resume_from} at step {start_step}")
     if world.is_main:
         _remove_previous_run(out, replaced)
         (out / "recipe.yaml").write_text(to_yaml(recipe))
         (out / "versions.json").write_text(json.dumps(versions.snapshot(warnings), indent=2))
-    logger = open_sinks(out, recipe.logging, console, len(plan.steps), start_step) if world.is_main else None
+    if world.is_main and start_step:
+        _truncate_metrics(out / "metrics.jsonl", start_step)
+    logger = open_sinks(out, recipe.logging, console, plan.total, start_step) if world.is_main else None
     pad_id = tokenizer.pad_token_id
     eval_every = recipe.eval.every_steps
     eval_micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
@@ -143,79 +170,87 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
         if logger:
             logger.log({"step": step, "eval_loss": loss, "eval_tokens": n})
 
-    if start_step == 0 and recipe.eval.at_start:
-        evaluate(0)
-    clock, tokens_seen, bad_streak, rows_cache = Stopwatch(), 0, 0, {}
-    for step in range(start_step, len(plan.steps)):
-        epoch, first, end = plan.steps[step]
-        if epoch not in rows_cache:
-            rows_cache = {epoch: epoch_rows(train_samples, recipe.data, recipe.seed, epoch)}
-        step_rows = rows_cache[epoch][first:end]
-        micro = [collate(rows, recipe.data, pad_id) for rows in rank_micro_batches(
-            step_rows, recipe.train.micro_batch_size, world.size, world.rank, recipe.data.group_by_length)]
+    try:
+        if start_step == 0 and recipe.eval.at_start:
+            evaluate(0)
+        clock, bad_streak = Stopwatch(), 0
+        for step in range(start_step, plan.total):
+            epoch, step_rows = plan.step(step)
+            micro = [collate(rows, recipe.data, pad_id) for rows in rank_micro_batches(
+                step_rows, recipe.train.micro_batch_size, world.size, world.rank, recipe.data.group_by_length)]
 
-        # N_step: the step's target tokens over all micro-batches and ranks, known before any backward.
-        local_targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
-        counts = dist.all_reduce_sum(torch.tensor([local_targets, sum(m["seq_tokens"] for m in micro),
-                                                   sum(m["padded_tokens"] for m in micro)], device=device))
-        n_step, seq_tokens, padded_tokens = (int(x) for x in counts.tolist())
-        loss_total = torch.zeros((), device=device, dtype=torch.float32)
-        net.train()
-        for i, batch in enumerate(micro):
-            # DDP: synchronize gradients only on the step's last micro-batch.
-            sync = i == len(micro) - 1
-            with contextlib.nullcontext() if sync or not hasattr(net, "no_sync") else net.no_sync():
-                loss_sum, _ = net(**model_inputs(batch, device))
-                (loss_sum * (world.size / max(n_step, 1))).backward()
-            loss_total += loss_sum.detach()
-        step_loss = float(dist.all_reduce_sum(loss_total)) / max(n_step, 1)
+            # N_step: the step's target tokens over all micro-batches and ranks, known before any backward.
+            local_targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
+            counts = dist.all_reduce_sum(torch.tensor([local_targets, sum(m["seq_tokens"] for m in micro),
+                                                       sum(m["padded_tokens"] for m in micro)], device=device))
+            n_step, seq_tokens, padded_tokens = (int(x) for x in counts.tolist())
+            loss_total = torch.zeros((), device=device, dtype=torch.float32)
+            net.train()
+            for i, batch in enumerate(micro):
+                # DDP: synchronize gradients only on the step's last micro-batch.
+                sync = i == len(micro) - 1
+                with contextlib.nullcontext() if sync or not hasattr(net, "no_sync") else net.no_sync():
+                    loss_sum, _ = net(**model_inputs(batch, device))
+                    (loss_sum * (world.size / max(n_step, 1))).backward()
+                loss_total += loss_sum.detach()
+            step_loss = float(dist.all_reduce_sum(loss_total)) / max(n_step, 1)
 
-        max_norm = recipe.train.max_grad_norm or math.inf
-        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-        healthy = math.isfinite(step_loss) and math.isfinite(grad_norm) and n_step > 0
-        before = [p.detach().clone() for p in params] if healthy else None
-        if healthy:
-            optimizer.step()
-            bad_streak = 0
-        elif n_step > 0:
-            bad_streak += 1
-            console.print(f"[red]step {step + 1}: non-finite loss or gradient; update skipped "
-                          f"({bad_streak} in a row)[/red]")
-            if bad_streak >= recipe.train.max_bad_steps:
-                raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
-                                f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
-                                "check the data, or use float32")
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        update_ratio = _update_ratio(before, params) if before is not None else 0.0
-        if healthy and update_ratio == 0.0:
-            console.print(f"[yellow]step {step + 1}: the trainable weights did not change[/yellow]")
-        seconds = clock.lap()
-        tokens_seen += seq_tokens
+            max_norm = recipe.train.max_grad_norm or math.inf
+            grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            healthy = math.isfinite(step_loss) and math.isfinite(grad_norm) and n_step > 0
+            before = [p.detach().clone() for p in params] if healthy else None
+            if healthy:
+                optimizer.step()
+                bad_streak = 0
+            elif n_step > 0:
+                bad_streak += 1
+                console.print(f"[red]step {step + 1}: non-finite loss or gradient; update skipped "
+                              f"({bad_streak} in a row)[/red]")
+                if bad_streak >= recipe.train.max_bad_steps:
+                    raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
+                                    f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
+                                    "check the data, or use float32")
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            update_ratio = _update_ratio(before, params) if before is not None else 0.0
+            if healthy and update_ratio == 0.0:
+                console.print(f"[yellow]step {step + 1}: the trainable weights did not change[/yellow]")
+            seconds = clock.lap()
+            tokens_seen += seq_tokens
+            samples_seen += sum(len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows)
+            step_mfu = mfu(seq_tokens / seconds / world.size, total, lm.config.num_hidden_layers,
+                           lm.config.hidden_size, recipe.data.max_seq_len or 2048, device)
+            if logger:
+                logger.log({
+                    "step": step + 1, "total_steps": plan.total, "epoch": epoch, "loss": step_loss,
+                    "grad_norm": grad_norm, "grad_norm_clipped": min(grad_norm, max_norm), "lr": lr,
+                    "tokens": n_step, "seq_tokens": seq_tokens, "padded_tokens": padded_tokens,
+                    "tokens_seen": tokens_seen, "samples": samples_seen, "tokens_per_s": seq_tokens / seconds,
+                    "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": update_ratio,
+                    "skipped": not healthy, "peak_memory_mb": peak_memory_mb(), "elapsed_s": clock.elapsed,
+                    **({"mfu": step_mfu} if step_mfu is not None else {}),
+                })
+            done = step + 1
+            if eval_every and done % eval_every == 0 and done != plan.total:
+                evaluate(done)
+            if recipe.checkpoint.every_steps and done % recipe.checkpoint.every_steps == 0:
+                checkpoint.save(out, done, lm, optimizer, scheduler,
+                                {"step": done, "epoch": epoch, "recipe_hash": recipe_hash(recipe),
+                                 "training_keys": training_keys(recipe), "global_batch": plan.global_batch,
+                                 "world_size": world.size, "tokens_seen": tokens_seen, "samples_seen": samples_seen},
+                                recipe.checkpoint.keep_last)
+            dist.barrier()
+        evaluate(plan.total)
+        full_state = gather_full_state(net, lm)  # a collective under FSDP: every rank takes part
+        if world.is_main:
+            save_final(lm, tokenizer, out / "final", state_dict=full_state)
+            logger.close()
+            console.print(f"done: {out / 'final'}")
+    except BaseException:
         if logger:
-            logger.log({
-                "step": step + 1, "total_steps": len(plan.steps), "epoch": epoch, "loss": step_loss,
-                "grad_norm": grad_norm, "grad_norm_clipped": min(grad_norm, max_norm), "lr": lr,
-                "tokens": n_step, "seq_tokens": seq_tokens, "padded_tokens": padded_tokens,
-                "tokens_seen": tokens_seen, "tokens_per_s": seq_tokens / seconds,
-                "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": update_ratio,
-                "skipped": not healthy, "peak_memory_mb": peak_memory_mb(), "elapsed_s": clock.elapsed,
-            })
-        done = step + 1
-        if eval_every and done % eval_every == 0 and done != len(plan.steps):
-            evaluate(done)
-        if recipe.checkpoint.every_steps and done % recipe.checkpoint.every_steps == 0 and world.is_main:
-            checkpoint.save(out, done, lm, optimizer, scheduler,
-                            {"step": done, "epoch": epoch, "recipe_hash": recipe_hash(recipe),
-                             "training_keys": training_keys(recipe), "tokens_seen": tokens_seen},
-                            recipe.checkpoint.keep_last)
-        dist.barrier()
-    evaluate(len(plan.steps))
-    if world.is_main:
-        save_final(lm, tokenizer, out / "final")
-        logger.close()
-        console.print(f"done: {out / 'final'}")
+            logger.close(ok=False)  # trackers record the run as failed
+        raise
     return out
 
 
@@ -251,22 +286,35 @@ def _resume_path(recipe: Recipe, out: Path, console: Console) -> Path | None:
     return Path(recipe.resume)
 
 
-def _check_resume_recipe(recipe: Recipe, state: dict[str, Any]) -> None:
+# How one step's rows are split (micro-batch x accumulation x ranks) does not change the training: only the
+# global batch does. So a run may resume on another number of GPUs with the same global batch.
+BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
+
+
+def _check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int) -> None:
     saved, now = state.get("training_keys", {}), training_keys(recipe)
-    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+               if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS]
+    if state.get("global_batch", global_batch) != global_batch:
+        changed.append(f"  - global batch (micro_batch_size x gradient_accumulation_steps x world size): "
+                       f"{state['global_batch']} -> {global_batch}")
     if changed:
-        lines = "\n".join(f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+        lines = "\n".join(changed)
         raise UserError(f"resume refused: the recipe changed in ways that alter training:\n{lines}\n"
                         "  Restore these keys, or start a new run in another output_dir.")
 
 
-def _check_output_dir(out: Path, *, fresh: bool, overwrite: bool) -> list[str]:
+def _check_output_dir(out: Path, *, fresh: bool, overwrite: bool, restart_incomplete: bool = False) -> list[str]:
     """Refuse to start a fresh run over an existing one unless asked; check the directory is writable.
 
     Returns the earlier run's files that --overwrite will replace. They are removed only after the tokenizer,
     the data and the model have loaded, so a bad input never costs the user the run they already had.
     """
     existing = [name for name in RUN_FILES if (out / name).exists()]
+    # resume: auto with no complete checkpoint restarts a run that never finished (killed before its first
+    # checkpoint); a finished run (final/ exists) is never replaced without --overwrite.
+    if fresh and existing and restart_incomplete and "final" not in existing:
+        overwrite = True
     if fresh and existing and not overwrite:
         raise UserError(f"output_dir {out} already holds a run ({', '.join(existing)}). Use resume: auto to "
                         "continue it, another output_dir, or --overwrite to replace it.")
@@ -278,6 +326,22 @@ def _check_output_dir(out: Path, *, fresh: bool, overwrite: bool) -> list[str]:
     except OSError as e:
         raise UserError(f"output_dir {out} is not writable ({e})") from None
     return existing if fresh and overwrite else []
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics lines up to the resumed step: a killed run may have logged steps that are re-run now."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:  # a line cut by the kill
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
 
 
 def _remove_previous_run(out: Path, names: list[str]) -> None:

@@ -46,3 +46,19 @@ def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(sub, torch.nn.ModuleList) and len(sub) and "DecoderLayer" in type(sub[0]).__name__:
             layers.extend(sub)
     return layers
+
+
+def gather_full_state(net: torch.nn.Module, lm: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) state dict of `lm` on CPU under FSDP2, else None (save_pretrained reads the model).
+
+    Every rank must call this: gathering the shards is a collective.
+    """
+    if not any(hasattr(p, "full_tensor") for p in lm.parameters()):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Tied weights (embeddings = output layer) appear under both names; keep the names a plain save_pretrained
+    # writes: named_parameters() lists a tied parameter once.
+    keep = {n for n, _ in lm.named_parameters()} | {n for n, _ in lm.named_buffers()}
+    return {k: v for k, v in full.items() if k in keep}

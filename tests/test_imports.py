@@ -23,7 +23,7 @@ ALLOWED = {
     "loss": set(),
     "optim": {"recipe"},
     "metrics": set(),
-    "checkpoint": set(),
+    "checkpoint": {"dist"},
     "wrap": {"dist", "model", "recipe"},
     "evaluate": {"dist", "data", "loss", "model", "recipe"},
     "trainer": {"checkpoint", "data", "dist", "evaluate", "loss", "metrics", "model", "optim", "recipe",

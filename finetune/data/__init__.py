@@ -161,15 +161,21 @@ def rank_micro_batches(step_rows: Sequence[dict], micro_batch_size: int, world_s
     chunks = [rows[i: i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
     per_rank = -(-len(chunks) // world_size)
     mine = chunks[rank::world_size]
-    filler = [{**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}]
+    filler = [{**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"]), "filler": True}]
     return mine + [filler] * (per_rank - len(mine))
 
 
 def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
-    """Tensors for one micro-batch: packed rows (no attention mask, position ids per document) or padded."""
-    if data.packing:
-        return collate_packed(rows, pad_token_id)
-    return collate_padded(rows, pad_token_id, data.pad_to_multiple_of)
+    """Tensors for one micro-batch: packed rows (no attention mask, position ids per document) or padded.
+
+    A filler micro-batch (see rank_micro_batches) is computed, so its tokens count as padded tokens, but it is
+    no data: its seq_tokens are 0.
+    """
+    batch = collate_packed(rows, pad_token_id) if data.packing else collate_padded(
+        rows, pad_token_id, data.pad_to_multiple_of)
+    if rows and rows[0].get("filler"):
+        batch["seq_tokens"] = 0
+    return batch
 
 
 def eval_batches(samples: Sequence[dict], data: DataConfig, micro_batch_size: int,

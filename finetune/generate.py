@@ -1,0 +1,208 @@
+"""`finetune generate RUN_DIR --prompt ...` and `finetune chat RUN_DIR`: talk to a trained model.
+
+RUN_DIR is a run directory (its final/ holds a full model, or a LoRA adapter that goes on the run's base,
+rebuilt as `finetune merge` rebuilds it), or any HF model directory (e.g. RUN_DIR/merged). The conversation is
+rendered with the tokenizer's chat template, saved with the run, so the model sees prompts formatted exactly
+as in training. Tokens stream to stdout as they are produced. Generation uses the KV cache: it is inference on
+one sequence, where the packed-document problem that makes training turn the cache off does not arise.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from finetune.errors import UserError
+from finetune.model import has_adapter, load_adapted_model, read_run
+
+
+@dataclass
+class GenerationOptions:
+    max_new_tokens: int = 256
+    """Most tokens to generate per reply."""
+    temperature: float = 0.0
+    """0: greedy (deterministic); above 0: sample from the softmax at this temperature."""
+    top_p: float = 1.0
+    """Sampling only: keep the smallest set of tokens whose probability reaches top_p."""
+    seed: int = 0
+    """Seed of the sampler (set once per command, so a whole chat session is reproducible)."""
+    system: str | None = None
+    """A system message put before the conversation."""
+    min_new_tokens: int = 0
+    """Generate at least this many tokens before the model may stop."""
+
+
+@dataclass
+class Completion:
+    text: str
+    """The reply, special tokens removed."""
+    prompt: str
+    """The prompt exactly as the model saw it (the chat template's rendering)."""
+    new_tokens: int
+    """How many tokens were generated (including a final end-of-turn token)."""
+
+
+def generate(run_dir: str, prompt: str, options: GenerationOptions) -> str:
+    """Answer one user message, streaming the reply to stdout; returns the reply."""
+    model, tokenizer = load_for_inference(run_dir)
+    torch.manual_seed(options.seed)
+    messages = _with_system([{"role": "user", "content": prompt}], options.system)
+    return complete(model, tokenizer, messages, options).text
+
+
+def chat(run_dir: str, options: GenerationOptions) -> None:
+    """A REPL: one user message per line from stdin, replies streamed, the conversation kept, until EOF or
+    /exit (/reset starts over)."""
+    model, tokenizer = load_for_inference(run_dir)
+    torch.manual_seed(options.seed)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {run_dir}: /exit or Ctrl-D to quit, /reset to start over", file=sys.stderr)
+    chat_session(model, tokenizer, options, _prompted_lines() if interactive else sys.stdin)
+
+
+def chat_session(model: Any, tokenizer: Any, options: GenerationOptions, lines: Iterable[str]) -> list[dict]:
+    """Run the chat over `lines` (user messages); returns the conversation (without the system message)."""
+    history: list[dict] = []
+    for line in lines:
+        text = line.strip()
+        if text == "/exit":
+            break
+        if text == "/reset":
+            history = []
+            continue
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
+        messages = _fit_context(model, tokenizer, _with_system(history, options.system), options)
+        reply = complete(model, tokenizer, messages, options).text
+        history.append({"role": "assistant", "content": reply})
+    return history
+
+
+def render_prompt(tokenizer: Any, messages: list[dict]) -> str:
+    """The conversation rendered by the chat template, ending with the assistant's header (generation prompt)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the model's tokenizer has no chat template; train with tokenizer.chat_template set, "
+                        "or add chat_template.jinja to the model directory")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def complete(model: Any, tokenizer: Any, messages: list[dict], options: GenerationOptions,
+             stream: TextIO | None = sys.stdout) -> Completion:
+    """Generate the assistant's reply to `messages`; tokens stream to `stream` (None: silent)."""
+    from transformers import GenerationConfig, TextStreamer
+
+    prompt = render_prompt(tokenizer, messages)
+    # The template writes the special tokens itself: adding them again would double the bos.
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(_device(model))
+    max_new = _room(model, ids.shape[1], options.max_new_tokens)
+    sampling = options.temperature > 0
+    config = GenerationConfig(
+        max_new_tokens=max_new, min_new_tokens=min(options.min_new_tokens, max_new), do_sample=sampling,
+        temperature=options.temperature if sampling else None, top_p=options.top_p if sampling else None,
+        top_k=None, eos_token_id=_stop_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
+        use_cache=True)
+    streamer = None
+    if stream is not None:
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                             streamer=streamer)
+    new = out[0, ids.shape[1]:]
+    return Completion(tokenizer.decode(new, skip_special_tokens=True).strip(), prompt, int(new.numel()))
+
+
+def load_for_inference(run_dir: str) -> tuple[Any, Any]:
+    """(model in eval mode on the best device, tokenizer) from a run directory, its final/, or an HF model
+    directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(run_dir).expanduser()
+    if (path / "adapter_config.json").is_file() and (path.parent / "recipe.yaml").is_file():
+        path = path.parent  # RUN/final holding an adapter: its base comes from the run's recipe
+    if (path / "recipe.yaml").is_file():
+        recipe, final = read_run(path)
+        tokenizer = AutoTokenizer.from_pretrained(str(final))
+        if has_adapter(final):
+            if recipe.adapter.type == "qlora":
+                print("note: QLoRA adapter applied to the base loaded unquantized (as `finetune merge` does)",
+                      file=sys.stderr)
+            model = load_adapted_model(path, final, recipe, tokenizer)
+        else:
+            model = _load_hf(AutoModelForCausalLM, final, recipe.model.dtype)
+    elif (path / "config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = _load_hf(AutoModelForCausalLM, path, "auto")
+    else:
+        raise UserError(f"{run_dir}: neither a run directory (recipe.yaml + final/) nor an HF model directory "
+                        "(config.json)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device).eval(), tokenizer
+
+
+def _load_hf(auto: Any, path: Path, dtype: str) -> Any:
+    try:
+        return auto.from_pretrained(str(path), dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: the model could not be loaded ({type(e).__name__}: {e})") from None
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + list(messages)
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _max_positions(model: Any) -> int | None:
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _room(model: Any, prompt_tokens: int, wanted: int) -> int:
+    """max_new_tokens, shortened so prompt + reply fit the model's positions (beyond them output is garbage)."""
+    limit = _max_positions(model)
+    if limit is None:
+        return wanted
+    if prompt_tokens >= limit:
+        raise UserError(f"the prompt has {prompt_tokens} tokens; the model handles at most {limit} positions")
+    return min(wanted, limit - prompt_tokens)
+
+
+def _fit_context(model: Any, tokenizer: Any, messages: list[dict], options: GenerationOptions) -> list[dict]:
+    """Drop the oldest turns (never the system message or the newest user turn) until prompt + reply fit."""
+    limit = _max_positions(model)
+    if limit is None:
+        return messages
+    messages = list(messages)
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    while len(messages) - first > 1:
+        n = len(tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"])
+        if n + min(options.max_new_tokens, 64) <= limit:
+            break
+        del messages[first]
+    return messages
+
+
+def _stop_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The tokenizer's eos (for ChatML `<|im_end|>`, the end of a turn) and the model's own eos ids."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def _prompted_lines() -> Iterator[str]:
+    while True:
+        try:
+            yield input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return

@@ -1,0 +1,128 @@
+"""Many processes, same math: torchrun (gloo, CPU, 2 processes) with DDP and FSDP2 against one process.
+
+micro 2 x accum 2 x 2 ranks must give the same logged losses, grad norms and final weights as one process
+with micro 8 x accum 1 (relative <= 1e-5, float32). A short last step leaves rank 1 with only a filler
+micro-batch (zero target tokens) and must not hang. Killing one rank ends the run within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import QUICKSTART, ROOT, TINY, final_weights, rel_diff, train_lines
+
+pytestmark = pytest.mark.dist
+
+# 10 padded rows: with a global batch of 8, step 2 has 2 rows -> rank 0 one micro-batch, rank 1 a filler.
+SHORT = [*TINY, "datasets.0.max_rows=10", "data.packing=false", "train.max_steps=null", "train.epochs=1"]
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "finetune", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def single(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Path]:
+    """One process, micro 8 x accum 1: packed 3 steps, and the padded short-last-step run."""
+    out = {}
+    for name, extra in (("packed", [*TINY, "train.max_steps=3"]), ("short", SHORT)):
+        run_dir = tmp_path_factory.mktemp(f"ref-{name}")
+        r = single("train", str(QUICKSTART), f"output_dir={run_dir}", *extra, "train.micro_batch_size=8",
+                   "train.gradient_accumulation_steps=1")
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[name] = run_dir
+    return out
+
+
+def assert_same_training(run_dir: Path, ref: Path) -> None:
+    lines, ref_lines = train_lines(run_dir), train_lines(ref)
+    assert [r["step"] for r in lines] == [r["step"] for r in ref_lines]
+    for a, b in zip(lines, ref_lines):
+        assert a["tokens"] == b["tokens"] and a["seq_tokens"] == b["seq_tokens"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a["step"], a["grad_norm"])
+    got, want = final_weights(run_dir), final_weights(ref)
+    assert set(got) == set(want)
+    for name in want:
+        assert rel_diff(got[name], want[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("case", ["packed", "short"])
+def test_two_ranks_equal_one_process(tmp_path, reference, strategy, case):
+    extra = [*TINY, "train.max_steps=3"] if case == "packed" else SHORT
+    r = torchrun("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *extra, "train.micro_batch_size=2",
+                 "train.gradient_accumulation_steps=2", f"distributed.strategy={strategy}")
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "world size 2" in r.stdout
+    assert_same_training(tmp_path / "run", reference[case])
+
+
+def test_fsdp_checkpoint_resumes_exactly(tmp_path, reference):
+    """FSDP2 sharded checkpoint (torch.distributed.checkpoint): resume from step 2 of 3 ends like the reference."""
+    run = tmp_path / "run"
+    args = ["train", str(QUICKSTART), f"output_dir={run}", *TINY, "train.max_steps=3", "train.micro_batch_size=2",
+            "train.gradient_accumulation_steps=2", "distributed.strategy=fsdp", "checkpoint.every_steps=2"]
+    r = torchrun(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run / "checkpoints" / "step-2" / "dcp" / ".metadata").is_file()
+    for name in ("final", "checkpoints/step-3"):
+        subprocess.run(["rm", "-rf", str(run / name)], check=True)
+    r = torchrun(*args, "resume=auto")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    assert_same_training(run, reference["packed"])
+
+
+def test_killing_one_rank_ends_the_run_quickly(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "finetune",
+           "train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "train.max_steps=100000",
+           "train.epochs=null"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        victim = _rank_pid(proc.pid, rank=1)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = proc.wait(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code != 0
+    assert elapsed < 30, f"the run took {elapsed:.1f}s to end after a rank died"
+
+
+def _rank_pid(root_pid: int, rank: int) -> int:
+    """The pid of the worker process with RANK=rank under the torchrun process."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text().split()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b"\0".join(environ) \
+                and int(stat[3]) == root_pid:
+            return int(entry.name)
+    raise AssertionError(f"no worker with RANK={rank} under pid {root_pid}")
