@@ -21,7 +21,13 @@ EXIT_USER_ERROR = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Options may come before or after the key=value overrides: argparse stops filling `overrides` at the first
+    # option, so whatever it leaves over is taken as more overrides (and anything else is an error).
+    args, extra = parser.parse_known_args(argv)
+    for item in extra:
+        if item.startswith("-") or not hasattr(args, "overrides") or "=" not in item:
+            parser.error(f"unrecognized argument: {item}")
+        args.overrides.append(item)
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USER_ERROR

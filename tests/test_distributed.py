@@ -106,23 +106,35 @@ def test_killing_one_rank_ends_the_run_quickly(tmp_path):
         code = proc.wait(timeout=60)
         elapsed = time.monotonic() - killed_at
     finally:
+        # torchrun starts each worker in its own session: kill them by pid, not through torchrun's group.
+        for pid in _worker_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert code != 0
     assert elapsed < 30, f"the run took {elapsed:.1f}s to end after a rank died"
 
 
-def _rank_pid(root_pid: int, rank: int) -> int:
-    """The pid of the worker process with RANK=rank under the torchrun process."""
+def _worker_pids(root_pid: int) -> dict[int, int]:
+    """{pid: rank} of the worker processes of the torchrun process `root_pid`."""
+    workers = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             environ = (entry / "environ").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text().split()
-        except OSError:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b"\0".join(environ) \
-                and int(stat[3]) == root_pid:
-            return int(entry.name)
+        rank = [e for e in environ if e.startswith(b"RANK=")]
+        if parent == root_pid and rank:
+            workers[int(entry.name)] = int(rank[0][5:])
+    return workers
+
+
+def _rank_pid(root_pid: int, rank: int) -> int:
+    """The pid of the worker process with RANK=rank under the torchrun process."""
+    for pid, worker_rank in _worker_pids(root_pid).items():
+        if worker_rank == rank:
+            return pid
     raise AssertionError(f"no worker with RANK={rank} under pid {root_pid}")

@@ -1,0 +1,139 @@
+"""Runs that survive: exact resume, SIGKILL at random moments, broken checkpoints skipped, resume refused when
+the recipe changed the training, and a run whose weights do not move made visible."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import QUICKSTART, ROOT, TEST_ENV, TINY, final_weights, run_cli, train_lines
+
+from finetune import checkpoint
+
+RUN = [*TINY, "train.max_steps=6", "checkpoint.every_steps=3", "checkpoint.keep_last=2"]
+
+
+def _assert_bitwise(a, b) -> None:
+    la, lb = train_lines(a), train_lines(b)
+    assert [(x["step"], x["loss"], x["grad_norm"]) for x in la] == [(x["step"], x["loss"], x["grad_norm"]) for x in lb]
+    assert [x["tokens_seen"] for x in la] == [x["tokens_seen"] for x in lb]
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys() and wa
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("adapter", ["none", "lora"])
+def test_resume_is_bitwise_identical(tmp_path, packing, adapter):
+    """6 steps straight vs the same run stopped after its step-3 checkpoint and resumed to 6."""
+    extra = [f"data.packing={packing}", f"adapter.type={adapter}", "model.config.attention_dropout=0.1"]
+    straight = tmp_path / "straight"
+    r = run_cli("train", str(QUICKSTART), f"output_dir={straight}", *RUN, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    # Make `resumed` what a run stopped right after step 3 would have left.
+    shutil.rmtree(resumed / "final")
+    shutil.rmtree(resumed / "checkpoints" / "step-6")
+    r = run_cli("train", str(QUICKSTART), f"output_dir={resumed}", *RUN, *extra, "resume=auto")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "step-3" in r.stdout
+    _assert_bitwise(straight, resumed)
+
+
+def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
+    """Kill -9 the run at random moments (during steps and checkpoint writes), resume: auto each time; the
+    result equals the uninterrupted run, bit for bit. The kill moments are drawn after training has started
+    (the first metrics line exists), so every kill lands in the loop or in a checkpoint write."""
+    args = [*TINY, "train.max_steps=8", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
+    straight = tmp_path / "straight"
+    assert run_cli("train", str(QUICKSTART), f"output_dir={straight}", *args).returncode == 0
+    killed = tmp_path / "killed"
+    metrics = killed / "metrics.jsonl"
+    rng = random.Random(1234)
+    kills_after_a_checkpoint = 0
+    for attempt in range(8):
+        cmd = [sys.executable, "-m", "finetune", "train", str(QUICKSTART), f"output_dir={killed}", *args,
+               "resume=auto"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env=TEST_ENV)
+        lines_before = _line_count(metrics)
+        if attempt < 4:  # four kills at random moments, then let it finish
+            while proc.poll() is None and _line_count(metrics) <= lines_before:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 1.5))
+            if proc.poll() is None:
+                had_checkpoint = bool(checkpoint.complete_checkpoints(killed / "checkpoints"))
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                kills_after_a_checkpoint += had_checkpoint
+                continue
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+        break
+    assert kills_after_a_checkpoint >= 1, "no kill came after a checkpoint; the test proved nothing"
+    _assert_bitwise(straight, killed)
+
+
+def _line_count(path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_broken_checkpoints_are_skipped(tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("train", str(QUICKSTART), f"output_dir={out}", *RUN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = out / "checkpoints"
+    good = root / "step-6"
+    # A half-written one (no marker), and a complete-looking one whose weights are truncated.
+    shutil.copytree(good, root / "step-9")
+    (root / "step-9" / checkpoint.MARKER).unlink()
+    shutil.copytree(good, root / "step-8")
+    data = (root / "step-8" / "model.safetensors").read_bytes()
+    (root / "step-8" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    messages: list[str] = []
+    assert checkpoint.find_latest(out, warn=messages.append) == good
+    assert len(messages) == 1 and "step-8" in messages[0] and "unreadable" in messages[0]
+
+
+def test_resume_refuses_changed_training_but_allows_harmless_changes(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", str(QUICKSTART), f"output_dir={out}", *RUN).returncode == 0
+    shutil.rmtree(out / "final")
+    r = run_cli("train", str(QUICKSTART), f"output_dir={out}", *RUN, "resume=auto", "train.lr=1e-2",
+                "data.max_seq_len=128")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "resume refused" in r.stderr and "train.lr" in r.stderr and "data.max_seq_len" in r.stderr
+    # Same global batch split differently, and a different logging cadence: the same training.
+    r = run_cli("train", str(QUICKSTART), f"output_dir={out}", *RUN, "resume=auto", "train.micro_batch_size=2",
+                "train.gradient_accumulation_steps=4", "logging.every_steps=5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+
+
+def test_weights_that_do_not_move_are_reported(tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("train", str(QUICKSTART), f"output_dir={out}", *TINY, "train.max_steps=2", "train.lr=1e-30",
+                "train.warmup_steps=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "the trainable weights did not change" in r.stdout
+    assert all(line["update_ratio"] == 0.0 for line in train_lines(out))
+
+
+def test_metrics_after_resume_have_no_duplicate_steps(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", str(QUICKSTART), f"output_dir={out}", *RUN).returncode == 0
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoints" / "step-6")
+    assert run_cli("train", str(QUICKSTART), f"output_dir={out}", *RUN, "resume=auto").returncode == 0
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x)]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
