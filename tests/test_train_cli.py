@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from helpers import QUICKSTART, TINY, eval_lines, final_weights, max_rel_diff, rel_diff, run_cli, train_lines
+from helpers import QUICKSTART, TINY, eval_lines, final_weights, rel_diff, run_cli, train_lines
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,9 @@ def test_accumulation_factorizations_give_identical_training(tmp_path, packing):
 
     The quickstart's own schedule (warmup, clipping). Adam normalizes each entry by its own gradient scale, so
     entries with near-zero gradients turn float summation-order noise into weight noise proportional to lr:
-    the elementwise max relative difference reaches ~1e-5 here, so weights are compared per tensor with
-    ||a - b|| / ||b|| <= 1e-5, and elementwise within 1e-4.
+    the elementwise max relative difference of weights reached 1.1e-4 here after 3 steps (measured), so
+    weights are compared per tensor with ||a - b|| / ||b|| <= 1e-5. The elementwise claim is made on the
+    gradients themselves, in test_verify_gradients_elementwise.
     """
     runs = {}
     for micro, accum in ((8, 1), (1, 8), (2, 4)):
@@ -83,7 +84,6 @@ def test_accumulation_factorizations_give_identical_training(tmp_path, packing):
         weights = final_weights(out)
         for name, tensor in ref_weights.items():
             assert rel_diff(weights[name], tensor) <= 1e-5, (key, name, rel_diff(weights[name], tensor))
-            assert max_rel_diff(weights[name], tensor) <= 1e-4, (key, name)
 
 
 def test_eval_loss_same_with_packing_on_off_and_any_micro_batch(tmp_path):
@@ -103,3 +103,26 @@ def test_bad_override_exits_2_without_traceback():
     assert result.returncode == 2
     assert "train.lrr: unknown key; did you mean 'lr'?" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_verify_gradients_elementwise(packing):
+    """`finetune verify`: the configured step's gradient equals the one-batch gradient elementwise (fp32 <= 1e-5)
+    and the naive mean-of-means does not, on the same rows (so the check has power), also with 2 ranks."""
+    from finetune.recipe import load_recipe
+    from finetune.verify import verify
+
+    recipe = load_recipe(QUICKSTART, [*TINY, f"data.packing={packing}", "train.micro_batch_size=1",
+                                      "train.gradient_accumulation_steps=4"])
+    for world in (1, 2):
+        result = verify(recipe, world_size=world)
+        assert result.micro_batches == 4 * world
+        assert result.configured_max <= 1e-5, result.groups
+        assert result.naive_max > 1e-3, result.groups
+        assert result.passed
+
+
+def test_verify_cli_prints_verdict():
+    result = run_cli("verify", str(QUICKSTART), *TINY, "train.micro_batch_size=2", "train.gradient_accumulation_steps=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "PASS" in result.stdout and "naive mean-of-means" in result.stdout
