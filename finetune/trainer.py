@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -28,10 +26,14 @@ from finetune.metrics import Stopwatch, mfu, open_sinks, peak_memory_mb
 from finetune.model import count_parameters, load_model, load_tokenizer, save_final
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.recipe import Recipe, recipe_hash, to_yaml, training_keys
+from finetune.rundir import (
+    check_output_dir,
+    check_resume_recipe,
+    remove_previous_run,
+    resume_path,
+    truncate_metrics,
+)
 from finetune.wrap import gather_full_state, wrap_model
-
-RUN_FILES = ("metrics.jsonl", "recipe.yaml", "versions.json", "checkpoints", "final", "tensorboard", "wandb",
-             "mlflow.db", "mlartifacts", "mlruns")
 
 
 def required_packages(recipe: Recipe) -> list[str]:
@@ -115,9 +117,9 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     warnings = versions.enforce(required_packages(recipe), allow_unpinned=allow_unpinned)
     for w in warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
-    resume_from = _resume_path(recipe, out, console)
+    resume_from = resume_path(recipe, out, console)
     # Checked now, before anything slow; an old run is only removed once everything has loaded (below).
-    replaced = _check_output_dir(out, fresh=resume_from is None, overwrite=overwrite,
+    replaced = check_output_dir(out, fresh=resume_from is None, overwrite=overwrite,
                                  restart_incomplete=recipe.resume == "auto") if world.is_main else []
     dist.barrier()
 
@@ -149,15 +151,15 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     start_step, tokens_seen, samples_seen = 0, 0, 0
     if resume_from is not None:
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
-        _check_resume_recipe(recipe, state, plan.global_batch)
+        check_resume_recipe(recipe, state, plan.global_batch)
         start_step, tokens_seen, samples_seen = state["step"], state["tokens_seen"], state.get("samples_seen", 0)
         console.print(f"resumed from {resume_from} at step {start_step}")
     if world.is_main:
-        _remove_previous_run(out, replaced)
+        remove_previous_run(out, replaced)
         (out / "recipe.yaml").write_text(to_yaml(recipe))
         (out / "versions.json").write_text(json.dumps(versions.snapshot(warnings), indent=2))
     if world.is_main and start_step:
-        _truncate_metrics(out / "metrics.jsonl", start_step)
+        truncate_metrics(out / "metrics.jsonl", start_step)
     logger = open_sinks(out, recipe.logging, console, plan.total, start_step) if world.is_main else None
     pad_id = tokenizer.pad_token_id
     eval_every = recipe.eval.every_steps
@@ -276,80 +278,6 @@ def _sharded(params: list[torch.Tensor]) -> bool:
     return any(hasattr(p, "to_local") for p in params)
 
 
-def _resume_path(recipe: Recipe, out: Path, console: Console) -> Path | None:
-    if recipe.resume is None:
-        return None
-    if recipe.resume == "auto":
-        found = checkpoint.find_latest(out, warn=lambda m: console.print(f"[yellow]{m}[/yellow]"))
-        console.print(f"resume: auto -> {found or 'no complete checkpoint, starting fresh'}")
-        return found
-    return Path(recipe.resume)
-
-
-# How one step's rows are split (micro-batch x accumulation x ranks) does not change the training: only the
-# global batch does. So a run may resume on another number of GPUs with the same global batch.
-BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
-
-
-def _check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int) -> None:
-    saved, now = state.get("training_keys", {}), training_keys(recipe)
-    changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-               if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS]
-    if state.get("global_batch", global_batch) != global_batch:
-        changed.append(f"  - global batch (micro_batch_size x gradient_accumulation_steps x world size): "
-                       f"{state['global_batch']} -> {global_batch}")
-    if changed:
-        lines = "\n".join(changed)
-        raise UserError(f"resume refused: the recipe changed in ways that alter training:\n{lines}\n"
-                        "  Restore these keys, or start a new run in another output_dir.")
-
-
-def _check_output_dir(out: Path, *, fresh: bool, overwrite: bool, restart_incomplete: bool = False) -> list[str]:
-    """Refuse to start a fresh run over an existing one unless asked; check the directory is writable.
-
-    Returns the earlier run's files that --overwrite will replace. They are removed only after the tokenizer,
-    the data and the model have loaded, so a bad input never costs the user the run they already had.
-    """
-    existing = [name for name in RUN_FILES if (out / name).exists()]
-    # resume: auto with no complete checkpoint restarts a run that never finished (killed before its first
-    # checkpoint); a finished run (final/ exists) is never replaced without --overwrite.
-    if fresh and existing and restart_incomplete and "final" not in existing:
-        overwrite = True
-    if fresh and existing and not overwrite:
-        raise UserError(f"output_dir {out} already holds a run ({', '.join(existing)}). Use resume: auto to "
-                        "continue it, another output_dir, or --overwrite to replace it.")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"output_dir {out} is not writable ({e})") from None
-    return existing if fresh and overwrite else []
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the metrics lines up to the resumed step: a killed run may have logged steps that are re-run now."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:  # a line cut by the kill
-            continue
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
-
-
-def _remove_previous_run(out: Path, names: list[str]) -> None:
-    for name in names:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
 def _report_data(console: Console, stats: DataStats, n_eval: int) -> None:
     line = (f"data: {stats.samples} samples, {stats.tokens} tokens, {stats.target_tokens} target tokens; "
             f"{n_eval} eval samples")
@@ -358,3 +286,5 @@ def _report_data(console: Console, stats: DataStats, n_eval: int) -> None:
     if stats.bad_rows_skipped:
         line += f"; [yellow]{stats.bad_rows_skipped} bad rows skipped[/yellow]"
     console.print(line)
+    for example in stats.bad_row_examples:  # the first few, so a user can see which rows and why
+        console.print(f"  skipped: {example}", markup=False)

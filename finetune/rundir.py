@@ -1,0 +1,93 @@
+"""The run directory: refuse to overwrite a run by accident, choose the checkpoint to resume, refuse a resume
+whose recipe changed the training, and keep metrics.jsonl consistent after a resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from finetune import checkpoint
+from finetune.errors import UserError
+from finetune.recipe import Recipe, training_keys
+
+RUN_FILES = ("metrics.jsonl", "recipe.yaml", "versions.json", "checkpoints", "final", "tensorboard", "wandb",
+             "mlflow.db", "mlartifacts", "mlruns")
+
+
+def resume_path(recipe: Recipe, out: Path, console: Console) -> Path | None:
+    """The checkpoint to resume from: none, the newest complete one (auto), or the one the recipe names."""
+    if recipe.resume is None:
+        return None
+    if recipe.resume == "auto":
+        found = checkpoint.find_latest(out, warn=lambda m: console.print(f"[yellow]{m}[/yellow]"))
+        console.print(f"resume: auto -> {found or 'no complete checkpoint, starting fresh'}")
+        return found
+    return Path(recipe.resume)
+
+
+# How one step's rows are split (micro-batch x accumulation x ranks) does not change the training: only the
+# global batch does. So a run may resume on another number of GPUs with the same global batch.
+BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
+
+
+def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int) -> None:
+    saved, now = state.get("training_keys", {}), training_keys(recipe)
+    changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+               if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS]
+    if state.get("global_batch", global_batch) != global_batch:
+        changed.append(f"  - global batch (micro_batch_size x gradient_accumulation_steps x world size): "
+                       f"{state['global_batch']} -> {global_batch}")
+    if changed:
+        lines = "\n".join(changed)
+        raise UserError(f"resume refused: the recipe changed in ways that alter training:\n{lines}\n"
+                        "  Restore these keys, or start a new run in another output_dir.")
+
+
+def check_output_dir(out: Path, *, fresh: bool, overwrite: bool, restart_incomplete: bool = False) -> list[str]:
+    """Refuse to start a fresh run over an existing one unless asked; check the directory is writable.
+
+    Returns the earlier run's files that --overwrite will replace. They are removed only after the tokenizer,
+    the data and the model have loaded, so a bad input never costs the user the run they already had.
+    """
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    # resume: auto with no complete checkpoint restarts a run that never finished (killed before its first
+    # checkpoint); a finished run (final/ exists) is never replaced without --overwrite.
+    if fresh and existing and restart_incomplete and "final" not in existing:
+        overwrite = True
+    if fresh and existing and not overwrite:
+        raise UserError(f"output_dir {out} already holds a run ({', '.join(existing)}). Use resume: auto to "
+                        "continue it, another output_dir, or --overwrite to replace it.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output_dir {out} is not writable ({e})") from None
+    return existing if fresh and overwrite else []
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics lines up to the resumed step: a killed run may have logged steps that are re-run now."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:  # a line cut by the kill
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+
+
+def remove_previous_run(out: Path, names: list[str]) -> None:
+    for name in names:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
