@@ -17,7 +17,9 @@ import torch
 from rich.console import Console
 
 from finetune import checkpoint, dist, versions
-from finetune.data import DataStats, build_samples, collate, epoch_rows, rank_micro_batches, steps_in
+from finetune.data import DataStats, collate, epoch_rows, rank_micro_batches, steps_in
+from finetune.data.cache import build_samples_cached
+from finetune.data.cache import preprocess as preprocess_data
 from finetune.data.isolation import check_packing_isolation
 from finetune.errors import UserError
 from finetune.evaluate import CausalLMWithLoss, evaluate_loss, model_inputs
@@ -111,6 +113,11 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
         dist.shutdown()
 
 
+def preprocess(recipe: Recipe, *, show: int = 0, rebuild: bool = False) -> None:
+    """`finetune preprocess`: lives here because the tokenizer (model) and the data meet only in the trainer."""
+    preprocess_data(recipe, load_tokenizer(recipe.tokenizer, recipe.model), show=show, rebuild=rebuild)
+
+
 def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Console, overwrite: bool,
            allow_unpinned: bool) -> Path:
     out = Path(recipe.output_dir)
@@ -125,7 +132,8 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
 
     torch.manual_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
-    train_samples, eval_samples, stats, _ = build_samples(recipe, tokenizer)
+    train_samples, eval_samples, stats, _, note = build_samples_cached(recipe, tokenizer)
+    console.print(note, markup=False, highlight=False)  # reused the preprocessed-data cache, or wrote it
     _report_data(console, stats, len(eval_samples))
     plan = StepPlan(train_samples, recipe, world.size)
 
@@ -208,10 +216,6 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
                 bad_streak += 1
                 console.print(f"[red]step {step + 1}: non-finite loss or gradient; update skipped "
                               f"({bad_streak} in a row)[/red]")
-                if bad_streak >= recipe.train.max_bad_steps:
-                    raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
-                                    f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
-                                    "check the data, or use float32")
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
@@ -233,6 +237,10 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
                     "skipped": not healthy, "peak_memory_mb": peak_memory_mb(), "elapsed_s": clock.elapsed,
                     **({"mfu": step_mfu} if step_mfu is not None else {}),
                 })
+            if bad_streak >= recipe.train.max_bad_steps:  # after logging, so the metrics show the bad steps
+                raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
+                                f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
+                                "check the data, or use float32")
             done = step + 1
             if eval_every and done % eval_every == 0 and done != plan.total:
                 evaluate(done)

@@ -137,3 +137,24 @@ def test_metrics_after_resume_have_no_duplicate_steps(tmp_path):
              if "loss" in json.loads(x)]
     assert steps == [1, 2, 3, 4, 5, 6]
 
+
+
+def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path):
+    """lr 1e30: step 1 is finite and its update blows the weights up, so every later step overflows to a
+    non-finite loss: each is skipped (no update) and counted, and train.max_bad_steps consecutive ones stop
+    the run with exit 2 and a clear message."""
+    out = tmp_path / "run"
+    r = run_cli("train", str(QUICKSTART), f"output_dir={out}", *TINY, "train.max_steps=10", "train.lr=1e30",
+                "train.warmup_steps=0", "train.max_grad_norm=null", "data.packing=false", "train.max_bad_steps=2")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "consecutive steps with a non-finite loss or gradient" in r.stderr and "Traceback" not in r.stderr
+    lines = train_lines(out)
+    assert [x["skipped"] for x in lines] == [False, True, True]
+    assert all(x["update_ratio"] == 0.0 for x in lines[1:])
+
+
+def test_no_trainable_parameters_refuses_to_start(tmp_path):
+    r = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "train.max_steps=1",
+                "adapter.type=lora", "adapter.target_modules=[no_such_module]")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "adapter.target_modules" in r.stderr
