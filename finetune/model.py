@@ -22,10 +22,13 @@ loaded back quantized: transformers quantizes only inside `from_pretrained`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
 import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,8 +189,8 @@ def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Mod
     dtype = DTYPES[cfg.dtype]
     kwargs: dict[str, Any] = {"dtype": dtype, "quantization_config": _nf4_config(dtype), **_common_kwargs(cfg)}
     if torch.cuda.is_available():
-        # Quantize on the GPU that trains (dist.init has selected it): fast, and the 16-bit copy never
-        # has to fit there. On CPU bitsandbytes quantizes in place.
+        # Quantize straight onto the GPU that trains (dist.init has selected it): fast, and the whole 16-bit
+        # model never has to sit there. Without a GPU, bitsandbytes (>= 0.49) quantizes and computes on the CPU.
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     path, gguf = _gguf_location(cfg)
     if cfg.init == "pretrained" and not gguf:
@@ -257,7 +260,8 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
                         target_modules=adapter.target_modules, modules_to_save=adapter.modules_to_save,
                         ensure_weight_tying=tie, task_type="CAUSAL_LM")
     try:
-        peft_model = get_peft_model(model, config)
+        with _quiet_peft():
+            peft_model = get_peft_model(model, config)
     except ValueError as e:
         raise UserError(f"adapter.target_modules: {e}") from None
     if isinstance(peft_model.get_base_model().get_output_embeddings(), LoraLayer):
@@ -266,6 +270,15 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
                         "directly, so that LoRA would be ignored. Remove it from target_modules (all-linear "
                         "already leaves it out), or train it in full with adapter.modules_to_save: [lm_head]")
     return peft_model
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """peft 0.21.2 reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model: a
+    FutureWarning the user cannot act on, printed on every run. Silenced for that call only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def _prepare_kbit(model: torch.nn.Module) -> None:
@@ -306,10 +319,14 @@ def save_final(model: torch.nn.Module, tokenizer: Any, out_dir: Path, state_dict
     saved with `use_cache: true` in its config: training turned the cache off, inference wants it on.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = model.get_base_model().config if is_adapter_model(model) else model.config
+    adapter = is_adapter_model(model)
+    config = model.get_base_model().config if adapter else model.config
+    # We never resize the vocabulary, so PEFT need not save the base embeddings; its "auto" check would look for
+    # a config.json next to the base (absent for GGUF and random-init bases) and warn.
+    extra = {"save_embedding_layers": False} if adapter else {}
     use_cache, config.use_cache = config.use_cache, True
     try:
-        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True, **extra)
     finally:
         config.use_cache = use_cache
     tokenizer.save_pretrained(out_dir)
@@ -357,7 +374,8 @@ def load_adapted_model(run_dir: str | Path, final: Path, recipe: Recipe, tokeniz
         check_rebuild_versions(Path(run_dir))
     base = load_base(recipe.model, tokenizer, recipe.seed)
     try:
-        return PeftModel.from_pretrained(base, str(final)).eval()
+        with _quiet_peft():
+            return PeftModel.from_pretrained(base, str(final)).eval()
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"{final}: the adapter does not load onto the run's base model "
                         f"({type(e).__name__}: {_first_line(e)})") from None
