@@ -12,9 +12,14 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from finetune import __version__
 from finetune.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: the recipe module is imported by the commands that need it
+    from finetune.recipe import Recipe
 
 EXIT_USER_ERROR = 2
 
@@ -52,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, handler: Callable, help_text: str, recipe: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if recipe:
-            p.add_argument("recipe", help="recipe YAML file")
+            p.add_argument("recipe", help="recipe YAML file, or a recipe name (see `finetune recipes list`)")
             p.add_argument("overrides", nargs="*", metavar="key.path=value",
                            help="override recipe keys; values are parsed as YAML scalars")
         p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -65,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run even if pinned libraries are at other versions (recorded in versions.json)")
     p.add_argument("--nproc", type=int, default=None, help="run data-parallel on N local processes via torchrun")
     command("validate", cmd_validate, "check a recipe and print it fully resolved")
+    p = command("preprocess", cmd_preprocess, "tokenize and cache a recipe's data; print dataset and packing "
+                "statistics")
+    p.add_argument("--show", type=int, default=0, metavar="N",
+                   help="print the first N training samples, trained tokens marked (colored on a terminal)")
+    p.add_argument("--rebuild", action="store_true", help="tokenize again even if the cache has this data")
     p = command("eval", cmd_eval, "token-weighted eval loss of a recipe's model (or a run's final model)")
     p.add_argument("--model", default=None, help="evaluate this model directory instead (e.g. RUN/final)")
     p = command("verify", cmd_verify, "prove exact gradient accumulation on this recipe's first optimizer step")
@@ -96,13 +106,57 @@ def build_parser() -> argparse.ArgumentParser:
     command("env", cmd_env, "show pinned vs installed library versions and the device", recipe=False)
     p = command("schema", cmd_schema, "write the recipe JSON Schema", recipe=False)
     p.add_argument("--out", default=None, help="file to write (default: stdout)")
+    _add_recipes_commands(command)
     return parser
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from finetune.recipe import load_recipe
+def _add_recipes_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """`finetune recipes list|add|update|remove`: the recipe names and the repositories they come from."""
+    group = command("recipes", cmd_recipes, "list recipe names; add, update or remove recipe repositories",
+                    recipe=False)
+    actions = group.add_subparsers(dest="action", required=True, metavar="{list,add,update,remove}")
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    def action(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = actions.add_parser(name, help=help_text, description=help_text)
+        # SUPPRESS: an unset --debug here must not overwrite `finetune recipes --debug ...` from the group.
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+        return p
+
+    action("list", "every recipe name, its description and where it comes from (the first row of a name wins)")
+    p = action("add", "clone a git repository of recipes as NAME (its recipes are then NAME/recipe), pinned")
+    p.add_argument("name")
+    p.add_argument("url", metavar="URL_OR_DIR", help="git URL (https://, file://, git@host:) or a local git repo")
+    p.add_argument("--ref", default=None, help="branch, tag or commit to pin (default: the default branch)")
+    p = action("update", "fetch and move the pin of repository NAME (default: all) to its branch's newest commit")
+    p.add_argument("name", nargs="?", default=None)
+    p.add_argument("--ref", default=None, help="switch NAME to this branch, tag or commit")
+    p = action("remove", "remove recipe repository NAME and its clone")
+    p.add_argument("name")
+
+
+def load_recipe_arg(args: argparse.Namespace, overrides: Sequence[str] | None = None) -> Recipe:
+    """The RECIPE argument (a file or a recipe name) of any command -> the validated Recipe; prints load notes.
+
+    After this, args.recipe is the resolved file, so a torchrun re-launch reads exactly the file resolved here.
+    """
+    from finetune.recipe import load_recipe, resolve_recipe
+
+    notes: list[str] = []
+    try:
+        file = resolve_recipe(args.recipe, notes)
+        # A name is loaded by its file (resolved once: a repository's pin is checked once); a path as written.
+        given = args.recipe if Path(args.recipe).expanduser().resolve() == file else file
+        recipe = load_recipe(given, list(args.overrides if overrides is None else overrides), notes=notes)
+    finally:  # notes explain errors too (e.g. which file a shadowed name picked), so print them either way
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, once rather than once per rank
+            for note in dict.fromkeys(notes):
+                print(f"note: {note}", file=sys.stderr)
+    args.recipe = str(file)
+    return recipe
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    recipe = load_recipe_arg(args)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _exec_torchrun(args)
     allow = args.allow_unpinned or os.environ.get("FINETUNE_ALLOW_UNPINNED") == "1"
@@ -122,20 +176,26 @@ def _exec_torchrun(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
-    from finetune.recipe import load_recipe, to_yaml
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    recipe = load_recipe_arg(args)
+    from finetune.trainer import preprocess  # heavy: transformers (the tokenizer)
 
-    print(to_yaml(load_recipe(args.recipe, args.overrides)), end="")
+    preprocess(recipe, show=args.show, rebuild=args.rebuild)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from finetune.recipe import to_yaml
+
+    print(to_yaml(load_recipe_arg(args)), end="")
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from finetune.recipe import load_recipe
-
     overrides = list(args.overrides)
     if args.model:
         overrides += [f"model.path={args.model}", "model.init=pretrained", "adapter.type=none"]
-    recipe = load_recipe(args.recipe, overrides)
+    recipe = load_recipe_arg(args, overrides)
     from finetune.evaluate import run_eval
 
     loss, tokens = run_eval(recipe)
@@ -147,9 +207,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from finetune.recipe import load_recipe
-
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe_arg(args)
     from finetune.verify import verify
 
     result = verify(recipe, world_size=args.world, reference_micro_batch=args.reference_micro_batch)
@@ -225,6 +283,27 @@ def cmd_schema(args: argparse.Namespace) -> int:
             handle.write(text)
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from finetune import recipe_repos
+
+    if args.action == "list":
+        Console().print(recipe_repos.list_table())
+    elif args.action == "add":
+        repo = recipe_repos.add(args.name, args.url, args.ref)
+        print(f"added {repo.name}: {repo.url} {repo.ref_kind} {repo.ref} pinned at {repo.commit[:12]} "
+              f"({repo.dir}); use its recipes as {repo.name}/RECIPE")
+    elif args.action == "update":
+        for repo, before in recipe_repos.update(args.name, args.ref):
+            moved = f"{before[:12]} -> {repo.commit[:12]}" if before != repo.commit else f"already at {before[:12]}"
+            print(f"{repo.name}: {moved} ({repo.ref_kind} {repo.ref})")
+    elif args.action == "remove":
+        repo = recipe_repos.remove(args.name)
+        print(f"removed {repo.name} ({repo.url}) and its clone {repo.dir}")
     return 0
 
 

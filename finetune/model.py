@@ -218,10 +218,12 @@ def _random_init_config(cfg: ModelConfig, tokenizer: Any) -> Any:
         model_type = values.pop("model_type", None)
         if not model_type:
             raise UserError("model.config needs a model_type (e.g. llama, qwen2, mistral)")
+        from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields
+
         try:
             config = AutoConfig.for_model(model_type, **values)
-        except ValueError as e:
-            raise UserError(f"model.config: {e}") from None
+        except (ValueError, TypeError, StrictDataclassError) as e:
+            raise UserError(f"model.config: {_first_line(e)}") from None
         if "vocab_size" not in values:
             config.vocab_size = len(tokenizer)
     else:

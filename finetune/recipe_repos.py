@@ -1,0 +1,535 @@
+"""Where recipe names come from: the recipe search path, recipe repositories and their pin registry.
+
+A recipe reference (the RECIPE argument of `finetune train/validate/eval/verify`, or an `extends:` entry) is
+either a file or a name:
+
+1. A reference that names an existing file (relative to the current directory on the command line, to the
+   extending file's folder in `extends:`) is that file. Explicit beats implicit: a name never shadows a file.
+2. A path-like reference (absolute, starting with `.` or `~`, or ending in .yaml/.yml) that is not a file is
+   an error ("recipe file not found"); it is never looked up as a name, so a typo in a path cannot quietly pick
+   up some other recipe that happens to share its stem.
+3. Anything else is a NAME (`quickstart`, `team/sft`, `team/sub/sft`; no suffix), looked up in this order,
+   first hit wins:
+   a. each directory of FINETUNE_RECIPE_PATH (os.pathsep-separated), in order: NAME.yaml under it;
+   b. recipe repositories added with `finetune recipes add REPO URL`: `REPO/rest` is rest.yaml in that clone;
+   c. the examples shipped with finetune (examples/yaml: quickstart, smollm2-135m-lora, ...).
+   The order goes from the most deliberate and local choice to the most general, as PATH does: an
+   environment variable is set for one shell or one CI job, so it can override anything (a patched copy of a
+   repo recipe, a local variant of an example); repositories are added once per user; the shipped examples
+   are the fallback. Repository names are namespaced (`REPO/...`), so they collide only with a same-named
+   sub-folder of a FINETUNE_RECIPE_PATH directory. A name that resolves while other places also have it
+   prints a note naming what it shadows, and `finetune recipes list` shows every place. A recipe extending its
+   own name (a local quickstart.yaml saying `extends: quickstart`) gets the next one down, never itself.
+
+Repositories are git clones under $FINETUNE_HOME/recipes/REPO (default ~/.cache/finetune), each checked out
+(detached) at the commit recorded in $FINETUNE_HOME/recipes.json: loading a repository recipe refuses a
+clone that is not at its pinned commit, so a recipe name means the same bytes until `finetune recipes update`
+moves the pin. Inside a repository, recipes should extend each other by relative path (`base.yaml`): the
+repository's local name is chosen by whoever adds it, so the author cannot know it.
+
+Leaf module: imports only `finetune.errors` and the standard library (rich lazily, for the table), so
+`finetune validate` stays fast. Nothing here prints: what the user should see goes into a `notes` list that
+the CLI prints.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from finetune.errors import UserError
+
+if TYPE_CHECKING:  # annotation only; rich is imported when the table is built
+    from rich.table import Table
+
+SUFFIXES = (".yaml", ".yml")
+PATH_ENV = "FINETUNE_RECIPE_PATH"
+HOME_ENV = "FINETUNE_HOME"
+# Listing walks at most this deep below a source root: FINETUNE_RECIPE_PATH may point at a big folder by
+# mistake, and `recipes list` / "did you mean" must not crawl a home directory. Deeper recipes still resolve.
+LIST_DEPTH = 4
+_REPO_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
+
+SourceKind = Literal["path", "repo", "shipped"]
+RefKind = Literal["branch", "tag", "commit"]
+
+
+# --- where recipes live -----------------------------------------------------------------------------------
+
+def finetune_home() -> Path:
+    """Per-user state: $FINETUNE_HOME, else $XDG_CACHE_HOME/finetune, else ~/.cache/finetune."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(cache).expanduser() / "finetune"
+
+
+def repos_root() -> Path:
+    return finetune_home() / "recipes"
+
+
+def registry_file() -> Path:
+    # Next to the clones, not inside: a repository may be called anything a folder may, "registry" included.
+    return finetune_home() / "recipes.json"
+
+
+def shipped_dir() -> Path | None:
+    """The shipped examples: examples/yaml of the source tree, else finetune/examples/yaml of an installed wheel.
+
+    A checkout (or an editable install, which `make install` does) reads the repository's own examples/yaml,
+    so there is one copy and nothing to drift. A wheel carries the same files inside the package as
+    finetune/examples/ (yaml, data, tokenizer side by side, so the examples' relative paths such as
+    ../tokenizer keep working); importlib.resources finds them wherever the package is installed. The
+    pyproject.toml check makes sure a stray site-packages/examples folder of some other project is not taken
+    for ours.
+    """
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "examples" / "yaml").is_dir():
+        return checkout / "examples" / "yaml"
+    installed = importlib.resources.files("finetune") / "examples" / "yaml"
+    # Recipes name sibling files by relative path, so only a real folder will do (not a zip import).
+    return installed if isinstance(installed, Path) and installed.is_dir() else None
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place recipe names are looked up."""
+
+    kind: SourceKind
+    root: Path
+    label: str
+    """How the user sees it: 'FINETUNE_RECIPE_PATH /dir', 'repo team@1a2b3c4', 'shipped example'."""
+    prefix: str = ""
+    """Names from this source start with it ('team/' for a repository)."""
+    exists: bool = True
+
+
+def recipe_path_dirs() -> list[Path]:
+    """FINETUNE_RECIPE_PATH, split on os.pathsep; empty entries are skipped, relative ones are against the cwd."""
+    raw = os.environ.get(PATH_ENV, "")
+    return [Path(p).expanduser().resolve() for p in raw.split(os.pathsep) if p.strip()]
+
+
+def sources() -> list[Source]:
+    """Every place a name is looked up, in search order (see the module docstring for why this order)."""
+    out = [Source("path", d, f"{PATH_ENV} {d}", exists=d.is_dir()) for d in recipe_path_dirs()]
+    for name, repo in load_registry().items():
+        out.append(Source("repo", repo.dir, f"repo {name}@{repo.commit[:7]}", prefix=f"{name}/",
+                          exists=repo.dir.is_dir()))
+    shipped = shipped_dir()
+    if shipped is not None:
+        out.append(Source("shipped", shipped, "shipped example"))
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A recipe file a name can mean."""
+
+    name: str
+    file: Path
+    source: Source
+
+
+def is_path_like(ref: str) -> bool:
+    """True when `ref` can only be a path: absolute, ./ ../ ~, a .yaml/.yml suffix, or not a well-formed name."""
+    text = ref.replace("\\", "/")
+    if not text or Path(ref).is_absolute() or text.startswith(("./", "../", "~", "/")):
+        return True
+    if text.lower().endswith(SUFFIXES):
+        return True
+    return any(part in ("", ".", "..") for part in text.split("/"))
+
+
+def _with_suffix(root: Path, rest: str) -> Path | None:
+    for suffix in SUFFIXES:
+        file = root / f"{rest}{suffix}"
+        if file.is_file():
+            return file
+    return None
+
+
+def find(name: str) -> list[Candidate]:
+    """Every recipe file `name` can mean, in search order: the first one is what it resolves to."""
+    hits = []
+    for source in sources():
+        if not source.exists:
+            continue
+        if source.prefix:
+            if not name.startswith(source.prefix):
+                continue
+            rest = name[len(source.prefix):]
+        else:
+            rest = name
+        file = _with_suffix(source.root, rest)
+        if file is not None:
+            hits.append(Candidate(name, file, source))
+    return hits
+
+
+def _walk(root: Path) -> Iterator[tuple[str, Path]]:
+    """(name without suffix, file) for every recipe below root, hidden folders (.git) skipped, sorted."""
+    base_depth = len(root.parts)
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        depth = len(here.parts) - base_depth
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if depth < LIST_DEPTH else []
+        for file in sorted(files):
+            if file.lower().endswith(SUFFIXES) and not file.startswith("."):
+                rel = (here / file).relative_to(root)
+                yield rel.with_suffix("").as_posix(), here / file
+
+
+def available() -> list[Candidate]:
+    """Every recipe in every source, in search order (a name may appear more than once: the first wins)."""
+    out = []
+    for source in sources():
+        if source.exists:
+            out.extend(Candidate(source.prefix + name, file, source) for name, file in _walk(source.root))
+    return out
+
+
+def tree_of(file: Path) -> Source | None:
+    """The source whose folder holds `file`, if any (a user's own recipe elsewhere belongs to none)."""
+    file = file.resolve()
+    try:
+        known = sources()
+    except UserError:  # an unreadable registry must not break recipes that use no repository; names report it
+        return None
+    for source in known:
+        if source.exists and file.is_relative_to(source.root.resolve()):
+            return source
+    return None
+
+
+def describe(file: Path) -> str:
+    """A recipe's one-line description: the first line of its leading comment block (modelines skipped)."""
+    try:
+        with file.open(encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                text = line.strip()
+                if not text:
+                    continue
+                if not text.startswith("#"):
+                    return ""  # a comment further down describes a key, not the recipe
+                text = text.lstrip("#").strip()
+                if text and not text.startswith("yaml-language-server:"):
+                    return text
+    except OSError:
+        return ""
+    return ""
+
+
+# --- resolving a reference --------------------------------------------------------------------------------
+
+def resolve(ref: str | Path, base: Path, extended_from: Path | None = None,
+            notes: list[str] | None = None) -> Path:
+    """The recipe file `ref` means (see the module docstring for the rules). Raises UserError when none.
+
+    `base` is the folder relative paths start from; `extended_from` the file whose `extends:` this is (None on
+    the command line). Things the user should see but that are not errors go into `notes`.
+    """
+    notes = notes if notes is not None else []
+    text = str(ref)
+    path = base / Path(text).expanduser()  # an absolute ref replaces base
+    if path.is_file():
+        if extended_from is not None:
+            _note_outside_tree(extended_from, path, notes)
+        return path
+    hits = [] if is_path_like(text) else find(text)
+    if extended_from is not None:
+        # A recipe extending its own name means the next one on the search path (a local variant of the shipped
+        # quickstart saying `extends: quickstart`), never itself: that would only ever be a cycle.
+        hits = [h for h in hits if h.file.resolve() != extended_from.resolve()]
+    if not hits:
+        if is_path_like(text) or path.is_dir():
+            where = f" (extended from {extended_from})" if extended_from else ""
+            shown = text if extended_from is None else str(path)
+            what = "is a directory, not a recipe file" if path.is_dir() else "recipe file not found"
+            raise UserError(f"{what}: {shown}{where}{_name_hint(text)}")
+        raise UserError(_not_found(text, base, extended_from))
+    chosen = hits[0]
+    if chosen.source.kind == "repo":
+        _check_pin(chosen.source.prefix.rstrip("/"), notes)
+    if len(hits) > 1:
+        others = "; ".join(f"{h.source.label} ({h.file})" for h in hits[1:])
+        notes.append(f"recipe '{text}' is {chosen.file} ({chosen.source.label}); it shadows {others}")
+    return chosen.file
+
+
+def _note_outside_tree(extending: Path, target: Path, notes: list[str]) -> None:
+    """Allowed, but said: a repository (or search-path, or shipped) recipe reaching out of its own folder.
+
+    A recipe in a repository is reviewed and pinned as part of that repository; an `extends:` that climbs out
+    of it (../../x.yaml, /abs/path) depends on files nobody pinned, so the user gets to see it.
+    """
+    source = tree_of(extending)
+    if source is None:
+        return  # the user's own recipe: extending anything anywhere is ordinary
+    if not target.resolve().is_relative_to(source.root.resolve()):
+        notes.append(f"{extending} ({source.label}) extends {target.resolve()}, outside its own tree "
+                     f"{source.root}")
+
+
+def _name_hint(text: str) -> str:
+    """For a missing path whose stem is a known recipe name: say how to use the name instead."""
+    stem = text.replace("\\", "/")
+    for suffix in SUFFIXES:
+        if stem.lower().endswith(suffix):
+            stem = stem[: -len(suffix)]
+    stem = stem.removeprefix("./")
+    if not stem or is_path_like(stem):
+        return ""
+    hits = find(stem)
+    if not hits:
+        return ""
+    return (f"\n  There is a recipe named '{stem}' ({hits[0].source.label}: {hits[0].file}); to use it, write "
+            f"the name without the suffix: {stem}")
+
+
+def _not_found(name: str, base: Path, extended_from: Path | None) -> str:
+    where = f" (extended from {extended_from})" if extended_from else ""
+    lines = [f"recipe '{name}' not found{where}: it is not a file relative to {base}, and no recipe has that "
+             "name. Searched, in order:"]
+    path_dirs = recipe_path_dirs()
+    if path_dirs:
+        shown = ", ".join(f"{d}{'' if d.is_dir() else ' (missing)'}" for d in path_dirs)
+        lines.append(f"  1. {PATH_ENV}: {shown}")
+    else:
+        lines.append(f"  1. {PATH_ENV}: not set")
+    repos = load_registry()
+    repo_part = name.split("/", 1)[0] if "/" in name else None
+    if not repos:
+        lines.append("  2. recipe repositories: none added (finetune recipes add NAME GIT_URL)")
+    else:
+        lines.append(f"  2. recipe repositories (as REPO/recipe): {', '.join(sorted(repos))} in {repos_root()}")
+        if repo_part and repo_part not in repos:
+            guess = difflib.get_close_matches(repo_part, list(repos), n=1, cutoff=0.6)
+            maybe = f" (did you mean '{guess[0]}'?)" if guess else ""
+            lines.append(f"     no repository is named '{repo_part}'{maybe}")
+    shipped = shipped_dir()
+    lines.append(f"  3. shipped examples: {shipped if shipped else 'not found in this installation'}")
+    names = list(dict.fromkeys(c.name for c in available()))
+    guesses = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    last = name.rsplit("/", 1)[-1]
+    guesses += [n for n in names if n.rsplit("/", 1)[-1] == last and n not in guesses]
+    if guesses:
+        lines.append(f"  Did you mean: {', '.join(guesses[:5])}?")
+    lines.append("  `finetune recipes list` shows every recipe name and where it comes from.")
+    return "\n".join(lines)
+
+
+# --- the registry of repositories -------------------------------------------------------------------------
+
+@dataclass
+class Repo:
+    """One recipe repository: where it came from and the commit its clone is pinned to."""
+
+    name: str
+    url: str
+    ref: str
+    """The branch, tag or commit followed: `update` moves a branch or tag pin, never a commit pin."""
+    ref_kind: RefKind
+    commit: str
+
+    @property
+    def dir(self) -> Path:
+        return repos_root() / self.name
+
+
+def load_registry() -> dict[str, Repo]:
+    file = registry_file()
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        return {name: Repo(name=name, **entry) for name, entry in data["repositories"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{file}: the recipe repository registry is unreadable ({e}); fix or delete it "
+                        f"(and the clones in {repos_root()}), then add the repositories again") from None
+
+
+def _save_registry(repos: dict[str, Repo]) -> None:
+    file = registry_file()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    data = {"version": 1, "repositories": {n: {k: v for k, v in asdict(r).items() if k != "name"}
+                                           for n, r in sorted(repos.items())}}
+    tmp = file.with_name(file.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, file)  # atomic: a crash leaves the old registry or the new one, never half of one
+
+
+def _git(*args: str, cwd: Path | None = None) -> str:
+    env = dict(os.environ)
+    if not sys.stdin.isatty():
+        env["GIT_TERMINAL_PROMPT"] = "0"  # no tty to answer a password prompt: fail instead of hanging
+    try:
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env)
+    except FileNotFoundError:
+        raise UserError("git is not installed (or not on PATH); recipe repositories are git clones. "
+                        "Install git, or put a folder of recipes on FINETUNE_RECIPE_PATH instead.") from None
+    if proc.returncode != 0:
+        said = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:]) or f"exit {proc.returncode}"
+        raise UserError(f"git {args[0]} failed: {said}")
+    return proc.stdout.strip()
+
+
+def _rev(ref: str, cwd: Path) -> str | None:
+    """The commit `ref` names in the clone at cwd, or None."""
+    proc = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=cwd,
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def _resolve_ref(ref: str, clone: Path, url: str) -> tuple[RefKind, str]:
+    """A user's ref in a fresh fetch: a branch (followed), a tag, or a commit (fixed)."""
+    tries: tuple[tuple[RefKind, str], ...] = (("branch", f"refs/remotes/origin/{ref}"), ("tag", f"refs/tags/{ref}"),
+                                              ("commit", ref))
+    for kind, full in tries:
+        commit = _rev(full, clone)
+        if commit:
+            return kind, commit
+    branches = _git("branch", "-r", "--format=%(refname:lstrip=3)", cwd=clone).split()
+    shown = ", ".join(b for b in branches if b != "HEAD") or "none"
+    raise UserError(f"'{ref}' is not a branch, tag or commit of {url} (branches: {shown})")
+
+
+def _is_url(text: str) -> bool:
+    return "://" in text or bool(re.match(r"^[\w.-]+@[\w.-]+:", text))  # scheme://... or scp-like user@host:path
+
+
+def add(name: str, url_or_dir: str, ref: str | None = None) -> Repo:
+    """Clone a recipe repository as NAME and pin it to ref (default: the remote's default branch) now."""
+    if not _REPO_NAME.match(name) or name.lower().endswith(SUFFIXES):
+        raise UserError(f"repository name {name!r}: use letters, digits, '.', '_' and '-' (starting with a "
+                        "letter or digit), without a .yaml suffix; recipes in it are then NAME/recipe")
+    repos = load_registry()
+    if name in repos:
+        raise UserError(f"a recipe repository named '{name}' is already added ({repos[name].url}); "
+                        f"`finetune recipes update {name}` moves its pin, `finetune recipes remove {name}` drops it")
+    if _is_url(url_or_dir):
+        url = url_or_dir
+    else:
+        folder = Path(url_or_dir).expanduser()
+        if not folder.is_dir():
+            raise UserError(f"{url_or_dir}: not a folder and not a git URL (https://..., file://..., git@host:...)")
+        probe = subprocess.run(["git", "-C", str(folder), "rev-parse", "--git-dir"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise UserError(f"{url_or_dir}: not a git repository. Recipe repositories are pinned to a commit; "
+                            f"for a plain folder of recipes, add it to {PATH_ENV} instead.")
+        url = str(folder.resolve())  # the clone must find it again from any directory (update fetches it)
+    dest = repos_root() / name
+    if dest.exists():
+        raise UserError(f"{dest} exists but is not in the registry {registry_file()}; delete it, then add again")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Clone next to the destination, then rename: a failed clone leaves nothing half-made under the name.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
+    try:
+        _git("clone", "--quiet", url, str(tmp))
+        if ref is None:
+            head = _rev("HEAD", tmp)
+            if head is None:
+                raise UserError(f"{url} has no commits (nothing to pin)")
+            ref = _git("rev-parse", "--abbrev-ref", "HEAD", cwd=tmp)  # the remote's default branch
+            kind: RefKind = "branch"
+            commit = head
+        else:
+            kind, commit = _resolve_ref(ref, tmp, url)
+        _git("checkout", "--quiet", "--detach", commit, cwd=tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    repo = Repo(name=name, url=url, ref=ref, ref_kind=kind, commit=commit)
+    repos[name] = repo
+    _save_registry(repos)
+    return repo
+
+
+def update(name: str | None = None, ref: str | None = None) -> list[tuple[Repo, str]]:
+    """Fetch and move the pin of one repository (or all): [(repo as now pinned, previous commit)]."""
+    repos = load_registry()
+    if name is not None:
+        _known(name, repos)
+    elif ref is not None:
+        raise UserError("--ref needs a repository name: finetune recipes update NAME --ref REF")
+    out = []
+    for repo in ([repos[name]] if name is not None else list(repos.values())):
+        if not repo.dir.is_dir():
+            raise UserError(f"the clone of '{repo.name}' is missing ({repo.dir}); `finetune recipes remove "
+                            f"{repo.name}` and add it again")
+        _git("fetch", "--quiet", "--tags", "--force", "origin", cwd=repo.dir)
+        previous = repo.commit
+        if ref is not None:
+            repo.ref = ref
+            repo.ref_kind, repo.commit = _resolve_ref(ref, repo.dir, repo.url)
+        elif repo.ref_kind != "commit":  # a commit pin stays where it is until a new --ref is given
+            repo.ref_kind, repo.commit = _resolve_ref(repo.ref, repo.dir, repo.url)
+        _git("checkout", "--quiet", "--detach", repo.commit, cwd=repo.dir)
+        repos[repo.name] = repo
+        _save_registry(repos)  # after each: a failure in a later repository keeps the earlier ones' moves
+        out.append((repo, previous))
+    return out
+
+
+def remove(name: str) -> Repo:
+    repos = load_registry()
+    _known(name, repos)
+    repo = repos.pop(name)
+    _save_registry(repos)
+    shutil.rmtree(repo.dir, ignore_errors=True)
+    return repo
+
+
+def _known(name: str, repos: dict[str, Repo]) -> None:
+    if name not in repos:
+        guess = difflib.get_close_matches(name, list(repos), n=1, cutoff=0.6)
+        hint = f"did you mean '{guess[0]}'?" if guess else f"added: {', '.join(sorted(repos)) or 'none'}"
+        raise UserError(f"no recipe repository named '{name}' ({hint})")
+
+
+def _check_pin(name: str, notes: list[str]) -> None:
+    """Refuse a clone that is not at its pinned commit; note local edits (allowed, but not what was pinned)."""
+    repo = load_registry()[name]
+    status = _git("status", "--porcelain=v2", "--branch", "--untracked-files=no", cwd=repo.dir)
+    head = next((line.split()[2] for line in status.splitlines() if line.startswith("# branch.oid ")), "")
+    if head != repo.commit:
+        raise UserError(
+            f"recipe repository '{name}' ({repo.dir}) is at {head[:12] or 'no commit'}, but is pinned to "
+            f"{repo.commit[:12]} in {registry_file()}. Run `finetune recipes update {name}` to move the pin "
+            f"(to {repo.ref_kind} {repo.ref}), or `git -C {repo.dir} checkout --detach {repo.commit}` to go back.")
+    if any(not line.startswith("#") for line in status.splitlines()):
+        notes.append(f"recipe repository '{name}' has local changes in {repo.dir} (pinned {repo.commit[:7]} plus "
+                     "edits; `git -C DIR status` shows them)")
+
+
+# --- `finetune recipes list` ------------------------------------------------------------------------------
+
+def list_table() -> Table:
+    """Every recipe name, its description and where it comes from; shadowed duplicates are shown, dimmed."""
+    from rich.table import Table
+
+    table = Table(title="recipes (a name resolves to its first row; search order: FINETUNE_RECIPE_PATH, "
+                        "repositories, shipped examples)", title_justify="left")
+    table.add_column("name", no_wrap=True)
+    table.add_column("description")
+    table.add_column("source")
+    seen: dict[str, Candidate] = {}
+    for cand in available():
+        if seen.setdefault(cand.name, cand) is not cand:  # the row above with this name is the one used
+            table.add_row(cand.name, describe(cand.file), f"{cand.source.label} (shadowed)", style="dim")
+        else:
+            table.add_row(cand.name, describe(cand.file), cand.source.label)
+    return table
