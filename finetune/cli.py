@@ -152,6 +152,10 @@ def load_recipe_arg(args: argparse.Namespace, overrides: Sequence[str] | None = 
             for note in dict.fromkeys(notes):
                 print(f"note: {note}", file=sys.stderr)
     args.recipe = str(file)
+    from finetune.recipe import features
+    from finetune.versions import require_packages
+
+    require_packages(features(recipe))  # a feature's missing package fails here, not mid-run
     return recipe
 
 

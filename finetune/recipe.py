@@ -641,6 +641,24 @@ def _similar_dist(package: str) -> str:
     return f" (did you mean '{guess[0]}'?)" if guess else ""
 
 
+def features(recipe: Recipe) -> list[str]:
+    """The optional features this recipe uses that need an extra package (names of versions.FEATURE_PACKAGES).
+
+    Checked when the recipe is loaded, so a missing package fails at validation time with its install line,
+    not an hour into a run.
+    """
+    used = {
+        "liger": recipe.loss.impl == "liger",
+        "flash_attention_2": recipe.model.attn_implementation == "flash_attention_2",
+        "bnb": recipe.adapter.type == "qlora" or recipe.train.optimizer == "adamw_8bit",
+        "gguf": bool(recipe.model.gguf_file) or str(recipe.model.path or "").endswith(".gguf"),
+        "tensorboard": recipe.logging.tensorboard,
+        "wandb": recipe.logging.wandb,
+        "mlflow": recipe.logging.mlflow,
+    }
+    return [name for name, on in used.items() if on]
+
+
 def to_yaml(recipe: Recipe) -> str:
     """The fully resolved recipe as YAML (what `validate` prints and the run directory stores)."""
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

@@ -27,7 +27,7 @@ from finetune.loss import resolve_impl
 from finetune.metrics import Stopwatch, mfu, open_sinks, peak_memory_mb
 from finetune.model import count_parameters, load_model, load_tokenizer, save_final
 from finetune.optim import build_optimizer, build_scheduler
-from finetune.recipe import Recipe, recipe_hash, to_yaml, training_keys
+from finetune.recipe import Recipe, features, recipe_hash, to_yaml, training_keys
 from finetune.rundir import (
     check_output_dir,
     check_resume_recipe,
@@ -36,18 +36,6 @@ from finetune.rundir import (
     truncate_metrics,
 )
 from finetune.wrap import gather_full_state, wrap_model
-
-
-def required_packages(recipe: Recipe) -> list[str]:
-    """The pinned packages this recipe's training depends on (their versions are enforced at start)."""
-    packages = ["torch", "transformers", "peft"]
-    if recipe.loss.impl == "liger":
-        packages.append("liger-kernel")
-    if recipe.adapter.type == "qlora" or recipe.train.optimizer == "adamw_8bit":
-        packages.append("bitsandbytes")
-    if recipe.model.attn_implementation == "flash_attention_2":
-        packages.append("flash-attn")
-    return packages
 
 
 class StepPlan:
@@ -121,7 +109,7 @@ def preprocess(recipe: Recipe, *, show: int = 0, rebuild: bool = False) -> None:
 def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Console, overwrite: bool,
            allow_unpinned: bool) -> Path:
     out = Path(recipe.output_dir)
-    warnings = versions.enforce(required_packages(recipe), allow_unpinned=allow_unpinned)
+    warnings = versions.enforce(versions.packages_for(features(recipe)), allow_unpinned=allow_unpinned)
     for w in warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
     resume_from = resume_path(recipe, out, console)
