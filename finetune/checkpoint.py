@@ -67,11 +67,16 @@ def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.o
     main = dist.is_main()
     error: OSError | None = None
     if main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            error = e
     dist.barrier()
     try:
+        if error is not None:
+            raise error
         if is_sharded(model):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -88,7 +93,7 @@ def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.o
                 if file.is_file():
                     _fsync(file)
     except OSError as e:
-        error = e
+        error = error or e
     dist.barrier()
     if main:
         if error is None:

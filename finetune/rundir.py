@@ -91,3 +91,21 @@ def remove_previous_run(out: Path, names: list[str]) -> None:
     for name in names:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def check_disk_room(out: Path, model: Any, checkpointing: bool) -> None:
+    """Refuse to start when the disk cannot hold the final model (and a checkpoint, if the recipe writes them).
+
+    A checkpoint holds the trainable weights and two float32 AdamW moments per trainable weight; the final
+    model holds every weight (or only the adapter, when one is trained).
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    adapter = hasattr(model, "peft_config")
+    final_bytes = trainable_bytes if adapter else sum(p.numel() * p.element_size() for p in model.parameters())
+    needed = final_bytes + (trainable_bytes + 8 * sum(p.numel() for p in trainable) if checkpointing else 0)
+    free = shutil.disk_usage(out).free
+    if free < needed * 1.1:  # a margin for tokenizer files, metrics and filesystem overhead
+        raise UserError(f"output_dir {out}: {free / 2**30:.2f} GiB free, but the final model"
+                        f"{' and a checkpoint' if checkpointing else ''} need about {needed * 1.1 / 2**30:.2f} GiB. "
+                        "Free disk space or choose another output_dir.")

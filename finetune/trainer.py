@@ -29,6 +29,7 @@ from finetune.model import count_parameters, load_model, load_tokenizer, save_fi
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.recipe import Recipe, features, recipe_hash, to_yaml, training_keys
 from finetune.rundir import (
+    check_disk_room,
     check_output_dir,
     check_resume_recipe,
     remove_previous_run,
@@ -129,6 +130,8 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     if recipe.model.trust_remote_code:
         console.print("[yellow]model.trust_remote_code is on: running code shipped with the model[/yellow]")
     trainable, total = count_parameters(lm)
+    if world.is_main:
+        check_disk_room(out, lm, checkpointing=recipe.checkpoint.every_steps is not None)
     if trainable == 0:
         raise UserError("the model has no trainable parameters; nothing would be learned")
     if recipe.data.packing and recipe.data.packing_check:

@@ -158,3 +158,20 @@ def test_no_trainable_parameters_refuses_to_start(tmp_path):
                 "adapter.type=lora", "adapter.target_modules=[no_such_module]")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "adapter.target_modules" in r.stderr
+
+
+def test_failed_checkpoint_write_keeps_the_last_checkpoint(tmp_path):
+    """A checkpoint write that fails (here: its temporary directory cannot be created) raises a UserError that
+    says the previous checkpoints are intact, and they are: find_latest still returns the last good one."""
+    from finetune.errors import UserError
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = {"step": 3, "tokens_seen": 0}
+    good = checkpoint.save(tmp_path, 3, model, optimizer, scheduler, state, keep_last=2)
+    (tmp_path / "checkpoints" / ".tmp-step-6").write_text("a file where the temporary directory must go")
+    with pytest.raises(UserError, match="previous checkpoints are intact"):
+        checkpoint.save(tmp_path, 6, model, optimizer, scheduler, {**state, "step": 6}, keep_last=2)
+    assert checkpoint.find_latest(tmp_path) == good
+    assert not (tmp_path / "checkpoints" / "step-6").exists()
