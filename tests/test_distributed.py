@@ -65,8 +65,10 @@ def assert_same_training(run_dir: Path, ref: Path) -> None:
 @pytest.mark.parametrize("case", ["packed", "short"])
 def test_two_ranks_equal_one_process(tmp_path, reference, strategy, case):
     extra = [*TINY, "train.max_steps=3"] if case == "packed" else SHORT
-    r = torchrun("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *extra, "train.micro_batch_size=2",
-                 "train.gradient_accumulation_steps=2", f"distributed.strategy={strategy}")
+    args = ["train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *extra, "train.micro_batch_size=2",
+            "train.gradient_accumulation_steps=2", f"distributed.strategy={strategy}"]
+    # One case goes through `finetune train --nproc 2`, which execs torchrun itself.
+    r = single(*args, "--nproc", "2") if (strategy, case) == ("ddp", "short") else torchrun(*args)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "world size 2" in r.stdout
     assert_same_training(tmp_path / "run", reference[case])
