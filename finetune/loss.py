@@ -367,7 +367,7 @@ def linear_cross_entropy(
         raise ValueError(f"bias {tuple(bias.shape)} does not match vocab size {vocab}")
 
     targets = shift_labels(labels).reshape(-1)
-    keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # the one host sync: the row count is dynamic
+    keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: the row count is a dynamic shape
     n_targets = torch.tensor(keep.numel(), dtype=torch.int64, device=hidden.device)
     out_dtype = _acc_dtype(_compute_dtype(hidden, weight))
 
@@ -381,7 +381,7 @@ def linear_cross_entropy(
 
     y = targets.index_select(0, keep)
     bad = (y < 0) | (y >= vocab)
-    if bool(bad.any()):
+    if bool(bad.any()):  # a second (tiny) sync, worth it: on CUDA a bad id is an opaque device assert
         raise UserError(
             f"labels contain token ids outside the model's vocabulary [0, {vocab}) (e.g. "
             f"{int(y[bad][0])}); the tokenizer and model do not match, or labels were masked with a value "
