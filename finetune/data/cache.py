@@ -1,0 +1,511 @@
+"""The preprocessed-data cache: tokenized samples and their statistics on disk, keyed by everything they depend on.
+
+Tokenizing (chat templates rendered per turn, offsets mapped to labels) is the slow part of loading data, and
+it is the same for every run that shares data, tokenizer and data settings. `finetune preprocess` and
+`finetune train` keep the samples under `<cache root>/<key>/`. The key is a SHA-256 over:
+
+* every local data file's content (SHA-256 of its bytes, never its mtime: a touched file keeps its entry, an
+  edited one never reuses it) and suffix; for a hub dataset its name, split and config (a hub dataset that
+  changes upstream under the same name is not detected: `finetune preprocess --rebuild` refreshes it);
+* each dataset's format options (format, fields, train_on_inputs, max_rows, ...), in recipe order;
+* the tokenizer as loaded: the files `save_pretrained` writes (tokenizer.json, tokenizer_config.json, the chat
+  template) minus where it was loaded from, so one tokenizer in two places shares entries; the recipe's chat
+  template override; and the transformers and tokenizers versions, which render templates and encode;
+* every data.* key but those that act after the samples exist (packing, shuffle, batching, num_proc): so
+  max_seq_len, truncation, on_bad_row, and val_fraction with the seed when they pick a validation split;
+* DATA_VERSION, which must be bumped whenever code that turns rows into samples changes.
+
+Nothing else is in the key: train.*, packing, shuffling and the model change what happens after the samples
+exist, so they reuse the entry. Packing is not cached on purpose: `epoch_rows` repacks every epoch (with a
+different seeded grouping), and packing is cheap next to tokenizing.
+
+An entry (all arrays little files of numpy's .npy format, read without pickle):
+
+    meta.json                 the key's inputs, DataStats per split, sizes, and a SHA-256 of every array file
+    {split}.ids.npy           int32: every sample's tokens, concatenated (split: train, eval)
+    {split}.labels.npy        uint8 mask (1: the token is a target) when each label is its token or -100, which
+                              our tokenizer guarantees; otherwise the int32 labels themselves
+    {split}.offsets.npy       int64: sample i is ids[offsets[i]:offsets[i + 1]]
+
+It is written into a temporary directory beside it and renamed into place, which is atomic on POSIX: a reader
+sees a whole entry or none, and two processes writing the same key (ranks of one torchrun) cannot mix files.
+The per-file digests catch what the rename cannot: a disk that lost data under a completed rename (power loss),
+a truncated copy, a hand-edited file. An entry that fails any check is reported and rebuilt, never used.
+The cache root: `data.cache_dir` when the recipe has that key, else $FINETUNE_CACHE_DIR, else
+$XDG_CACHE_HOME/finetune/data (~/.cache/finetune/data). Entries are never evicted; deleting any of them (or
+the whole root) is always safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from finetune.data import DataStats, build_samples, epoch_rows, rank_micro_batches, steps_in
+from finetune.data.pack import PackStats, pack_samples
+from finetune.data.sources import LOCAL_SUFFIXES
+from finetune.data.tokenize import IGNORE_INDEX
+from finetune.recipe import DatasetConfig, Recipe
+
+# Bump whenever sources.py, formats.py, tokenize.py or the truncation in tokenize_examples change what samples
+# a row gives: every existing entry then stops matching.
+DATA_VERSION = 1
+CACHE_ENV = "FINETUNE_CACHE_DIR"
+SPLITS = ("train", "eval")
+# tokenizer_config.json keys that say where a tokenizer was loaded from, not how it tokenizes.
+_WHERE_KEYS = frozenset({"name_or_path", "is_local", "local_files_only", "_commit_hash", "cache_dir", "revision",
+                         "token", "tokenizer_file", "vocab_file", "merges_file"})
+# Temporary directories older than this were left by a killed writer (a live one renames within minutes).
+_STALE_TEMP_S = 24 * 3600
+
+
+class CacheError(Exception):
+    """Why a cache entry (or the key itself) cannot be used; the data is then tokenized afresh."""
+
+
+@dataclass
+class Prepared:
+    """Samples ready for training, and where they came from."""
+
+    train: list[dict]
+    evals: list[dict]
+    train_stats: DataStats
+    eval_stats: DataStats
+    hit: bool  # loaded from the cache
+    path: Path | None  # the cache entry (None when the cache could not be used)
+    note: str  # what happened, for the user: reused, written, rebuilt, or why no cache
+
+
+# --- the key ------------------------------------------------------------------------------------------------
+
+def cache_root(recipe: Recipe) -> Path:
+    """Where entries live: data.cache_dir (if the recipe has that key), $FINETUNE_CACHE_DIR, else the user cache."""
+    configured = getattr(recipe.data, "cache_dir", None)
+    if configured:
+        return Path(configured).expanduser()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = Path(os.environ["XDG_CACHE_HOME"]).expanduser() if os.environ.get("XDG_CACHE_HOME") else \
+        Path.home() / ".cache"
+    return base / "finetune" / "data"
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks (hashlib.file_digest needs Python 3.11)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A digest of how the tokenizer tokenizes: what save_pretrained writes, minus where it came from.
+
+    Serializing the loaded tokenizer (rather than hashing the files of tokenizer.path) covers every way a
+    tokenizer arrives: a directory, a hub id, a GGUF file, and the recipe's chat template set on top.
+    """
+    digest = hashlib.sha256(type(tokenizer).__name__.encode())
+    with tempfile.TemporaryDirectory(prefix="finetune-tok-") as tmp:
+        try:
+            tokenizer.save_pretrained(tmp)
+        except Exception as e:  # a tokenizer that cannot be serialized cannot be fingerprinted: no cache
+            raise CacheError(f"the tokenizer cannot be serialized to fingerprint it ({type(e).__name__}: {e})") \
+                from None
+        for file in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
+            data = file.read_bytes()
+            if file.name == "tokenizer_config.json":
+                config = {k: v for k, v in json.loads(data).items() if k not in _WHERE_KEYS}
+                data = json.dumps(config, sort_keys=True).encode()
+            name = file.relative_to(tmp).as_posix().encode()
+            digest.update(len(name).to_bytes(8, "big") + name + len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
+
+
+def _source_key(cfg: DatasetConfig, key: str) -> dict[str, Any]:
+    options = cfg.model_dump(mode="json", exclude={"path"})
+    local = Path(cfg.path).expanduser()
+    # The same test read_rows uses to tell a local file from a hub dataset name.
+    if local.suffix.lower() in LOCAL_SUFFIXES or local.exists():
+        if not local.is_file():
+            raise CacheError(f"{key}.path: {cfg.path} is not a file")  # build_samples says so properly
+        try:
+            source = {"file_sha256": file_sha256(local), "suffix": local.suffix.lower()}
+        except OSError as e:
+            raise CacheError(f"{key}.path: cannot read {cfg.path} ({e})") from None
+    else:
+        source = {"hub": cfg.path}  # split and name are in options
+    return {"source": source, **options}
+
+
+# data.* keys that act only once the samples exist (batching, packing, order, parallelism). Every other data key
+# is in the cache key, including keys added to the schema later: a new key can cost one re-tokenization, never a
+# stale entry.
+_AFTER_SAMPLES = frozenset({"packing", "packing_check", "shuffle", "drop_last", "pad_to_multiple_of",
+                            "group_by_length", "num_proc", "cache_dir"})
+
+
+def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
+    """Everything the samples depend on, as JSON-able values: equal inputs give equal samples."""
+    import tokenizers
+    import transformers
+
+    data = {k: v for k, v in recipe.data.model_dump(mode="json").items() if k not in _AFTER_SAMPLES}
+    split = not recipe.eval_datasets and recipe.data.val_fraction > 0  # build_samples holds out rows only then
+    if not split:
+        data["val_fraction"] = 0.0  # ignored by build_samples: must not cost a re-tokenization
+    return {
+        "data_version": DATA_VERSION,
+        "datasets": [_source_key(d, f"datasets.{i}") for i, d in enumerate(recipe.datasets)],
+        "eval_datasets": [_source_key(d, f"eval_datasets.{i}") for i, d in enumerate(recipe.eval_datasets)],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        # The chat template override (and any later tokenizer key) besides the loaded tokenizer's fingerprint,
+        # which already reflects it: belt and braces for a template set after loading.
+        "tokenizer_keys": {k: v for k, v in recipe.tokenizer.model_dump(mode="json").items() if k != "path"},
+        "libraries": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
+        "data": data,  # max_seq_len, truncation, on_bad_row, val_fraction, ...
+        "split_seed": recipe.seed if split else None,
+    }
+
+
+def cache_key(inputs: dict[str, Any]) -> str:
+    """The entry's directory name: a SHA-256 of the canonical JSON of its inputs (24 hex digits: 96 bits)."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# --- writing and reading entries ---------------------------------------------------------------------------
+
+def _to_arrays(samples: list[dict]) -> tuple[dict[str, np.ndarray], str]:
+    lengths = np.fromiter((len(s["input_ids"]) for s in samples), dtype=np.int64, count=len(samples))
+    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    ids = np.fromiter(itertools.chain.from_iterable(s["input_ids"] for s in samples), dtype=np.int32, count=total)
+    labels = np.fromiter(itertools.chain.from_iterable(s["labels"] for s in samples), dtype=np.int32, count=total)
+    trained = labels != IGNORE_INDEX
+    if np.array_equal(labels[trained], ids[trained]):
+        return {"ids": ids, "labels": trained.astype(np.uint8), "offsets": offsets}, "mask"
+    return {"ids": ids, "labels": labels, "offsets": offsets}, "ids"
+
+
+def save_entry(root: Path, key: str, inputs: dict[str, Any], splits: dict[str, tuple[list[dict], DataStats]],
+               *, replace: bool = False) -> Path:
+    """Write an entry atomically (temporary directory + rename); returns its path.
+
+    When an entry with this key already exists, it is kept (another process wrote the same samples first)
+    unless `replace` (a broken entry, or --rebuild): then it is moved aside and removed.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(root)
+    entry = root / key
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    try:
+        files, meta_splits = {}, {}
+        for split, (samples, stats) in splits.items():
+            arrays, labels_kind = _to_arrays(samples)
+            for name, array in arrays.items():
+                file = f"{split}.{name}.npy"
+                np.save(tmp / file, array, allow_pickle=False)
+                files[file] = file_sha256(tmp / file)
+            meta_splits[split] = {"samples": len(samples), "tokens": int(arrays["offsets"][-1]),
+                                  "labels": labels_kind, "stats": asdict(stats)}
+        meta = {"data_version": DATA_VERSION, "key": key, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "inputs": inputs, "splits": meta_splits, "files": files}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        if replace and entry.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".trash-{key}-", dir=root))
+            with contextlib.suppress(OSError):  # gone already (another process replaced it)
+                entry.rename(trash / key)
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            tmp.rename(entry)
+        except OSError:
+            if not entry.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # lost the race: the winner's entry is the same samples
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return entry
+
+
+def _remove_stale_temps(root: Path) -> None:
+    now = time.time()
+    for path in root.glob(".t*-*"):  # .tmp-* and .trash-*
+        try:
+            if now - path.stat().st_mtime > _STALE_TEMP_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def load_entry(entry: Path, key: str) -> dict[str, tuple[list[dict], DataStats]]:
+    """Read an entry back into samples and stats; CacheError when anything about it is off."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
+        if meta.get("data_version") != DATA_VERSION or meta.get("key") != key:
+            raise CacheError(f"meta.json is for key {meta.get('key')} at data version {meta.get('data_version')}")
+        for file, digest in meta["files"].items():
+            if file_sha256(entry / file) != digest:
+                raise CacheError(f"{file} does not match its checksum")
+        out = {}
+        for split in SPLITS:
+            info = meta["splits"][split]
+            ids = np.load(entry / f"{split}.ids.npy", allow_pickle=False)
+            labels = np.load(entry / f"{split}.labels.npy", allow_pickle=False)
+            offsets = np.load(entry / f"{split}.offsets.npy", allow_pickle=False)
+            n = info["samples"]
+            if (ids.ndim != 1 or labels.shape != ids.shape or offsets.shape != (n + 1,) or offsets[0] != 0
+                    or offsets[-1] != len(ids) or (n and np.any(np.diff(offsets) <= 0))):
+                raise CacheError(f"the {split} arrays do not fit together")
+            if info["labels"] == "mask":
+                labels = np.where(labels.astype(bool), ids, IGNORE_INDEX)
+            # One tolist() per array, then slices: far faster than converting sample by sample.
+            id_list, label_list, bounds = ids.tolist(), labels.tolist(), offsets.tolist()
+            samples = [{"input_ids": id_list[a:b], "labels": label_list[a:b]} for a, b in zip(bounds, bounds[1:])]
+            known = {f.name for f in fields(DataStats)}
+            stats = DataStats(**{k: v for k, v in info["stats"].items() if k in known})
+            out[split] = (samples, stats)
+        return out
+    except CacheError:
+        raise
+    except FileNotFoundError as e:
+        raise CacheError(f"{Path(e.filename or '?').name} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # json, numpy and shape errors
+        raise CacheError(f"unreadable ({type(e).__name__}: {e})") from None
+
+
+# --- the entry point ------------------------------------------------------------------------------------------
+
+def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepared:
+    """The recipe's samples: from the cache when an entry for exactly these inputs exists, else tokenized and
+    stored. Never fails because of the cache: an unusable entry is rebuilt, an unwritable root is skipped."""
+    notes: list[str] = []
+    try:
+        inputs = cache_inputs(recipe, tokenizer)
+    except CacheError as e:
+        train, evals, train_stats, eval_stats = build_samples(recipe, tokenizer)  # raises the user's error
+        return Prepared(train, evals, train_stats, eval_stats, False, None, f"data cache not used: {e}")
+    key = cache_key(inputs)
+    root = cache_root(recipe)
+    entry = root / key
+    broken = False
+    if entry.exists() and not rebuild:
+        start = time.perf_counter()
+        try:
+            loaded = load_entry(entry, key)
+            (train, train_stats), (evals, eval_stats) = loaded["train"], loaded["eval"]
+            return Prepared(train, evals, train_stats, eval_stats, True, entry,
+                            f"using cached preprocessed data from {entry} "
+                            f"(loaded in {time.perf_counter() - start:.2f} s)")
+        except CacheError as e:
+            broken = True
+            notes.append(f"ignoring the cached data at {entry}: {e}; tokenizing again")
+    start = time.perf_counter()
+    train, evals, train_stats, eval_stats = build_samples(recipe, tokenizer)
+    seconds = time.perf_counter() - start
+    try:
+        save_entry(root, key, inputs, {"train": (train, train_stats), "eval": (evals, eval_stats)},
+                   replace=broken or rebuild)
+        notes.append(f"tokenized in {seconds:.1f} s; cached at {entry} (runs with the same data, tokenizer and "
+                     "data settings reuse it)")
+    except OSError as e:
+        entry = None
+        notes.append(f"warning: could not write the data cache under {root} ({e.strerror or e}); continuing "
+                     f"without it. Set {CACHE_ENV} (or data.cache_dir) to a writable directory.")
+    return Prepared(train, evals, train_stats, eval_stats, False, entry, "\n".join(notes))
+
+
+def build_samples_cached(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict], DataStats, DataStats, str]:
+    """build_samples through the cache; the fifth value says whether the cache was used (print it)."""
+    p = prepare(recipe, tokenizer)
+    return p.train, p.evals, p.train_stats, p.eval_stats, p.note
+
+
+# --- `finetune preprocess`: statistics and samples ---------------------------------------------------------
+
+def preprocess(recipe: Recipe, tokenizer: Any, *, show: int = 0, rebuild: bool = False,
+               console: Any = None) -> Prepared:
+    """Tokenize (or reuse the cache), then print the dataset statistics, the packing of epoch 0 and, with
+    `show`, that many training samples with trained and masked tokens told apart."""
+    from rich.console import Console
+
+    console = console or Console(soft_wrap=True)
+    prepared = prepare(recipe, tokenizer, rebuild=rebuild)
+    console.print(prepared.note, markup=False, highlight=False)
+    _print_stats(console, prepared)
+    _print_histogram(console, [len(s["input_ids"]) for s in prepared.train], recipe.data.max_seq_len)
+    _print_packing(console, recipe, prepared)
+    for i, sample in enumerate(prepared.train[: max(0, show)]):
+        console.print()
+        print_sample(console, tokenizer, sample, f"sample {i}")
+    return prepared
+
+
+def _print_stats(console: Any, p: Prepared) -> None:
+    from rich.table import Table
+
+    table = Table(title="data", title_justify="left")
+    table.add_column("")
+    table.add_column("train", justify="right")
+    table.add_column("eval", justify="right")
+    rows = [("rows read", "rows_read"), ("bad rows skipped", "bad_rows_skipped"), ("samples", "samples"),
+            ("tokens", "tokens"), ("target tokens", "target_tokens"), ("truncated samples", "truncated"),
+            ("truncated tokens", "truncated_tokens"), ("dropped samples", "dropped_too_long"),
+            ("dropped tokens", "dropped_tokens")]
+    for label, name in rows:
+        table.add_row(label, f"{getattr(p.train_stats, name):,}", f"{getattr(p.eval_stats, name):,}")
+    console.print(table)
+    for example in p.train_stats.bad_row_examples + p.eval_stats.bad_row_examples:
+        console.print(f"  bad row: {example}", markup=False, highlight=False)
+
+
+def _nice_step(span: int, bins: int) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... that cuts `span` into at most `bins` bins."""
+    step = 1
+    while True:
+        for factor in (1, 2, 5):
+            if span <= factor * step * bins:
+                return factor * step
+        step *= 10
+
+
+def histogram_lines(lengths: list[int], *, bins: int = 16, width: int = 40, bar: str = "#") -> list[str]:
+    """A text histogram of sample lengths: one line per bin of equal width, bars scaled to the fullest bin."""
+    if not lengths:
+        return []
+    step = _nice_step(max(lengths) + 1, bins)
+    counts = [0] * (max(lengths) // step + 1)
+    for n in lengths:
+        counts[n // step] += 1
+    top = max(counts)
+    digits = len(str(len(counts) * step))
+    lines = []
+    for k, count in enumerate(counts):
+        filled = round(width * count / top) if count else 0
+        filled = max(filled, 1 if count else 0)  # a nonempty bin is never invisible
+        lines.append(f"{k * step:>{digits}}-{(k + 1) * step - 1:<{digits}} {count:>8,} "
+                     f"{100 * count / len(lengths):5.1f}% {bar * filled}")
+    return lines
+
+
+def _print_histogram(console: Any, lengths: list[int], max_seq_len: int | None) -> None:
+    if not lengths:
+        return
+    ordered = sorted(lengths)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    cap = f" (max_seq_len {max_seq_len})" if max_seq_len else ""
+    console.print(f"\ntraining sample lengths in tokens{cap}: min {ordered[0]}, median "
+                  f"{statistics.median(ordered):g}, p90 {pick(0.9)}, p99 {pick(0.99)}, max {ordered[-1]}",
+                  markup=False, highlight=False)
+    bar = "█" if (console.encoding or "").lower().startswith("utf") else "#"
+    for line in histogram_lines(lengths, bar=bar):
+        console.print("  " + line, markup=False, highlight=False)
+
+
+def padded_tokens_of_epoch(samples: list[dict], recipe: Recipe, epoch: int = 0) -> tuple[int, int]:
+    """(rows, tokens computed) of one epoch with packing off: each micro-batch pads to its longest sample,
+    exactly as the trainer batches it (world size 1)."""
+    data = recipe.data.model_copy(update={"packing": False})
+    rows = epoch_rows(samples, data, recipe.seed, epoch)
+    batch = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps
+    multiple = data.pad_to_multiple_of or 1
+    computed = 0
+    for start in range(0, len(rows), batch):
+        for micro in rank_micro_batches(rows[start: start + batch], recipe.train.micro_batch_size, 1, 0,
+                                        data.group_by_length):
+            width = -(-max(len(r["input_ids"]) for r in micro) // multiple) * multiple
+            computed += width * len(micro)
+    return len(rows), computed
+
+
+def pack_epoch0(samples: list[dict], recipe: Recipe) -> tuple[list[dict], PackStats]:
+    """The packed rows of epoch 0, as the trainer builds them."""
+    data = recipe.data
+    return pack_samples(samples, data.max_seq_len or 0, seed=recipe.seed, epoch=0, truncation=data.truncation)
+
+
+def token_accounting(stats: DataStats, pack: PackStats | None) -> tuple[int, int, int, int]:
+    """(tokens in, tokens that reach training, truncated tokens, dropped tokens), tokenizer to packed rows.
+
+    `tokens in` counts every tokenized sample before truncation. The identity in = kept + truncated + dropped
+    always holds; `finetune preprocess` prints it so that nothing can vanish unseen.
+    """
+    kept = pack.tokens if pack else stats.tokens
+    truncated = stats.truncated_tokens + (pack.truncated_tokens if pack else 0)
+    dropped = stats.dropped_tokens + (pack.dropped_tokens if pack else 0)
+    return stats.input_tokens, kept, truncated, dropped
+
+
+def _print_packing(console: Any, recipe: Recipe, p: Prepared) -> None:
+    from rich.table import Table
+
+    t = recipe.train
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps
+    width = recipe.data.max_seq_len
+    table = Table(title=f"epoch 0, world size 1: {global_batch} rows per optimizer step (micro-batch "
+                        f"{t.micro_batch_size} x accumulation {t.gradient_accumulation_steps})", title_justify="left")
+    # slots: row capacity when packed (rows x max_seq_len), tokens computed with padding when padded.
+    for name in ("mode", "rows", "steps", "real tokens", "slots", "efficiency"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    pack = None
+    packing = recipe.data.packing
+    if width:  # packing needs a row length; without max_seq_len only the padded mode exists
+        rows, pack = pack_epoch0(p.train, recipe)
+        steps = steps_in(len(rows), global_batch, recipe.data.drop_last)
+        table.add_row(f"packed ({width})" + (" *" if packing else ""), f"{len(rows):,}", f"{steps:,}",
+                      f"{pack.tokens:,}", f"{pack.capacity:,}", f"{pack.efficiency:.3f}")
+    n_rows, computed = padded_tokens_of_epoch(p.train, recipe)
+    real = p.train_stats.tokens
+    table.add_row("padded" + ("" if packing else " *"), f"{n_rows:,}",
+                  f"{steps_in(n_rows, global_batch, recipe.data.drop_last):,}", f"{real:,}", f"{computed:,}",
+                  f"{real / computed if computed else 0:.3f}")
+    console.print()
+    console.print(table)
+    console.print("* this recipe's mode (data.packing). efficiency: real tokens / slots (packed: rows x "
+                  "max_seq_len; padded: tokens computed with padding)", markup=False, highlight=False)
+    tokens_in, kept, truncated, dropped = token_accounting(p.train_stats, pack if packing else None)
+    verdict = "balanced" if tokens_in == kept + truncated + dropped else "MISMATCH (a bug: please report it)"
+    where = "packed" if packing and pack else "kept"
+    console.print(f"token accounting (train): {tokens_in:,} tokenized = {kept:,} {where} + {truncated:,} truncated "
+                  f"+ {dropped:,} dropped: {verdict}", markup=False, highlight=False)
+    if t.max_steps:
+        console.print(f"train.max_steps: {t.max_steps} caps the run", markup=False, highlight=False)
+
+
+def print_sample(console: Any, tokenizer: Any, sample: dict, title: str) -> None:
+    """One sample, decoded, with trained tokens told apart from masked ones.
+
+    On a terminal trained tokens are bold green and masked ones dim; otherwise (a pipe, a file) trained text is
+    wrapped in [[...]]. Tokens are decoded in runs of equal masking rather than one by one, so a character that
+    byte-level BPE splits over several tokens still prints whole.
+    """
+    from rich.text import Text
+
+    ids, labels = sample["input_ids"], sample["labels"]
+    trained_count = sum(1 for x in labels if x != IGNORE_INDEX)
+    console.print(f"--- {title}: {len(ids)} tokens, {trained_count} trained ---", markup=False, highlight=False)
+    color = console.is_terminal and not console.no_color
+    text = Text()
+    for trained, run in itertools.groupby(zip(ids, labels), key=lambda pair: pair[1] != IGNORE_INDEX):
+        piece = tokenizer.decode([token for token, _ in run], skip_special_tokens=False,
+                                 clean_up_tokenization_spaces=False)
+        if color:
+            text.append(piece, style="bold green" if trained else "dim")
+        else:
+            text.append(f"[[{piece}]]" if trained else piece)
+    console.print(text)
+    if color:
+        console.print(Text.assemble(("legend: ", ""), ("trained", "bold green"), (" / ", ""), ("masked", "dim")))
