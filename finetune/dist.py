@@ -41,7 +41,7 @@ def init(world: World, timeout_s: float = 600.0) -> torch.device:
         torch.cuda.set_device(device)
     if world.distributed and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+        dist.init_process_group(backend, timeout=timedelta(seconds=max(timeout_s, WAIT_FOR_MAIN_S)),
                                 device_id=device if device.type == "cuda" else None)
     return device
 
@@ -56,6 +56,30 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 def is_main() -> bool:
     """Rank 0 (or the only process)."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+# How long ranks wait for rank 0's one-time work (tokenizing a large dataset); generous on purpose.
+WAIT_FOR_MAIN_S = float(os.environ.get("FINETUNE_DIST_WAIT_S", 3 * 3600))
+
+
+def wait_for_main(what: str) -> None:
+    """A barrier with a long timeout, for work rank 0 does alone while the others wait (rank 0 calls it too).
+
+    A rank that waits too long fails with a message that says what it was waiting for, not a bare timeout.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    work = dist.monitored_barrier if dist.get_backend() == "gloo" else None
+    try:
+        if work is not None:
+            work(timeout=timedelta(seconds=WAIT_FOR_MAIN_S))
+        else:
+            dist.barrier()  # nccl: bounded by the process group's timeout, set from WAIT_FOR_MAIN_S at init
+    except RuntimeError as e:
+        from finetune.errors import UserError
+
+        raise UserError(f"rank {dist.get_rank()} gave up waiting for {what} after {WAIT_FOR_MAIN_S:.0f} s "
+                        f"({e}); set FINETUNE_DIST_WAIT_S to wait longer, or run `finetune preprocess` first") from None
 
 
 def barrier() -> None:

@@ -125,6 +125,8 @@ class DataConfig(Section):
     """Processes for tokenization."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed data row stops the run (error) or is skipped and counted (skip)."""
+    cache_dir: str | None = None
+    """Where tokenized data is cached; null: $FINETUNE_CACHE_DIR, else ~/.cache/finetune/data. Deleting it is always safe."""
 
 
 class TrainConfig(Section):
@@ -666,7 +668,7 @@ def to_yaml(recipe: Recipe) -> str:
 
 # Keys that may change between a checkpoint and its resume without changing the training itself.
 HARMLESS_KEYS = ("logging", "eval", "checkpoint", "resume", "output_dir", "data.num_proc", "data.packing_check",
-                 "requires")
+                 "data.cache_dir", "requires")
 
 
 def training_keys(recipe: Recipe) -> dict[str, Any]:

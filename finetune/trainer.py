@@ -121,7 +121,13 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
 
     torch.manual_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
+    # Under torchrun, rank 0 tokenizes and writes the cache while the others wait, then read it: one process
+    # tokenizes, not all of them at once.
+    if not world.is_main:
+        dist.wait_for_main("rank 0 to preprocess the data")
     train_samples, eval_samples, stats, _, note = build_samples_cached(recipe, tokenizer)
+    if world.is_main:
+        dist.wait_for_main("rank 0 to preprocess the data")
     console.print(note, markup=False, highlight=False)  # reused the preprocessed-data cache, or wrote it
     _report_data(console, stats, len(eval_samples))
     plan = StepPlan(train_samples, recipe, world.size)

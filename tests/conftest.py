@@ -6,13 +6,19 @@ the tokenizer fixture imports transformers only when a test asks for it.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+# Test runs must not read or fill the user's data cache (~/.cache/finetune/data): one temporary cache per
+# session, inherited by every CLI subprocess the tests start.
+os.environ.setdefault("FINETUNE_CACHE_DIR", tempfile.mkdtemp(prefix="finetune-test-cache-"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "examples" / "tokenizer"
