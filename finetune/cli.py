@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=0, metavar="N",
                    help="print the first N training samples, trained tokens marked (colored on a terminal)")
     p.add_argument("--rebuild", action="store_true", help="tokenize again even if the cache has this data")
-    p = command("eval", cmd_eval, "token-weighted eval loss of a recipe's model (or a run's final model)")
+    p = command("eval", cmd_eval, "token-weighted eval loss of a recipe's model, or of a run's trained model "
+                                  "(give the run directory as RECIPE)")
     p.add_argument("--model", default=None, help="evaluate this model directory instead (e.g. RUN/final)")
     p = command("verify", cmd_verify, "prove exact gradient accumulation on this recipe's first optimizer step")
     p.add_argument("--world", type=int, default=1, help="simulate this many data-parallel ranks")
@@ -199,10 +200,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.model:
         overrides += [f"model.path={args.model}", "model.init=pretrained", "adapter.type=none"]
-    recipe = load_recipe_arg(args, overrides)
+    run = Path(args.recipe).expanduser()
+    run_dir = run if run.is_dir() and (run / "recipe.yaml").is_file() else None
+    if run_dir is not None:  # a run directory: its own recipe, and its trained model
+        from finetune.recipe import load_recipe
+
+        recipe = load_recipe(run_dir / "recipe.yaml", overrides)
+    else:
+        recipe = load_recipe_arg(args, overrides)
     from finetune.evaluate import run_eval
 
-    loss, tokens = run_eval(recipe)
+    loss, tokens = run_eval(recipe, run_dir=run_dir)
     print(f"eval_loss {loss:.6f} over {tokens} target tokens")
     return 0
 

@@ -7,14 +7,16 @@ and whether packing is on.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from finetune import dist
 from finetune.data import build_samples, eval_batches
 from finetune.errors import UserError
 from finetune.loss import linear_cross_entropy, resolve_impl
-from finetune.model import load_model, load_tokenizer, output_layer
-from finetune.recipe import Recipe
+from finetune.model import has_adapter, load_adapted_model, load_model, load_tokenizer, output_layer
+from finetune.recipe import AdapterConfig, Recipe, TokenizerConfig
 
 
 class CausalLMWithLoss(torch.nn.Module):
@@ -66,19 +68,38 @@ def model_inputs(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
     return {k: batch[k].to(device) for k in keys if k in batch}
 
 
-def run_eval(recipe: Recipe) -> tuple[float, int]:
-    """`finetune eval`: the recipe's model on the recipe's eval data, in one process."""
+def run_eval(recipe: Recipe, run_dir: Path | None = None) -> tuple[float, int]:
+    """`finetune eval`: the recipe's model (or, given a run directory, that run's trained model) on the
+    recipe's eval data, in one process."""
     world = dist.from_env()
     device = dist.init(world)
     try:
-        tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
+        if run_dir is not None:
+            lm, tokenizer = _trained_model(run_dir, recipe)
+        else:
+            tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
+            lm = None
         _, eval_samples, _, _ = build_samples(recipe, tokenizer)
         if not eval_samples:
             raise UserError("the recipe has no eval data: set eval_datasets or data.val_fraction")
-        lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
+        if lm is None:
+            lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+        lm = lm.to(device)
         impl = resolve_impl(recipe.loss.impl, device)
         net = CausalLMWithLoss(lm, impl, recipe.loss.chunk_size, recipe.loss.z_loss, recipe.loss.softcap)
         micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
         return evaluate_loss(net, eval_samples, recipe, micro, tokenizer.pad_token_id, world, device)
     finally:
         dist.shutdown()
+
+
+def _trained_model(run_dir: Path, recipe: Recipe) -> tuple[torch.nn.Module, object]:
+    """A finished run's model (full weights, or its base with the trained adapter) and its saved tokenizer."""
+    final = run_dir / "final"
+    if not final.is_dir():
+        raise UserError(f"{run_dir} has no final/ directory: the run did not finish (resume it with resume: auto)")
+    tokenizer = load_tokenizer(TokenizerConfig(path=str(final)), recipe.model)
+    if has_adapter(final):
+        return load_adapted_model(run_dir, final, recipe, tokenizer), tokenizer
+    trained = recipe.model.model_copy(update={"path": str(final), "init": "pretrained", "gguf_file": None})
+    return load_model(trained, AdapterConfig(type="none"), tokenizer, recipe.seed), tokenizer

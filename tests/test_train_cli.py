@@ -42,6 +42,16 @@ def test_quickstart_run_directory_has_every_file(quick_run):
     assert "packing isolation check passed" in result.stdout
 
 
+def test_eval_of_the_run_directory_reproduces_its_final_eval(quick_run):
+    """`finetune eval RUN_DIR` reloads the saved final/ model and gets the run's own last eval loss."""
+    out, _ = quick_run
+    result = run_cli("eval", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    loss = float(result.stdout.split()[1])
+    logged = eval_lines(out)[-1]["eval_loss"]
+    assert abs(loss - logged) <= 1e-5 * logged, (loss, logged)
+
+
 def test_fresh_run_refuses_existing_output_dir(quick_run):
     out, _ = quick_run
     before = (out / "metrics.jsonl").read_text()
