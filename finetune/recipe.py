@@ -623,15 +623,9 @@ def _installed_version(package: str) -> str | None:
         from finetune import __version__
 
         return __version__
-    import importlib.metadata
+    from finetune.versions import installed_version  # a leaf too: importlib.metadata only, no torch
 
-    # Distribution names are matched loosely (liger-kernel, liger_kernel) as pip does.
-    for name in dict.fromkeys((package, package.replace("-", "_"), package.replace("_", "-"))):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    return installed_version(package)
 
 
 def _similar_dist(package: str) -> str:

@@ -16,7 +16,7 @@ SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
 ALLOWED = {
     "errors": set(),
     "versions": set(),
-    "recipe": {"recipe_repos"},  # the recipe search path, split out of the schema module; a leaf itself
+    "recipe": {"recipe_repos", "versions"},  # the recipe search path, split out of the schema module; a leaf itself
     "recipe_repos": set(),
     "dist": set(),
     "data": {"recipe", "data"},

@@ -38,6 +38,15 @@ class DataStats:
     tokens: int = 0
     target_tokens: int = 0
     bad_row_examples: list[str] = field(default_factory=list)
+
+    def bad_row(self, error: BadRow, on_bad_row: str) -> None:
+        """Stop on a bad row (`data.on_bad_row: error`) or count it and keep a few examples (`skip`)."""
+        if on_bad_row == "error":
+            raise BadRow(f"{error}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
+                         "(they are counted).") from None
+        self.bad_rows_skipped += 1
+        if len(self.bad_row_examples) < 5:
+            self.bad_row_examples.append(str(error))
     # Token accounting, so that `finetune preprocess` can show nothing vanished:
     # input_tokens == tokens + truncated_tokens + dropped_tokens.
     input_tokens: int = 0  # tokens of every tokenized sample, before truncation
@@ -73,12 +82,7 @@ def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
                                                text_field=cfg.text_field, train_on_inputs=cfg.train_on_inputs))
                     taken += 1
                 except BadRow as e:
-                    if on_bad_row == "error":
-                        raise BadRow(f"{e}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
-                                     "(they are counted).") from None
-                    stats.bad_rows_skipped += 1
-                    if len(stats.bad_row_examples) < 5:
-                        stats.bad_row_examples.append(str(e))
+                    stats.bad_row(e, on_bad_row)
         except BadRow:
             raise  # already names its file:line
         except UserError as e:  # the source as a whole: name the recipe key too
@@ -110,12 +114,7 @@ def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConf
         try:
             sample = tokenize_example(example, tokenizer)
         except BadRow as e:
-            if on_bad_row == "error":
-                raise UserError(f"{e}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
-                                "(they are counted).") from None
-            stats.bad_rows_skipped += 1
-            if len(stats.bad_row_examples) < 5:
-                stats.bad_row_examples.append(str(e))
+            stats.bad_row(e, on_bad_row)
             continue
         n = len(sample["input_ids"])
         stats.input_tokens += n
