@@ -60,6 +60,15 @@ MODEL_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
     "tie_word_embeddings": True,
 }
+
+
+def set_width(hidden: int) -> None:
+    """Widen (or keep) the benchmark model: intermediate 3x hidden, 32-dim heads, 2 query heads per KV head."""
+    heads = max(2, hidden // 32)
+    MODEL_CONFIG.update(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
+                        num_key_value_heads=max(1, heads // 2))
+
+
 # name -> (max_seq_len, micro_batch_size, gradient_accumulation_steps): the same batch for both distributions and
 # every trainer/mode; accumulation does not change tokens/s, so 1 keeps the benchmark short.
 SETTINGS = {"quickstart": (512, 4, 1), "lognormal": (2048, 4, 1)}
@@ -168,7 +177,7 @@ def run_trl(python: str, trl_path: str | None, name: str, data: Path, packing: b
             micro: int, accumulation: int) -> list[tuple[int, float]]:
     out = work / f"trl-{name}-{'packed' if packing else 'padded'}-{micro}x{accumulation}.json"
     max_len = SETTINGS[name][0]
-    command = [python, str(Path(__file__).resolve()), "--trl-worker", "--data", str(data), "--out", str(out),
+    command = [python, str(Path(__file__).resolve()), "--trl-worker", "--hidden", str(MODEL_CONFIG["hidden_size"]), "--data", str(data), "--out", str(out),
                "--max-len", str(max_len), "--micro", str(micro), "--accumulation", str(accumulation),
                "--steps", str(steps)] + (["--packing"] if packing else [])
     result = subprocess.run(command, cwd=ROOT, env=trl_env(trl_path), capture_output=True, text=True)
@@ -256,6 +265,9 @@ def main() -> int:
     parser.add_argument("--trl-path", default=None, help="directory prepended to PYTHONPATH for the TRL runs")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL half")
     parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--hidden", type=int, default=128,
+                        help="model width (intermediate 3x, heads of 32): attention's share of the step shrinks "
+                             "as the model widens, and packing saves the rest")
     # The TRL worker (internal).
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -265,6 +277,7 @@ def main() -> int:
     parser.add_argument("--accumulation", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    set_width(args.hidden)
     if args.trl_worker:
         trl_worker(args)
         return 0
