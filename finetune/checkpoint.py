@@ -48,11 +48,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """True under FSDP2: parameters are DTensor shards and checkpoints go through torch.distributed.checkpoint."""
-    return any(hasattr(p, "full_tensor") for p in model.parameters())
-
-
 def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: Any, trainer_state: dict[str, Any], keep_last: int) -> Path:
     """Write checkpoints/step-N atomically and prune all but the newest `keep_last`. Returns its path.
@@ -77,7 +72,7 @@ def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.o
     try:
         if error is not None:
             raise error
-        if is_sharded(model):
+        if dist.is_sharded(model):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -165,10 +160,10 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     problem = _verify(path)
     if problem:
         raise UserError(f"resume: checkpoint {path} cannot be used: {problem}")
-    if (path / "dcp").is_dir() != is_sharded(model):
+    if (path / "dcp").is_dir() != dist.is_sharded(model):
         kind = "sharded (fsdp)" if (path / "dcp").is_dir() else "unsharded (single process / ddp)"
         raise UserError(f"resume: checkpoint {path} is {kind}; resume it with the same distributed.strategy")
-    if is_sharded(model):
+    if dist.is_sharded(model):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

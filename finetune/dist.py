@@ -53,6 +53,11 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True under FSDP2: the parameters are DTensor shards (gathering or saving them is a collective)."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
 def is_main() -> bool:
     """Rank 0 (or the only process)."""
     return not dist.is_initialized() or dist.get_rank() == 0

@@ -187,7 +187,7 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
                 step_rows, recipe.train.micro_batch_size, world.size, world.rank, recipe.data.group_by_length)]
 
             # N_step: the step's target tokens over all micro-batches and ranks, known before any backward.
-            local_targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
+            local_targets = sum(m["targets"] for m in micro)
             counts = dist.all_reduce_sum(torch.tensor([local_targets, sum(m["seq_tokens"] for m in micro),
                                                        sum(m["padded_tokens"] for m in micro)], device=device))
             n_step, seq_tokens, padded_tokens = (int(x) for x in counts.tolist())
@@ -216,7 +216,7 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            update_ratio = _update_ratio(before, params) if before is not None else 0.0
+            update_ratio = _update_ratio(before, params, dist.is_sharded(lm)) if before is not None else 0.0
             if healthy and update_ratio == 0.0:
                 console.print(f"[yellow]step {step + 1}: the trainable weights did not change[/yellow]")
             seconds = clock.lap()
@@ -247,7 +247,6 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
                                  "training_keys": training_keys(recipe), "global_batch": plan.global_batch,
                                  "world_size": world.size, "tokens_seen": tokens_seen, "samples_seen": samples_seen},
                                 recipe.checkpoint.keep_last)
-            dist.barrier()
         evaluate(plan.total)
         full_state = gather_full_state(net, lm)  # a collective under FSDP: every rank takes part
         if world.is_main:
@@ -266,21 +265,18 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def _update_ratio(before: list[torch.Tensor], params: list[torch.Tensor]) -> float:
+def _update_ratio(before: list[torch.Tensor], params: list[torch.Tensor], sharded: bool) -> float:
     """||w_after - w_before|| / ||w_before|| over all trainable weights: 0 means the step changed nothing."""
     delta = sum(float((_local(p).detach().float() - _local(b).float()).pow(2).sum()) for p, b in zip(params, before))
     norm = sum(float(_local(b).float().pow(2).sum()) for b in before)
-    totals = dist.all_reduce_sum(torch.tensor([delta, norm], dtype=torch.float64)) if _sharded(params) else \
-        torch.tensor([delta, norm], dtype=torch.float64)
+    totals = torch.tensor([delta, norm], dtype=torch.float64)
+    if sharded:  # each rank holds a shard: the norms are sums over all ranks
+        dist.all_reduce_sum(totals)
     return math.sqrt(float(totals[0])) / max(math.sqrt(float(totals[1])), 1e-12)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _sharded(params: list[torch.Tensor]) -> bool:
-    return any(hasattr(p, "to_local") for p in params)
 
 
 def _report_data(console: Console, stats: DataStats, n_eval: int) -> None:

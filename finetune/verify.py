@@ -69,7 +69,7 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
                   for rows in rank_micro_batches(step_rows, t.micro_batch_size, world_size, rank)]
     size = reference_micro_batch or len(step_rows)
     reference = [collate(step_rows[i: i + size], recipe.data, pad) for i in range(0, len(step_rows), size)]
-    n_step = sum(int((b["labels"][:, 1:] != -100).sum()) for b in configured)
+    n_step = sum(b["targets"] for b in configured)
 
     def gradients(batches: list[dict], naive: bool) -> dict[str, torch.Tensor]:
         lm.zero_grad(set_to_none=True)

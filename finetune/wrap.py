@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from finetune.dist import World
+from finetune.dist import World, is_sharded
 from finetune.model import DTYPES
 from finetune.recipe import Recipe
 
@@ -53,7 +53,7 @@ def gather_full_state(net: torch.nn.Module, lm: torch.nn.Module) -> dict[str, to
 
     Every rank must call this: gathering the shards is a collective.
     """
-    if not any(hasattr(p, "full_tensor") for p in lm.parameters()):
+    if not is_sharded(lm):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

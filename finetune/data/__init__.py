@@ -248,11 +248,12 @@ def rank_micro_batches(step_rows: Sequence[dict], micro_batch_size: int, world_s
 def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
     """Tensors for one micro-batch: packed rows (no attention mask, position ids per document) or padded.
 
-    A filler micro-batch (see rank_micro_batches) is computed, so its tokens count as padded tokens, but it is
-    no data: its seq_tokens are 0.
+    `targets` counts the tokens that carry a loss after the shift (what N_step sums). A filler micro-batch (see
+    rank_micro_batches) is computed, so its tokens count as padded tokens, but it is no data: its seq_tokens are 0.
     """
     batch = collate_packed(rows, pad_token_id) if data.packing else collate_padded(
         rows, pad_token_id, data.pad_to_multiple_of)
+    batch["targets"] = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     if rows and rows[0].get("filler"):
         batch["seq_tokens"] = 0
     return batch
