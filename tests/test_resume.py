@@ -51,34 +51,38 @@ def test_resume_is_bitwise_identical(tmp_path, packing, adapter):
 
 def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
     """Kill -9 the run at random moments (during steps and checkpoint writes), resume: auto each time; the
-    result equals the uninterrupted run, bit for bit. The kill moments are drawn after training has started
-    (the first metrics line exists), so every kill lands in the loop or in a checkpoint write."""
-    args = [*TINY, "train.max_steps=8", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
+    result equals the uninterrupted run, bit for bit. Each kill moment is drawn from the run's own progress
+    (1 to 3 new metrics lines, then up to 0.05 s more: a step with its checkpoint takes ~0.05 s), not from
+    wall-clock time alone, so that a fast machine cannot finish the run before the kill: every kill lands in
+    the loop or in a checkpoint write."""
+    args = [*TINY, "train.max_steps=20", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
     straight = tmp_path / "straight"
     assert run_cli("train", str(QUICKSTART), f"output_dir={straight}", *args).returncode == 0
     killed = tmp_path / "killed"
     metrics = killed / "metrics.jsonl"
     rng = random.Random(1234)
-    kills_after_a_checkpoint = 0
-    for attempt in range(8):
+    kills, kills_after_a_checkpoint = 0, 0
+    for attempt in range(5):
         cmd = [sys.executable, "-m", "finetune", "train", str(QUICKSTART), f"output_dir={killed}", *args,
                "resume=auto"]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 env=TEST_ENV)
-        lines_before = _line_count(metrics)
         if attempt < 4:  # four kills at random moments, then let it finish
-            while proc.poll() is None and _line_count(metrics) <= lines_before:
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0.0, 1.5))
+            # At least 2 new lines the first time, so that a checkpoint exists before the first kill.
+            wanted = _line_count(metrics) + rng.randint(2 if attempt == 0 else 1, 3)
+            while proc.poll() is None and _line_count(metrics) < wanted:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.05))
             if proc.poll() is None:
                 had_checkpoint = bool(checkpoint.complete_checkpoints(killed / "checkpoints"))
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
+                kills += 1
                 kills_after_a_checkpoint += had_checkpoint
                 continue
         assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
         break
-    assert kills_after_a_checkpoint >= 1, "no kill came after a checkpoint; the test proved nothing"
+    assert kills == 4 and kills_after_a_checkpoint >= 1, (kills, kills_after_a_checkpoint)
     _assert_bitwise(straight, killed)
 
 
