@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from finetune import attention
 from finetune.errors import UserError
 from finetune.recipe import AdapterConfig, ModelConfig, Recipe, TokenizerConfig, validate
 
@@ -133,7 +134,10 @@ def load_base(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
 
 
 def _common_kwargs(cfg: ModelConfig) -> dict[str, Any]:
-    attn = "sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation
+    attn = cfg.attn_implementation
+    if attn == "auto":  # sdpa within each packed document: no [S, S] mask, no attention across documents
+        attention.register()
+        attn = attention.ATTN_NAME
     return {"attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
 
 

@@ -46,7 +46,10 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights during training."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    """auto: sdpa (flash_attention_2 only when asked for)."""
+    """auto: torch sdpa run one packed document at a time (documents found from position_ids; no [S, S] mask, so
+    a packed row costs attention within its documents only), transformers' sdpa for padded batches and
+    generation. sdpa: transformers' sdpa, packed rows isolated by a block-diagonal mask over the whole row.
+    eager: the same mask in plain torch ops. flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     trust_remote_code: bool = False

@@ -1,0 +1,102 @@
+"""Attention one document at a time for packed rows, on any device: what flash-attn's varlen kernels do on
+CUDA, built from torch's scaled_dot_product_attention.
+
+Why: with `sdpa` or `eager`, transformers isolates packed documents with a block-diagonal [S, S] mask, so a
+packed row pays attention over all of max_seq_len (on a CPU, sdpa has no variable-length kernel and computes
+every masked score). Attending within each document costs the sum of the squared document lengths instead,
+less than the padded batch's rows x longest-sample squared, so packing keeps its padding saving.
+
+How: `register()` adds ATTN_NAME to transformers' AttentionInterface and AttentionMaskInterface, the library's
+extension points for custom attention (nothing of transformers is replaced). The document boundaries come from
+`position_ids`, which transformers hands every attention call: a document starts wherever a position does not
+follow the previous one (the rule of transformers' own `find_packed_sequence_indices`). Isolation is therefore
+structural: a document's queries only ever see its own keys, with the cache on or off. Batches with a padding
+mask, or with a cache prefix (generation), go to transformers' own sdpa path unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# The name a model's config carries in `attn_implementation` when our function computes its attention.
+ATTN_NAME = "finetune_sdpa_varlen"
+
+
+def register() -> None:
+    """Make ATTN_NAME a valid `attn_implementation` for transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, sdpa_varlen_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_varlen_mask)
+
+
+def document_spans(position_ids: torch.Tensor, batch_size: int) -> list[list[tuple[int, int]]]:
+    """[(start, end), ...] of the documents of each row: a document starts where a position does not follow
+    the previous one (0 after 57, or 0 after 0)."""
+    position_ids = position_ids.expand(batch_size, -1)
+    length = position_ids.shape[1]
+    restarts = (position_ids[:, 1:] != position_ids[:, :-1] + 1).nonzero().tolist()
+    starts: list[list[int]] = [[0] for _ in range(batch_size)]
+    for row, col in restarts:
+        starts[row].append(col + 1)
+    return [list(zip(s, [*s[1:], length])) for s in starts]
+
+
+def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                     attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """No mask at all for a batch without padding and without a cache prefix (packed training rows): the
+    attention function takes the documents from position_ids, so no [S, S] mask is built. Anything else gets
+    transformers' sdpa mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+
+
+def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          position_ids: torch.Tensor | None = None, sliding_window: int | None = None,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [b, heads, S, d], key/value [b, kv_heads, S, d] ->
+    ([b, S, heads, d], None). Documents of a row attend causally within themselves only."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    batch, _, q_length, _ = query.shape
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if attention_mask is not None or position_ids is None or key.shape[2] != q_length or not causal:
+        # A padding mask, a cache prefix or a bidirectional module: transformers' own path, mask and all.
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      position_ids=position_ids, sliding_window=sliding_window, **kwargs)
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"{ATTN_NAME} does not support {unsupported}; set model.attn_implementation: eager")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    rows = []
+    for row, spans in enumerate(document_spans(position_ids, batch)):
+        pieces = []
+        for start, end in spans:
+            q, k, v = (t[row:row + 1, :, start:end] for t in (query, key, value))
+            window = _window_mask(end - start, sliding_window, query.device)
+            pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=window, dropout_p=dropout,
+                                                         is_causal=window is None, scale=scaling))
+        rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
+    out = rows[0] if batch == 1 else torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _window_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Causal mask limited to the last `sliding_window` keys (transformers' rule: q - k < window), or None
+    when the document is no longer than the window and plain causal attention is the same thing."""
+    if sliding_window is None or length <= sliding_window:
+        return None
+    full = torch.ones(length, length, dtype=torch.bool, device=device)
+    return full.tril() & full.triu(-(sliding_window - 1))

@@ -1,0 +1,100 @@
+"""finetune/attention.py: sdpa one packed document at a time (what `attn_implementation: auto` picks).
+
+It must give transformers' sdpa results wherever both are defined (packed rows, padded batches, generation,
+sliding windows, gradients), and keep packed documents apart even where transformers' own path does not
+(the cache on).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from test_pack import VOCAB, packed_batch, packed_vs_alone, tiny_model
+from transformers import AutoModelForCausalLM
+
+from finetune import attention
+
+VARLEN = attention.ATTN_NAME
+attention.register()
+
+
+def test_document_spans_from_position_ids():
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]])
+    assert attention.document_spans(pos, 2) == [[(0, 3), (3, 4), (4, 6)], [(0, 6)]]
+    # transformers sometimes passes [1, S] position ids for a batch: they apply to every row.
+    assert attention.document_spans(pos[:1], 2) == [[(0, 3), (3, 4), (4, 6)]] * 2
+
+
+@pytest.mark.parametrize("config_cls", [transformers.LlamaConfig, transformers.Qwen2Config])
+def test_isolated_even_with_the_cache_on(config_cls: type):
+    # transformers' sdpa leaks here (test_pack.test_use_cache_true_leaks_across_documents): the documents
+    # come from position_ids in every attention call, whatever the cache does.
+    model = tiny_model(config_cls, VARLEN)
+    assert packed_vs_alone(model, use_cache=True) <= 1e-5
+    assert packed_vs_alone(model) <= 1e-5
+
+
+@pytest.mark.parametrize("config_cls", [transformers.LlamaConfig, transformers.Qwen2Config])
+def test_packed_gradients_equal_sdpa(config_cls: type):
+    """Backward through the per-document path equals transformers' block-diagonal sdpa (fp32, rel 1e-5)."""
+    _, batch, _ = packed_batch()
+    grads = {}
+    for impl in ("sdpa", VARLEN):
+        model = tiny_model(config_cls, impl).train()
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        labels = batch["labels"][:, 1:].flatten()
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels, ignore_index=-100).backward()
+        grads[impl] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    diff = (grads["sdpa"] - grads[VARLEN]).norm() / grads["sdpa"].norm()
+    assert diff <= 1e-5, diff
+
+
+def test_padded_batches_and_generation_are_transformers_sdpa():
+    """With a padding mask, or a cache prefix, our function hands over to transformers' sdpa: same numbers."""
+    ref, ours = tiny_model(transformers.LlamaConfig, "sdpa"), tiny_model(transformers.LlamaConfig, VARLEN)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    mask[2, 2:] = 0
+    with torch.no_grad():
+        a = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        b = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(a[mask.bool()], b[mask.bool()])
+    prompt = ids[:1, :5]
+    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(ref.generate(prompt, **gen), ours.generate(prompt, **gen))
+
+
+@pytest.mark.parametrize("config_cls", [transformers.Qwen2Config, transformers.MistralConfig])
+def test_sliding_window_within_documents(config_cls: type):
+    # Documents longer than the window (7, 11, 9 tokens vs 4): each query sees its last 4 keys of its own document,
+    # as transformers' sliding-window mask says.
+    extra = {"use_sliding_window": True, "max_window_layers": 0} if config_cls is transformers.Qwen2Config else {}
+    config = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4, **extra)
+    _, batch, _ = packed_batch()
+    logits = {}
+    for impl in ("sdpa", VARLEN):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+        with torch.no_grad():
+            logits[impl] = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                 use_cache=False).logits
+    assert (logits["sdpa"] - logits[VARLEN]).abs().max() <= 1e-5
+    # The window matters here: without it the per-document results differ.
+    torch.manual_seed(0)
+    wide = AutoModelForCausalLM.from_config(config_cls(**{**config.to_dict(), "sliding_window": 64}),
+                                            attn_implementation=VARLEN).eval()
+    with torch.no_grad():
+        unwindowed = wide(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    assert (unwindowed - logits[VARLEN]).abs().max() > 1e-3
+
+
+def test_softcap_is_refused_with_a_way_out():
+    model = tiny_model(transformers.LlamaConfig, VARLEN)
+    layer = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 5, 8)
+    kv = torch.zeros(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="attn_implementation: eager"):
+        attention.sdpa_varlen_attention(layer, q, kv, kv, None, position_ids=torch.arange(5)[None], softcap=30.0)
