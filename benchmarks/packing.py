@@ -13,17 +13,17 @@ Two long-tailed length distributions:
 For each: packing efficiency of epoch 0 (real tokens / row capacity, our best-fit decreasing), then a fixed
 number of optimizer steps of the same tiny random-init Llama with packing on and off, run by our trainer
 (the real CLI, `finetune train`) and by TRL's SFTTrainer (bfd packing, i.e. padding-free rows, and padded),
-same data, micro-batch, accumulation, max length, float32, sdpa attention, one thread each. Reported: the median
-over steps (the first, warm-up step left out) of real tokens per second (tokens of the samples, never padding).
+same data, micro-batch, accumulation, max length, float32, one thread each (attention: our `auto` and
+TRL's sdpa). Reported: the median over steps (the first, warm-up step left out) of real tokens per second
+(tokens of the samples, never padding).
 Ours comes from metrics.jsonl (`tokens_per_s` = seq_tokens / step time); TRL's from a callback timing each
 optimizer step end to end and a trainer subclass counting the real tokens of its micro-batches.
 
-Reading the results on a CPU: sdpa has no variable-length kernel there, so a packed row attends densely over all
-of max_seq_len behind a block-diagonal mask (profiled: the attention kernels are ~64% of a 4 x 2048 packed
-micro-batch of this model, and the masked step takes 1.7x a plain causal one). Packing saves the padding but pays
-attention over the whole row: a clear win for short samples (quickstart: rows of 512), about even at 2048 with
-a model this narrow, where attention outweighs the matmuls. Wider models (attention a small share) and
-flash_attention_2 on GPUs (attention within each document only) keep the padding saving.
+Reading the results on a CPU: sdpa has no variable-length kernel there. Under `attn_implementation: sdpa`
+a packed row attends densely over all of max_seq_len behind a block-diagonal mask (profiled: the attention
+kernels were ~64% of a 4 x 2048 packed micro-batch of this model, and the masked step took 1.7x a plain causal
+one), which ate the padding saving at 2048. `auto` (our default, finetune/attention.py) runs sdpa one document
+at a time, so a packed row costs attention within its documents only; the "attn sdpa" row shows the difference.
 TRL's padding-free collator joins a micro-batch's packed rows into one sequence of micro x max_seq_len tokens,
 so its attention there spans 4 rows at once; the extra "packed 1 x N" run (one row per micro-batch, same rows per
 step) is its fairest packed figure.
@@ -105,14 +105,14 @@ def synthesize_lognormal(path: Path, n: int, seed: int = 0, median: float = 250.
     return path
 
 
-def write_recipe(work: Path, name: str, data: Path, packing: bool, steps: int) -> Path:
+def write_recipe(work: Path, name: str, data: Path, packing: bool, steps: int, attn: str = "auto") -> Path:
     import yaml
 
     max_len, micro, accumulation = SETTINGS[name]
     recipe = {
-        "output_dir": str(work / f"ours-{name}-{'packed' if packing else 'padded'}"),
+        "output_dir": str(work / f"ours-{name}-{'packed' if packing else 'padded'}-{attn}"),
         "seed": 0,
-        "model": {"init": "random", "config": MODEL_CONFIG, "dtype": "float32", "attn_implementation": "sdpa"},
+        "model": {"init": "random", "config": MODEL_CONFIG, "dtype": "float32", "attn_implementation": attn},
         "tokenizer": {"path": str(TOKENIZER)},
         "datasets": [{"path": str(data), "format": "chat"}],
         "data": {"max_seq_len": max_len, "packing": packing, "packing_check": False},
@@ -121,7 +121,7 @@ def write_recipe(work: Path, name: str, data: Path, packing: bool, steps: int) -
         "eval": {"at_start": False},
         "logging": {"every_steps": 1},
     }
-    path = work / f"{name}-{'packed' if packing else 'padded'}.yaml"
+    path = work / f"{name}-{'packed' if packing else 'padded'}-{attn}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
@@ -144,15 +144,16 @@ def efficiencies(name: str, data: Path, work: Path) -> dict[str, float]:
 
 # --- ours -------------------------------------------------------------------------------------------------------
 
-def run_ours(name: str, data: Path, packing: bool, steps: int, work: Path) -> list[tuple[int, float]]:
+def run_ours(name: str, data: Path, packing: bool, steps: int, work: Path, attn: str = "auto"
+             ) -> list[tuple[int, float]]:
     """(real tokens, seconds) of every step after the first, from the run's metrics.jsonl."""
-    recipe = write_recipe(work, name, data, packing, steps)
+    recipe = write_recipe(work, name, data, packing, steps, attn)
     env = {**os.environ, **THREAD_ENV}
     result = subprocess.run([sys.executable, "-m", "finetune", "train", str(recipe), "--overwrite"], cwd=ROOT,
                             env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"finetune train failed ({name}, packing={packing}):\n{result.stdout}\n{result.stderr}")
-    out = work / f"ours-{name}-{'packed' if packing else 'padded'}"
+    out = work / f"ours-{name}-{'packed' if packing else 'padded'}-{attn}"
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps_run = [r for r in lines if "loss" in r][1:]  # the first step warms up
     return [(r["seq_tokens"], r["seq_tokens"] / r["tokens_per_s"]) for r in steps_run]
@@ -297,7 +298,8 @@ def main() -> int:
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, TRL {trl or '-'}; "
-          f"model {MODEL_CONFIG['num_hidden_layers']} layers x {MODEL_CONFIG['hidden_size']}, float32, sdpa, "
+          f"model {MODEL_CONFIG['num_hidden_layers']} layers x {MODEL_CONFIG['hidden_size']}, float32, "
+          "attn auto (ours) / sdpa (TRL), "
           f"1 thread; {args.steps} steps per run, median of steps 2..{args.steps}", flush=True)
     table = []  # (dataset, efficiency text, trainer, padded, packed)
     for name in args.datasets:
@@ -311,6 +313,9 @@ def main() -> int:
                 for mode in ("padded", "packed")}
         efficiency = f"{eff['packed']:.3f} (padded {eff['padded']:.3f})"
         table.append((name, efficiency, "finetune", ours["padded"], ours["packed"]))
+        # The same packed rows under transformers' sdpa: isolated by a block-diagonal mask over the whole row.
+        masked = summary("finetune packed, attn sdpa", run_ours(name, files[name], True, args.steps, work, "sdpa"))
+        table.append((name, "", "finetune, attn sdpa (block-diagonal mask)", ours["padded"], masked))
         if not trl:
             continue
         runs = {mode: summary(f"TRL {mode}", run_trl(args.trl_python, args.trl_path, name, files[name],
