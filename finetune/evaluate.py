@@ -15,8 +15,8 @@ from finetune import dist
 from finetune.data import build_samples, eval_batches
 from finetune.errors import UserError
 from finetune.loss import linear_cross_entropy, resolve_impl
-from finetune.model import has_adapter, load_adapted_model, load_model, load_tokenizer, output_layer
-from finetune.recipe import AdapterConfig, Recipe, TokenizerConfig
+from finetune.model import load_model, load_tokenizer, load_trained, output_layer
+from finetune.recipe import Recipe
 
 
 class CausalLMWithLoss(torch.nn.Module):
@@ -75,7 +75,7 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> tuple[float, int]:
     device = dist.init(world)
     try:
         if run_dir is not None:
-            lm, tokenizer = _trained_model(run_dir, recipe)
+            lm, tokenizer = load_trained(run_dir, recipe)
         else:
             tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
             lm = None
@@ -91,15 +91,3 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> tuple[float, int]:
         return evaluate_loss(net, eval_samples, recipe, micro, tokenizer.pad_token_id, world, device)
     finally:
         dist.shutdown()
-
-
-def _trained_model(run_dir: Path, recipe: Recipe) -> tuple[torch.nn.Module, object]:
-    """A finished run's model (full weights, or its base with the trained adapter) and its saved tokenizer."""
-    final = run_dir / "final"
-    if not final.is_dir():
-        raise UserError(f"{run_dir} has no final/ directory: the run did not finish (resume it with resume: auto)")
-    tokenizer = load_tokenizer(TokenizerConfig(path=str(final)), recipe.model)
-    if has_adapter(final):
-        return load_adapted_model(run_dir, final, recipe, tokenizer), tokenizer
-    trained = recipe.model.model_copy(update={"path": str(final), "init": "pretrained", "gguf_file": None})
-    return load_model(trained, AdapterConfig(type="none"), tokenizer, recipe.seed), tokenizer

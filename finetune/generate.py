@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import torch
 
 from finetune.errors import UserError
-from finetune.model import has_adapter, load_adapted_model, read_run
+from finetune.model import has_adapter, load_trained, read_run
 
 
 @dataclass
@@ -128,14 +128,10 @@ def load_for_inference(run_dir: str) -> tuple[Any, Any]:
         path = path.parent  # RUN/final holding an adapter: its base comes from the run's recipe
     if (path / "recipe.yaml").is_file():
         recipe, final = read_run(path)
-        tokenizer = AutoTokenizer.from_pretrained(str(final))
-        if has_adapter(final):
-            if recipe.adapter.type == "qlora":
-                print("note: QLoRA adapter applied to the base loaded unquantized (as `finetune merge` does)",
-                      file=sys.stderr)
-            model = load_adapted_model(path, final, recipe, tokenizer)
-        else:
-            model = _load_hf(AutoModelForCausalLM, final, recipe.model.dtype)
+        if has_adapter(final) and recipe.adapter.type == "qlora":
+            print("note: QLoRA adapter applied to the base loaded unquantized (as `finetune merge` does)",
+                  file=sys.stderr)
+        model, tokenizer = load_trained(path, recipe)
     elif (path / "config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         model = _load_hf(AutoModelForCausalLM, path, "auto")

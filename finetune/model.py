@@ -366,6 +366,19 @@ def read_run(run_dir: str | Path) -> tuple[Recipe, Path]:
     return validate(raw if isinstance(raw, dict) else {}, source=str(recipe_file)), final
 
 
+def load_trained(run_dir: str | Path, recipe: Recipe | None = None) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer) of a finished run, ready for inference in its recipe's dtype on the CPU: the full
+    weights of final/, or the run's base with the adapter of final/ on it; the tokenizer saved with the run.
+    `recipe` defaults to the run's own (`finetune eval` passes the run's recipe with the user's overrides)."""
+    saved, final = read_run(run_dir)
+    recipe = recipe or saved
+    tokenizer = load_tokenizer(TokenizerConfig(path=str(final)), recipe.model)
+    if has_adapter(final):
+        return load_adapted_model(run_dir, final, recipe, tokenizer), tokenizer
+    trained = recipe.model.model_copy(update={"path": str(final), "init": "pretrained", "gguf_file": None})
+    return load_base(trained, tokenizer, recipe.seed), tokenizer
+
+
 def has_adapter(final: Path) -> bool:
     return (final / "adapter_config.json").is_file()
 
