@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from finetune import dist
-from finetune.data import build_samples, eval_batches
+from finetune.data import build_samples, collate, eval_rows, rank_micro_batches
 from finetune.errors import UserError
 from finetune.loss import linear_cross_entropy, resolve_impl
 from finetune.model import load_model, load_tokenizer, load_trained, output_layer
@@ -46,17 +46,14 @@ class CausalLMWithLoss(torch.nn.Module):
 def evaluate_loss(net: torch.nn.Module, samples: list[dict], recipe: Recipe, micro_batch_size: int, pad_id: int,
                   world: dist.World, device: torch.device) -> tuple[float, int]:
     """Token-weighted mean loss over the eval set: sum of token losses over all eval tokens (all ranks)."""
-    batches = list(eval_batches(samples, recipe.data, micro_batch_size, pad_id))
-    mine = batches[world.rank::world.size]
-    per_rank = -(-len(batches) // world.size)
-    # Ranks with fewer batches rerun their first with nothing counted, so collective calls stay matched.
-    template = mine[0] if mine else batches[0]
-    fillers = [{**template, "labels": torch.full_like(template["labels"], -100)}]
+    # Dealt to ranks like a training step's rows: a rank with fewer micro-batches runs fillers that count
+    # nothing, so every rank makes the same forward calls (FSDP gathers parameters in each).
+    micro_batches = rank_micro_batches(eval_rows(samples, recipe.data), micro_batch_size, world.size, world.rank)
     totals = torch.zeros(2, device=device, dtype=torch.float64)
     net.eval()
     with torch.no_grad():
-        for batch in mine + fillers * (per_rank - len(mine)):
-            loss_sum, n = net(**model_inputs(batch, device))
+        for rows in micro_batches:
+            loss_sum, n = net(**model_inputs(collate(rows, recipe.data, pad_id), device))
             totals += torch.stack([loss_sum.double(), n.double()])
     loss_sum, n = dist.all_reduce_sum(totals).tolist()
     return loss_sum / max(n, 1), int(n)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import QUICKSTART, ROOT, TINY, final_weights, rel_diff, train_lines
+from helpers import QUICKSTART, ROOT, TINY, eval_lines, final_weights, rel_diff, train_lines
 
 pytestmark = pytest.mark.dist
 
@@ -95,6 +95,24 @@ def test_fsdp_checkpoint_resumes_on_another_world_size(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "world size 3" in r.stdout
     assert_same_training(run, ref)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_eval_on_two_ranks_equals_one_process(tmp_path, strategy):
+    """5 eval rows in micro-batches of 2: rank 0 gets two, rank 1 one and a filler that counts nothing (FSDP
+    needs every rank in every forward). The token-weighted eval loss must equal one process's."""
+    common = [*TINY, "train.max_steps=1", "data.packing=false", "eval_datasets.0.max_rows=5",
+              "eval.micro_batch_size=2", "eval.at_start=true", "eval.every_steps=1"]
+    ref = single("train", str(QUICKSTART), f"output_dir={tmp_path / 'one'}", *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    r = torchrun("train", str(QUICKSTART), f"output_dir={tmp_path / 'two'}", *common,
+                 f"distributed.strategy={strategy}", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = eval_lines(tmp_path / "two"), eval_lines(tmp_path / "one")
+    assert [x["step"] for x in got] == [x["step"] for x in want] == [0, 1]
+    for a, b in zip(got, want):
+        assert a["eval_tokens"] == b["eval_tokens"] > 0
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * b["eval_loss"], (a, b)
 
 
 def test_killing_one_rank_ends_the_run_quickly(tmp_path):

@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import random
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -241,6 +241,8 @@ def rank_micro_batches(step_rows: Sequence[dict], micro_batch_size: int, world_s
     chunks = [rows[i: i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
     per_rank = -(-len(chunks) // world_size)
     mine = chunks[rank::world_size]
+    if len(mine) == per_rank:
+        return mine
     filler = [{**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"]), "filler": True}]
     return mine + [filler] * (per_rank - len(mine))
 
@@ -259,9 +261,6 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
     return batch
 
 
-def eval_batches(samples: Sequence[dict], data: DataConfig, micro_batch_size: int,
-                 pad_token_id: int) -> Iterator[dict]:
-    """Micro-batches over the eval samples in a fixed order (packed with epoch 0 when packing is on)."""
-    rows = epoch_rows(samples, data, seed=0, epoch=0) if data.packing else list(samples)
-    for i in range(0, len(rows), micro_batch_size):
-        yield collate(rows[i: i + micro_batch_size], data, pad_token_id)
+def eval_rows(samples: Sequence[dict], data: DataConfig) -> list[dict]:
+    """The eval samples' rows in a fixed order (packed as epoch 0 when packing is on)."""
+    return epoch_rows(samples, data, seed=0, epoch=0) if data.packing else list(samples)
