@@ -144,8 +144,9 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
         err = check_packing_isolation(lm, len(tokenizer))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
     impl = resolve_impl(recipe.loss.impl, device)
+    attn = getattr(lm.config, "_attn_implementation", "?")
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
-                  f"device: {device}; world size {world.size}; {plan.total} optimizer steps of "
+                  f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
                   f"{plan.global_batch} rows")
     net = wrap_model(CausalLMWithLoss(lm, impl, recipe.loss.chunk_size, recipe.loss.z_loss, recipe.loss.softcap),
                      recipe, world, device)

@@ -40,6 +40,7 @@ def test_quickstart_run_directory_has_every_file(quick_run):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (final / name).is_file(), name
     assert "packing isolation check passed" in result.stdout
+    assert "loss: chunked; attention: finetune_sdpa_varlen;" in result.stdout  # what auto picked, on a CPU
 
 
 def test_eval_of_the_run_directory_reproduces_its_final_eval(quick_run):
