@@ -14,6 +14,7 @@ from test_pack import VOCAB, packed_batch, packed_vs_alone, tiny_model
 from transformers import AutoModelForCausalLM
 
 from finetune import attention
+from finetune.data.isolation import check_packing_isolation, default_tolerance
 
 VARLEN = attention.ATTN_NAME
 attention.register()
@@ -98,3 +99,9 @@ def test_softcap_is_refused_with_a_way_out():
     kv = torch.zeros(1, 2, 5, 8)
     with pytest.raises(ValueError, match="attn_implementation: eager"):
         attention.sdpa_varlen_attention(layer, q, kv, kv, None, position_ids=torch.arange(5)[None], softcap=30.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_startup_isolation_check_passes_in_half_precision(dtype: torch.dtype):
+    model = tiny_model(transformers.LlamaConfig, VARLEN, dtype=dtype)
+    assert check_packing_isolation(model, VOCAB) <= default_tolerance(dtype)
