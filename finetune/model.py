@@ -115,6 +115,7 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
         model = _load_quantized(cfg, tokenizer, seed)
     else:
         model = _plain_model(cfg, tokenizer, seed)
+    _document_attention(model, cfg)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen embeddings (LoRA). transformers 5 renamed
@@ -129,16 +130,25 @@ def load_base(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
     """The base model as training started from it, unquantized, in the recipe's dtype, ready for inference:
     what `finetune merge` merges into and `finetune generate` runs under an adapter."""
     model = _plain_model(cfg, tokenizer, seed)
+    _document_attention(model, cfg)
     model.config.use_cache = True
     return model.eval()
 
 
 def _common_kwargs(cfg: ModelConfig) -> dict[str, Any]:
-    attn = cfg.attn_implementation
-    if attn == "auto":  # sdpa within each packed document: no [S, S] mask, no attention across documents
-        attention.register()
-        attn = attention.ATTN_NAME
+    # auto: transformers' own default first (sdpa where the architecture supports it, else eager), upgraded to
+    # sdpa per packed document by _document_attention once the model exists.
+    attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
     return {"attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
+
+
+def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """attn_implementation auto: where transformers chose sdpa, switch to the same sdpa run one packed document at
+    a time (finetune/attention.py). Architectures without sdpa (e.g. Gemma2's softcapped attention) keep eager."""
+    if cfg.attn_implementation != "auto" or model.config._attn_implementation != "sdpa":
+        return
+    attention.register()
+    model.set_attn_implementation(attention.ATTN_NAME)
 
 
 def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:

@@ -105,3 +105,21 @@ def test_softcap_is_refused_with_a_way_out():
 def test_startup_isolation_check_passes_in_half_precision(dtype: torch.dtype):
     model = tiny_model(transformers.LlamaConfig, VARLEN, dtype=dtype)
     assert check_packing_isolation(model, VOCAB) <= default_tolerance(dtype)
+
+
+@pytest.mark.parametrize(("model_type", "chosen"), [("llama", VARLEN), ("qwen2", VARLEN), ("gemma2", "eager")])
+def test_auto_upgrades_sdpa_and_keeps_eager_where_sdpa_is_unsupported(model_type: str, chosen: str):
+    """auto = transformers' default (sdpa, or eager for architectures without sdpa such as Gemma2's softcapped
+    attention), with sdpa upgraded to ours. Either way the packed documents stay apart."""
+    from conftest import REPO_ROOT
+
+    from finetune.model import load_model, load_tokenizer
+    from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
+
+    tokenizer = load_tokenizer(TokenizerConfig(path=str(REPO_ROOT / "examples" / "tokenizer")), ModelConfig())
+    config = {"model_type": model_type, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    cfg = ModelConfig(init="random", config=config)
+    model = load_model(cfg, AdapterConfig(), tokenizer, seed=0).eval()
+    assert model.config._attn_implementation == chosen
+    assert check_packing_isolation(model, len(tokenizer)) <= 1e-5
