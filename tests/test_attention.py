@@ -123,3 +123,44 @@ def test_auto_upgrades_sdpa_and_keeps_eager_where_sdpa_is_unsupported(model_type
     model = load_model(cfg, AdapterConfig(), tokenizer, seed=0).eval()
     assert model.config._attn_implementation == chosen
     assert check_packing_isolation(model, len(tokenizer)) <= 1e-5
+
+
+# --- half precision, on the CPU here and on CUDA where a GPU is -------------------------------------------------
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                               reason="needs CUDA")]),
+]
+
+
+def _packed_logits(model: torch.nn.Module, batch: dict, device: str) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+                     use_cache=False).logits.float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_packed_rows_match_sdpa_and_stay_isolated(device: str):
+    # bf16 rounds every matmul: the per-document and the block-diagonal computations agree to bf16 precision
+    # (1e-2 of the logits' scale), and the startup isolation check still finds exactly no leak.
+    _, batch, _ = packed_batch()
+    ref = tiny_model(transformers.LlamaConfig, "sdpa", dtype=torch.bfloat16).to(device)
+    ours = tiny_model(transformers.LlamaConfig, VARLEN, dtype=torch.bfloat16).to(device)
+    a, b = _packed_logits(ref, batch, device), _packed_logits(ours, batch, device)
+    assert (a - b).abs().max() <= 1e-2 * a.abs().max()
+    assert check_packing_isolation(ours, VOCAB) <= default_tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_attention_2_isolates_packed_documents():
+    pytest.importorskip("flash_attn")
+    model = tiny_model(transformers.LlamaConfig, "flash_attention_2", dtype=torch.bfloat16).cuda()
+    _, batch, spans = packed_batch()
+    packed = _packed_logits(model, batch, "cuda")
+    for r, start, ids, _ in spans:
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([ids], device="cuda"), use_cache=False).logits[0].float()
+        assert (packed[r, start: start + len(ids)] - alone).abs().max() <= 1e-2 * alone.abs().max()
+    assert check_packing_isolation(model, VOCAB) <= default_tolerance(torch.bfloat16)
