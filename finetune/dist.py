@@ -92,8 +92,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown() -> None:
-    """Barrier, then destroy the group: destroying without the barrier is flaky under gloo."""
-    if dist.is_initialized():
+def shutdown(failed: bool = False) -> None:
+    """Barrier, then destroy the group: destroying without the barrier is flaky under gloo.
+
+    After a failure (`failed`), neither: the other ranks may be waiting in a collective this rank will never
+    join (rank 0 failing while the others wait for its preprocessing), so a barrier here would hang every rank.
+    This rank exits instead, with its message, and torchrun stops the others.
+    """
+    if dist.is_initialized() and not failed:
         dist.barrier()
         dist.destroy_process_group()

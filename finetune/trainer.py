@@ -97,9 +97,12 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
     if not world.is_main:
         console = Console(quiet=True, soft_wrap=True)
     try:
-        return _train(recipe, world, device, console, overwrite, allow_unpinned)
-    finally:
-        dist.shutdown()
+        out = _train(recipe, world, device, console, overwrite, allow_unpinned)
+    except BaseException:
+        dist.shutdown(failed=True)
+        raise
+    dist.shutdown()
+    return out
 
 
 def preprocess(recipe: Recipe, *, show: int = 0, rebuild: bool = False) -> None:

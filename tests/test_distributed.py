@@ -115,6 +115,20 @@ def test_eval_on_two_ranks_equals_one_process(tmp_path, strategy):
         assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * b["eval_loss"], (a, b)
 
 
+def test_rank_0_failing_while_the_others_wait_ends_the_run_with_its_message(tmp_path):
+    """Rank 0 preprocesses alone while rank 1 waits for it (for hours, by design). A bad row stops rank 0 with a
+    UserError: the run must end promptly with that message, not hang in a barrier."""
+    data = tmp_path / "bad.jsonl"
+    rows = QUICKSTART.parent.joinpath("..", "data", "quickstart_train.jsonl").read_text().splitlines()[:20]
+    data.write_text("\n".join([*rows, '{"messages": ['""]) + "\n")
+    started = time.monotonic()
+    r = torchrun("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "train.max_steps=2",
+                 f"datasets.0.path={data}", timeout=120)
+    assert r.returncode != 0
+    assert "bad.jsonl:21" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+    assert time.monotonic() - started < 90
+
+
 def test_killing_one_rank_ends_the_run_quickly(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "finetune",
            "train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "train.max_steps=100000",
