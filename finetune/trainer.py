@@ -113,7 +113,10 @@ def preprocess(recipe: Recipe, *, show: int = 0, rebuild: bool = False) -> None:
 def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Console, overwrite: bool,
            allow_unpinned: bool) -> Path:
     out = Path(recipe.output_dir)
-    warnings = versions.enforce(versions.packages_for(features(recipe)), allow_unpinned=allow_unpinned)
+    used = features(recipe)
+    if "liger" not in used and resolve_impl(recipe.loss.impl, device) == "liger":
+        used.append("liger")  # loss.impl auto runs Liger on CUDA whenever it imports: hold it to its pin too
+    warnings = versions.enforce(versions.packages_for(used), allow_unpinned=allow_unpinned)
     for w in warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
     resume_from = resume_path(recipe, out, console)
