@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from finetune.errors import UserError
 
-if TYPE_CHECKING:  # torch is heavy and only `mfu` and `peak_memory_mb` need it, lazily
+if TYPE_CHECKING:  # torch is heavy: only the step-time helpers need it, lazily
     import torch
 
 INSTALL_HINT = "pip install 'finetune[tracking]'"
@@ -510,11 +510,31 @@ def peak_memory_mb() -> float:
         return float("nan")
 
 
+def weight_sample(p: torch.Tensor, size: int = 4096) -> torch.Tensor:
+    """A fixed strided view of a weight (this rank's shard under FSDP2), at most ~2 x size elements (all of a
+    smaller one): update_ratio compares it before and after the step, because copying every trainable weight
+    each step would double their memory in a full fine-tune."""
+    flat = (p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // size)]
+
+
+def update_sums(before: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+    """[sum of squared changes, sum of squares before] over the weight samples, in float64."""
+    import torch
+
+    delta = sum(float((weight_sample(p).float() - b.float()).pow(2).sum()) for p, b in zip(params, before))
+    norm = sum(float(b.float().pow(2).sum()) for b in before)
+    return torch.tensor([delta, norm], dtype=torch.float64)
+
+
 class Stopwatch:
     """Elapsed seconds since creation, and per-step durations."""
 
     def __init__(self) -> None:
         self.start = self.last = time.perf_counter()
+
+    def start_lap(self) -> None:
+        self.last = time.perf_counter()
 
     def lap(self) -> float:
         now = time.perf_counter()

@@ -24,7 +24,7 @@ from finetune.data.isolation import check_packing_isolation
 from finetune.errors import UserError
 from finetune.evaluate import CausalLMWithLoss, evaluate_loss, model_inputs
 from finetune.loss import resolve_impl
-from finetune.metrics import Stopwatch, mfu, open_sinks, peak_memory_mb
+from finetune.metrics import Stopwatch, mfu, open_sinks, peak_memory_mb, update_sums, weight_sample
 from finetune.model import count_parameters, load_model, load_tokenizer, save_final
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.recipe import Recipe, features, recipe_hash, to_yaml, training_keys
@@ -189,6 +189,7 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
             evaluate(0)
         clock, bad_streak = Stopwatch(), 0
         for step in range(start_step, plan.total):
+            clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
             epoch, step_rows = plan.step(step)
             micro = [collate(rows, recipe.data, pad_id) for rows in rank_micro_batches(
                 step_rows, recipe.train.micro_batch_size, world.size, world.rank, recipe.data.group_by_length)]
@@ -212,7 +213,7 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
             max_norm = recipe.train.max_grad_norm or math.inf
             grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
             healthy = math.isfinite(step_loss) and math.isfinite(grad_norm) and n_step > 0
-            before = [p.detach().clone() for p in params] if healthy else None
+            before = [weight_sample(p).clone() for p in params] if healthy else None
             if healthy:
                 optimizer.step()
                 bad_streak = 0
@@ -220,12 +221,15 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
                 bad_streak += 1
                 console.print(f"[red]step {step + 1}: non-finite loss or gradient; update skipped "
                               f"({bad_streak} in a row)[/red]")
+            else:
+                console.print(f"[yellow]step {step + 1}: no target tokens (every label masked); skipped[/yellow]")
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             update_ratio = _update_ratio(before, params, dist.is_sharded(lm)) if before is not None else 0.0
-            if healthy and update_ratio == 0.0:
-                console.print(f"[yellow]step {step + 1}: the trainable weights did not change[/yellow]")
+            if healthy and (update_ratio == 0.0 or grad_norm == 0.0):  # weight decay alone still moves them
+                what = "the trainable weights did not change" if update_ratio == 0.0 else "every gradient was 0"
+                console.print(f"[yellow]step {step + 1}: {what}[/yellow]")
             seconds = clock.lap()
             tokens_seen += seq_tokens
             samples_seen += sum(len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows)
@@ -273,17 +277,12 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
 
 
 def _update_ratio(before: list[torch.Tensor], params: list[torch.Tensor], sharded: bool) -> float:
-    """||w_after - w_before|| / ||w_before|| over all trainable weights: 0 means the step changed nothing."""
-    delta = sum(float((_local(p).detach().float() - _local(b).float()).pow(2).sum()) for p, b in zip(params, before))
-    norm = sum(float(_local(b).float().pow(2).sum()) for b in before)
-    totals = torch.tensor([delta, norm], dtype=torch.float64)
+    """||w_after - w_before|| / ||w_before|| over the sampled elements of all trainable weights: 0 means the step
+    changed none of them."""
+    sums = update_sums(before, params)
     if sharded:  # each rank holds a shard: the norms are sums over all ranks
-        dist.all_reduce_sum(totals)
-    return math.sqrt(float(totals[0])) / max(math.sqrt(float(totals[1])), 1e-12)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+        dist.all_reduce_sum(sums)
+    return math.sqrt(float(sums[0])) / max(math.sqrt(float(sums[1])), 1e-12)
 
 
 def _report_data(console: Console, stats: DataStats, n_eval: int) -> None:

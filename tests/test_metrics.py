@@ -357,3 +357,20 @@ def test_console_sink_on_a_terminal_runs_a_progress_bar():
     sink.close()
     text = buffer.getvalue()
     assert "step 4/4" in text and "tok/s" in text and "loss(avg 2) 2.0000" in text
+
+
+def test_update_ratio_sample_is_bounded_and_exact_for_a_uniform_change():
+    import torch
+
+    from finetune.metrics import update_sums, weight_sample
+
+    small, big = torch.randn(100), torch.randn(3000, 1000)
+    assert weight_sample(small).numel() == 100  # all of a small tensor
+    assert weight_sample(big).numel() <= 2 * 4096  # a bounded sample of a big one, not a copy
+    before = [weight_sample(p).clone() for p in (small, big)]
+    with torch.no_grad():
+        small.mul_(1.01)
+        big.mul_(1.01)
+    delta, norm = update_sums(before, [small, big]).tolist()
+    assert abs((delta / norm) ** 0.5 - 0.01) < 1e-6
+    assert update_sums(before, before).tolist()[0] == 0.0
