@@ -163,12 +163,25 @@ def load_recipe_arg(args: argparse.Namespace, overrides: Sequence[str] | None = 
 def cmd_train(args: argparse.Namespace) -> int:
     recipe = load_recipe_arg(args)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        _preflight_output_dir(recipe, args.overwrite)
         return _exec_torchrun(args)
     allow = args.allow_unpinned or os.environ.get("FINETUNE_ALLOW_UNPINNED") == "1"
     from finetune.trainer import train  # heavy: torch and transformers
 
     train(recipe, overwrite=args.overwrite, allow_unpinned=allow)
     return 0
+
+
+def _preflight_output_dir(recipe: Recipe, overwrite: bool) -> None:
+    """The output_dir check the trainer makes, made before torchrun starts: a refusal then ends with our message
+    and exit code 2, not with torchrun's traceback of a failed worker. Nothing is removed here."""
+    from rich.console import Console
+
+    from finetune.rundir import check_output_dir, resume_path
+
+    out = Path(recipe.output_dir)
+    resume_from = resume_path(recipe, out, Console(quiet=True))
+    check_output_dir(out, fresh=resume_from is None, overwrite=overwrite, restart_incomplete=recipe.resume == "auto")
 
 
 def _exec_torchrun(args: argparse.Namespace) -> int:

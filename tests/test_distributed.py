@@ -129,6 +129,16 @@ def test_rank_0_failing_while_the_others_wait_ends_the_run_with_its_message(tmp_
     assert time.monotonic() - started < 90
 
 
+def test_nproc_refuses_an_existing_run_before_torchrun_starts(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    r = single("train", str(QUICKSTART), f"output_dir={run}", *TINY, "--nproc", "2")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "already holds a run" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    assert (run / "metrics.jsonl").read_text() == "{}\n"  # nothing lost
+
+
 def test_killing_one_rank_ends_the_run_quickly(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "finetune",
            "train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "train.max_steps=100000",

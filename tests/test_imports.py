@@ -31,7 +31,7 @@ ALLOWED = {
     "rundir": {"checkpoint", "recipe"},
     "trainer": {"checkpoint", "data", "dist", "evaluate", "loss", "metrics", "model", "optim", "recipe", "rundir",
                 "versions", "wrap"},
-    "cli": {"recipe", "recipe_repos", "trainer", "versions", "evaluate", "verify", "merge", "generate", "plot", "runs", "__init__"},
+    "cli": {"recipe", "recipe_repos", "rundir", "trainer", "versions", "evaluate", "verify", "merge", "generate", "plot", "runs", "__init__"},
     "merge": {"model", "recipe"},
     "generate": {"model", "recipe"},
     "plot": {"metrics"},
