@@ -147,7 +147,8 @@ def load_recipe_arg(args: argparse.Namespace, overrides: Sequence[str] | None = 
         file = resolve_recipe(args.recipe, notes)
         # A name is loaded by its file (resolved once: a repository's pin is checked once); a path as written.
         given = args.recipe if Path(args.recipe).expanduser().resolve() == file else file
-        recipe = load_recipe(given, list(args.overrides if overrides is None else overrides), notes=notes)
+        recipe = load_recipe(given, list(args.overrides if overrides is None else overrides), notes=notes,
+                             check_inputs=True)
     finally:  # notes explain errors too (e.g. which file a shadowed name picked), so print them either way
         if os.environ.get("RANK", "0") == "0":  # under torchrun, once rather than once per rank
             for note in dict.fromkeys(notes):
@@ -218,7 +219,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if run_dir is not None:  # a run directory: its own recipe, and its trained model
         from finetune.recipe import load_recipe
 
-        recipe = load_recipe(run_dir / "recipe.yaml", overrides)
+        recipe = load_recipe(run_dir / "recipe.yaml", overrides, check_inputs=True)
     else:
         recipe = load_recipe_arg(args, overrides)
     from finetune.evaluate import run_eval

@@ -281,6 +281,8 @@ class Recipe(Section):
 
 # Keys that hold input paths: resolved relative to the recipe file that wrote them (when the file exists).
 _PATH_KEYS = (("model", "path"), ("model", "gguf_file"), ("tokenizer", "path"))
+# A dataset path with one of these suffixes is a local file (anything else may be a hub dataset name).
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _DATASET_LISTS = ("datasets", "eval_datasets")
 
 
@@ -325,7 +327,7 @@ def parse_yaml(text: str) -> Any:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                notes: list[str] | None = None) -> Recipe:
+                notes: list[str] | None = None, check_inputs: bool = False) -> Recipe:
     """Read a recipe (a file or a name, following `extends:`), apply `key.path=value` overrides, validate it all.
 
     `notes` collects what the user should see but is no error (a name shadowing another, an `extends:` leaving
@@ -337,7 +339,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
         apply_override(raw, item)
     # A file is named as the user wrote it; a name by the file it resolved to (so they see which one).
     source = str(path) if Path(path).expanduser().resolve() == file else str(file)
-    recipe = validate(raw, source=source)
+    recipe = validate(raw, source=source, check_inputs=check_inputs)
     check_requires(recipe, source)
     return recipe
 
@@ -484,13 +486,18 @@ def _list_index(node: list, part: str, dotted: str, item: str) -> int:
     return int(part)
 
 
-def validate(raw: dict[str, Any], source: str = "recipe") -> Recipe:
-    """Validate a raw dict into a Recipe, collecting every schema and cross-field error into one UserError."""
+def validate(raw: dict[str, Any], source: str = "recipe", check_inputs: bool = False) -> Recipe:
+    """Validate a raw dict into a Recipe, collecting every schema and cross-field error into one UserError.
+
+    `check_inputs`: also require the local files it reads (data files, a resume checkpoint) to exist, as every
+    CLI command does. Off for the recipe stored in a finished run, whose data may since have moved (`generate`
+    and `merge` do not read it), and for library callers that only want the schema.
+    """
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
         raise UserError(_error_block(source, _describe_all(e.errors()))) from None
-    problems = cross_checks(recipe)
+    problems = cross_checks(recipe) + (missing_inputs(recipe) if check_inputs else [])
     if problems:
         raise UserError(_error_block(source, problems))
     return recipe
@@ -573,10 +580,21 @@ def cross_checks(recipe: Recipe) -> list[str]:
         problems.append("model.dtype: qlora computes in float32 or bfloat16; float16 is not supported")
     if m.gguf_file and m.init == "random":
         problems.append("model.gguf_file: only meaningful with init: pretrained")
+    return problems
+
+
+def missing_inputs(recipe: Recipe) -> list[str]:
+    """The local files the recipe names that do not exist: a resume checkpoint, data files (a path with a data
+    file suffix; anything else may be a hub dataset). Caught at load time, not after the model has loaded."""
+    problems = []
     if recipe.resume not in (None, "auto") and not Path(recipe.resume).expanduser().exists():
         problems.append(f"resume: checkpoint {recipe.resume!r} does not exist (use auto, null or a checkpoint path)")
-    if m.attn_implementation == "eager" and d.packing:
-        pass  # eager builds the same block-diagonal mask as sdpa; the isolation check proves it at start.
+    for key in _DATASET_LISTS:
+        for i, ds in enumerate(getattr(recipe, key)):
+            local = Path(ds.path).expanduser()
+            if local.suffix.lower() in LOCAL_SUFFIXES and not local.is_file():
+                problems.append(f"{key}.{i}.path: data file not found: {ds.path} (relative paths are looked up "
+                                "next to the recipe file, then in the current directory)")
     return problems
 
 

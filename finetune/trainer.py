@@ -126,6 +126,8 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     dist.barrier()
 
     torch.manual_seed(recipe.seed)
+    if recipe.model.trust_remote_code:  # said before the tokenizer and the model load, i.e. before that code runs
+        console.print("[yellow]model.trust_remote_code is on: running code shipped with the model[/yellow]")
     tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
     # Under torchrun, rank 0 tokenizes and writes the cache while the others wait, then read it: one process
     # tokenizes, not all of them at once.
@@ -139,8 +141,6 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     plan = StepPlan(train_samples, recipe, world.size)
 
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
-    if recipe.model.trust_remote_code:
-        console.print("[yellow]model.trust_remote_code is on: running code shipped with the model[/yellow]")
     trainable, total = count_parameters(lm)
     if world.is_main:
         check_disk_room(out, lm, checkpointing=recipe.checkpoint.every_steps is not None)

@@ -159,9 +159,18 @@ def test_no_datasets():
     assert "datasets: at least one training dataset is required" in error_of(raw)
 
 
-def test_resume_pointing_at_a_missing_checkpoint(tmp_path):
-    msg = error_of(with_(resume=str(tmp_path / "nope")))
+def test_missing_inputs_are_reported_when_asked(tmp_path):
+    # Every CLI command asks (check_inputs=True); a finished run's stored recipe is read without it.
+    (tmp_path / "there.jsonl").write_text("{}\n")
+    raw = with_(resume=str(tmp_path / "nope"))
+    raw["datasets"] = [{"path": str(tmp_path / "there.jsonl")}, {"path": "gone.jsonl"}, {"path": "org/hub-set"}]
+    with pytest.raises(UserError) as info:
+        validate(raw, check_inputs=True)
+    msg = str(info.value)
     assert f"resume: checkpoint '{tmp_path / 'nope'}' does not exist" in msg
+    assert "datasets.1.path: data file not found: gone.jsonl" in msg
+    assert "datasets.0" not in msg and "datasets.2" not in msg  # present, and a hub name
+    assert validate(raw).resume == str(tmp_path / "nope")
 
 
 def test_cross_field_problems_are_collected_together():
@@ -408,6 +417,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_validate_prints_the_resolved_recipe(write_recipe):
     path = write_recipe(base())
+    (path.parent / "train.jsonl").write_text("{}\n")  # `finetune validate` checks that the data files exist
     result = run_cli("validate", str(path), "train.lr=1e-4")
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
-
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+from finetune.recipe import LOCAL_SUFFIXES
 
 
 @dataclass(frozen=True)
