@@ -682,8 +682,8 @@ def to_yaml(recipe: Recipe) -> str:
 
 
 # Keys that may change between a checkpoint and its resume without changing the training itself.
-HARMLESS_KEYS = ("logging", "eval", "checkpoint", "resume", "output_dir", "data.num_proc", "data.packing_check",
-                 "data.cache_dir", "requires")
+HARMLESS_KEYS = ("logging", "eval", "eval_datasets", "checkpoint", "resume", "output_dir", "data.num_proc",
+                 "data.packing_check", "data.cache_dir", "requires")
 
 
 def training_keys(recipe: Recipe) -> dict[str, Any]:
@@ -699,9 +699,11 @@ def recipe_hash(recipe: Recipe) -> str:
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: value}
+    """{"a.b": 1, "datasets.0.path": ...}: lists are indexed, so a change names the one key that changed."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else None
+    if items is None or not value:
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out

@@ -4,6 +4,7 @@ whose recipe changed the training, and keep metrics.jsonl consistent after a res
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,22 @@ def resume_path(recipe: Recipe, out: Path, console: Console) -> Path | None:
 BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
 
 
-def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int) -> None:
+# Paths of inputs whose content is in the samples key (data/cache.py): when the content is the same, a moved
+# checkout, a copied dataset or another machine's mount point continues the same run.
+_CONTENT_KEYED = re.compile(r"^(datasets\.\d+\.path|tokenizer\.path)$")
+
+
+def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int,
+                        samples_key: str | None = None) -> None:
+    """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
+    may change; so may the paths of the data and tokenizer when their content (samples_key) has not."""
     saved, now = state.get("training_keys", {}), training_keys(recipe)
+    same_content = samples_key is not None and state.get("samples_key") == samples_key
     changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-               if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS]
+               if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS
+               and not (same_content and _CONTENT_KEYED.match(k))]
+    if samples_key is not None and state.get("samples_key") not in (None, samples_key):
+        changed.append("  - the training data or tokenizer content (files changed, though their paths may not have)")
     if state.get("global_batch", global_batch) != global_batch:
         changed.append(f"  - global batch (micro_batch_size x gradient_accumulation_steps x world size): "
                        f"{state['global_batch']} -> {global_batch}")

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from finetune import checkpoint, dist, versions
 from finetune.data import DataStats, collate, epoch_rows, rank_micro_batches, steps_in
-from finetune.data.cache import build_samples_cached
+from finetune.data.cache import prepare
 from finetune.data.cache import preprocess as preprocess_data
 from finetune.data.isolation import check_packing_isolation
 from finetune.errors import UserError
@@ -133,10 +133,11 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     # tokenizes, not all of them at once.
     if not world.is_main:
         dist.wait_for_main("rank 0 to preprocess the data")
-    train_samples, eval_samples, stats, _, note = build_samples_cached(recipe, tokenizer)
+    prepared = prepare(recipe, tokenizer)
+    train_samples, eval_samples, stats = prepared.train, prepared.evals, prepared.train_stats
     if world.is_main:
         dist.wait_for_main("rank 0 to preprocess the data")
-    console.print(note, markup=False, highlight=False)  # reused the preprocessed-data cache, or wrote it
+    console.print(prepared.note, markup=False, highlight=False)  # reused the preprocessed-data cache, or wrote it
     _report_data(console, stats, len(eval_samples))
     plan = StepPlan(train_samples, recipe, world.size)
 
@@ -163,7 +164,7 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     start_step, tokens_seen, samples_seen = 0, 0, 0
     if resume_from is not None:
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
-        check_resume_recipe(recipe, state, plan.global_batch)
+        check_resume_recipe(recipe, state, plan.global_batch, prepared.samples_key)
         start_step, tokens_seen, samples_seen = state["step"], state["tokens_seen"], state.get("samples_seen", 0)
         console.print(f"resumed from {resume_from} at step {start_step}")
     if world.is_main:
@@ -255,8 +256,9 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
             if recipe.checkpoint.every_steps and done % recipe.checkpoint.every_steps == 0:
                 checkpoint.save(out, done, lm, optimizer, scheduler,
                                 {"step": done, "epoch": epoch, "recipe_hash": recipe_hash(recipe),
-                                 "training_keys": training_keys(recipe), "global_batch": plan.global_batch,
-                                 "world_size": world.size, "tokens_seen": tokens_seen, "samples_seen": samples_seen},
+                                 "training_keys": training_keys(recipe), "samples_key": prepared.samples_key,
+                                 "global_batch": plan.global_batch, "world_size": world.size,
+                                 "tokens_seen": tokens_seen, "samples_seen": samples_seen},
                                 recipe.checkpoint.keep_last)
         evaluate(plan.total)
         full_state = gather_full_state(net, lm)  # a collective under FSDP: every rank takes part

@@ -122,6 +122,39 @@ def test_resume_refuses_changed_training_but_allows_harmless_changes(tmp_path):
     assert "resumed from" in r.stdout
 
 
+def test_resume_follows_moved_data_by_content_and_refuses_changed_content(tmp_path):
+    """The checkout (data, tokenizer) moves to another directory between the checkpoint and the resume, as on
+    another machine, and the eval set changes: the resume continues, bit for bit. Changed data content at the
+    same path is refused."""
+    examples = QUICKSTART.parent.parent
+    here, there = tmp_path / "here", tmp_path / "there"
+    for root in (here, there):
+        shutil.copytree(examples / "data", root / "data")
+        shutil.copytree(examples / "tokenizer", root / "tokenizer")
+
+    def at(root):
+        return [f"datasets.0.path={root / 'data' / 'quickstart_train.jsonl'}", f"tokenizer.path={root / 'tokenizer'}"]
+
+    straight = tmp_path / "straight"
+    assert run_cli("train", str(QUICKSTART), f"output_dir={straight}", *RUN, *at(here)).returncode == 0
+    moved = tmp_path / "moved"
+    shutil.copytree(straight, moved)
+    shutil.rmtree(moved / "final")
+    shutil.rmtree(moved / "checkpoints" / "step-6")
+    shutil.rmtree(here)
+    r = run_cli("train", str(QUICKSTART), f"output_dir={moved}", *RUN, *at(there), "resume=auto",
+                "eval_datasets.0.max_rows=50")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    _assert_bitwise(straight, moved)
+
+    shutil.rmtree(moved / "final")
+    train_file = there / "data" / "quickstart_train.jsonl"
+    train_file.write_text(train_file.read_text().replace("What is", "What's", 1))
+    r = run_cli("train", str(QUICKSTART), f"output_dir={moved}", *RUN, *at(there), "resume=auto")
+    assert r.returncode == 2 and "resume refused" in r.stderr and "content" in r.stderr, r.stderr[-3000:]
+
+
 def test_weights_that_do_not_move_are_reported(tmp_path):
     out = tmp_path / "run"
     r = run_cli("train", str(QUICKSTART), f"output_dir={out}", *TINY, "train.max_steps=2", "train.lr=1e-30",

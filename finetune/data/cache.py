@@ -86,6 +86,9 @@ class Prepared:
     hit: bool  # loaded from the cache
     path: Path | None  # the cache entry (None when the cache could not be used)
     note: str  # what happened, for the user: reused, written, rebuilt, or why no cache
+    samples_key: str | None = None
+    """The content of the training samples' inputs (data files, tokenizer, options; not the eval files): what a
+    resume compares instead of file paths, so a run moved to another machine or directory can continue."""
 
 
 # --- the key ------------------------------------------------------------------------------------------------
@@ -299,6 +302,7 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
         train, evals, train_stats, eval_stats = build_samples(recipe, tokenizer)  # raises the user's error
         return Prepared(train, evals, train_stats, eval_stats, False, None, f"data cache not used: {e}")
     key = cache_key(inputs)
+    samples_key = cache_key({k: v for k, v in inputs.items() if k != "eval_datasets"})
     root = cache_root(recipe)
     entry = root / key
     broken = False
@@ -309,7 +313,7 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
             (train, train_stats), (evals, eval_stats) = loaded["train"], loaded["eval"]
             return Prepared(train, evals, train_stats, eval_stats, True, entry,
                             f"using cached preprocessed data from {entry} "
-                            f"(loaded in {time.perf_counter() - start:.2f} s)")
+                            f"(loaded in {time.perf_counter() - start:.2f} s)", samples_key)
         except CacheError as e:
             broken = True
             notes.append(f"ignoring the cached data at {entry}: {e}; tokenizing again")
@@ -325,13 +329,7 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
         entry = None
         notes.append(f"warning: could not write the data cache under {root} ({e.strerror or e}); continuing "
                      f"without it. Set {CACHE_ENV} (or data.cache_dir) to a writable directory.")
-    return Prepared(train, evals, train_stats, eval_stats, False, entry, "\n".join(notes))
-
-
-def build_samples_cached(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict], DataStats, DataStats, str]:
-    """build_samples through the cache; the fifth value says whether the cache was used (print it)."""
-    p = prepare(recipe, tokenizer)
-    return p.train, p.evals, p.train_stats, p.eval_stats, p.note
+    return Prepared(train, evals, train_stats, eval_stats, False, entry, "\n".join(notes), samples_key)
 
 
 # --- `finetune preprocess`: statistics and samples ---------------------------------------------------------
