@@ -21,6 +21,8 @@ pytestmark = pytest.mark.dist
 
 # 10 padded rows: with a global batch of 8, step 2 has 2 rows -> rank 0 one micro-batch, rank 1 a filler.
 SHORT = [*TINY, "datasets.0.max_rows=10", "data.packing=false", "train.max_steps=null", "train.epochs=1"]
+# A LoRA adapter (the frozen base is not trained; under FSDP it is sharded with the adapter), packed, 3 steps.
+LORA = [*TINY, "train.max_steps=3", "adapter.type=lora", "train.lr=1e-2"]
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -37,9 +39,9 @@ def single(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, Path]:
-    """One process, micro 8 x accum 1: packed 3 steps, and the padded short-last-step run."""
+    """One process, micro 8 x accum 1: packed 3 steps, the padded short-last-step run, and LoRA."""
     out = {}
-    for name, extra in (("packed", [*TINY, "train.max_steps=3"]), ("short", SHORT)):
+    for name, extra in (("packed", [*TINY, "train.max_steps=3"]), ("short", SHORT), ("lora", LORA)):
         run_dir = tmp_path_factory.mktemp(f"ref-{name}")
         r = single("train", str(QUICKSTART), f"output_dir={run_dir}", *extra, "train.micro_batch_size=8",
                    "train.gradient_accumulation_steps=1")
@@ -62,9 +64,9 @@ def assert_same_training(run_dir: Path, ref: Path) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("case", ["packed", "short"])
+@pytest.mark.parametrize("case", ["packed", "short", "lora"])
 def test_two_ranks_equal_one_process(tmp_path, reference, strategy, case):
-    extra = [*TINY, "train.max_steps=3"] if case == "packed" else SHORT
+    extra = {"packed": [*TINY, "train.max_steps=3"], "short": SHORT, "lora": LORA}[case]
     args = ["train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *extra, "train.micro_batch_size=2",
             "train.gradient_accumulation_steps=2", f"distributed.strategy={strategy}"]
     # One case goes through `finetune train --nproc 2`, which execs torchrun itself.
