@@ -294,7 +294,8 @@ def cmd_env(args: argparse.Namespace) -> int:
 
     from finetune.versions import env_table
 
-    Console().print(env_table())
+    # Piped or redirected, rich would assume 80 columns and fold the pip lines: give the table room instead.
+    Console(width=None if sys.stdout.isatty() else 200).print(env_table())
     return 0
 
 

@@ -332,7 +332,8 @@ def env_table() -> Table:
         title="finetune environment", caption=f"mismatches stop a run unless --allow-unpinned / {ALLOW_ENV}=1"
     )
     for column in ("library", "pinned", "installed", "status", "fix"):
-        table.add_column(column, no_wrap=column != "fix")
+        # The fix is a command to copy: folded on a narrow terminal, never cut with an ellipsis.
+        table.add_column(column, no_wrap=column != "fix", overflow="fold" if column == "fix" else "ellipsis")
     optional = [p for p in dict.fromkeys(FEATURE_PACKAGES.values()) if p not in CORE]
     for package in (*CORE, *optional):
         installed = installed_version(package)

@@ -204,3 +204,27 @@ def test_shell_exports_for_build_script():
     values = dict(line.split("=", 1) for line in out.stdout.split())
     assert values["FLASH_ATTN_VERSION"] == versions.PINNED["flash-attn"]
     assert values["TORCH_VERSION"] == versions.TORCH_TESTED
+
+
+def test_the_docs_state_the_pinned_versions():
+    """README's Versions section and docker/README.md's table name exactly the pins of versions.py."""
+    import re
+
+    from conftest import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("## Versions"):readme.index("## Development")]
+    docker = (REPO_ROOT / "docker" / "README.md").read_text()
+    for package, version in versions.PINNED.items():
+        assert f"{package} {version}" in section, package
+        assert re.search(rf"^\| {re.escape(package)} \| {re.escape(version)} \|$", docker, re.M), package
+    assert f"torch {','.join(versions.TORCH_RANGE)}" in section
+    assert f"| torch | {versions.TORCH_TESTED} " in docker
+
+
+def test_env_piped_keeps_each_pip_line_whole():
+    # `finetune env | cat` (or into a file or an issue report): the fix commands must stay copyable.
+    result = subprocess.run([sys.executable, "-m", "finetune", "env"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'flash-attn==2.8.3.post2' --no-build-isolation" in result.stdout
+    assert "…" not in result.stdout
