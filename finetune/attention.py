@@ -16,6 +16,7 @@ mask, or with a cache prefix (generation), go to transformers' own sdpa path unc
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -32,6 +33,31 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_NAME, sdpa_varlen_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_varlen_mask)
+
+
+# Set by passes_position_ids while it probes a model: each attention call appends whether position_ids reached it.
+_probe: ContextVar[list[bool] | None] = ContextVar("finetune_attention_probe", default=None)
+
+
+def passes_position_ids(model: torch.nn.Module) -> bool:
+    """Whether the model's architecture hands position_ids to every attention call, found by one 4-token forward.
+
+    Most do (Llama, Qwen, Mistral, Gemma, Phi, ...). A few do not (GPTBigCode, Llama4, Persimmon, ...): there our
+    function would see a packed row as one document, so the caller keeps transformers' sdpa and its mask.
+    """
+    seen: list[bool] = []
+    token = _probe.set(seen)
+    training = model.training
+    try:
+        model.eval()
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
+                  position_ids=torch.tensor([[0, 1, 0, 1]], device=device), use_cache=False)
+    finally:
+        _probe.reset(token)
+        model.train(training)
+    return bool(seen) and all(seen)
 
 
 def document_spans(position_ids: torch.Tensor, batch_size: int) -> list[list[tuple[int, int]]]:
@@ -67,6 +93,9 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     ([b, S, heads, d], None). Documents of a row attend causally within themselves only."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    probe = _probe.get()
+    if probe is not None:
+        probe.append(position_ids is not None)
     batch, _, q_length, _ = query.shape
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal

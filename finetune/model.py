@@ -144,11 +144,14 @@ def _common_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:
     """attn_implementation auto: where transformers chose sdpa, switch to the same sdpa run one packed document at
-    a time (finetune/attention.py). Architectures without sdpa (e.g. Gemma2's softcapped attention) keep eager."""
+    a time (finetune/attention.py). Architectures without sdpa (e.g. Gemma2's softcapped attention) keep eager;
+    those whose attention never receives position_ids (e.g. GPTBigCode, Llama4) keep sdpa."""
     if cfg.attn_implementation != "auto" or model.config._attn_implementation != "sdpa":
         return
     attention.register()
     model.set_attn_implementation(attention.ATTN_NAME)
+    if not attention.passes_position_ids(model):  # it could not see the documents: transformers' mask can
+        model.set_attn_implementation("sdpa")
 
 
 def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:

@@ -48,7 +48,8 @@ class ModelConfig(Section):
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """auto: torch sdpa run one packed document at a time (documents found from position_ids; no [S, S] mask, so
     a packed row costs attention within its documents only), transformers' sdpa for padded batches and
-    generation; eager for architectures without sdpa support (e.g. Gemma2). sdpa: transformers' sdpa, packed rows isolated by a block-diagonal mask over the whole row.
+    generation; eager for architectures without sdpa support (e.g. Gemma2); sdpa for those whose attention gets
+    no position_ids (e.g. GPTBigCode, Llama4). sdpa: transformers' sdpa, packed rows isolated by a block-diagonal mask over the whole row.
     eager: the same mask in plain torch ops. flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""

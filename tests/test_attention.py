@@ -107,10 +107,12 @@ def test_startup_isolation_check_passes_in_half_precision(dtype: torch.dtype):
     assert check_packing_isolation(model, VOCAB) <= default_tolerance(dtype)
 
 
-@pytest.mark.parametrize(("model_type", "chosen"), [("llama", VARLEN), ("qwen2", VARLEN), ("gemma2", "eager")])
+@pytest.mark.parametrize(("model_type", "chosen"), [("llama", VARLEN), ("qwen2", VARLEN), ("gemma2", "eager"),
+                                                    ("gpt_bigcode", "sdpa")])
 def test_auto_upgrades_sdpa_and_keeps_eager_where_sdpa_is_unsupported(model_type: str, chosen: str):
     """auto = transformers' default (sdpa, or eager for architectures without sdpa such as Gemma2's softcapped
-    attention), with sdpa upgraded to ours. Either way the packed documents stay apart."""
+    attention), with sdpa upgraded to ours where the attention receives position_ids (GPTBigCode's does not: it
+    keeps sdpa's block-diagonal mask). Either way the packed documents stay apart."""
     from conftest import REPO_ROOT
 
     from finetune.model import load_model, load_tokenizer
