@@ -113,6 +113,7 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
     with its adapter applied (if any)."""
     if adapter.type == "qlora":
         model = _load_quantized(cfg, tokenizer, seed)
+        _keep_4bit_trainable(model)
     else:
         model = _plain_model(cfg, tokenizer, seed)
     _document_attention(model, cfg)
@@ -124,6 +125,15 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
     if adapter.type != "none":
         model = _apply_adapter(model, adapter)
     return model
+
+
+def _keep_4bit_trainable(model: torch.nn.Module) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit layer's weight for fast inference on its first
+    eval-mode forward (an isolation check, an eval) and never packs it back: the adapter's gradients through it
+    are then wrong (0.79 relative error, measured). Training models turn that inference path off."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def load_base(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:

@@ -314,3 +314,31 @@ def test_gguf_model_loads_plain_saves_and_adapts(data, tmp_path):
                           f"adapter.type={kind}")
         peft_model = load_model(adapted.model, adapted.adapter, tokenizer, adapted.seed)
         assert _steps(peft_model, batch, adapted, 1)[0] > 0
+
+
+def test_qlora_gradients_survive_an_eval_forward(data):
+    """An eval-mode forward (the packing isolation check, a periodic eval) must not change the training math.
+    On a CPU with AVX512-BF16, bitsandbytes would repack the 4-bit weights for inference on it, one way, and the
+    adapter's gradients afterwards were 0.79 (relative) off. Where the CPU lacks it, this holds trivially."""
+    tokenizer, batch = data
+    recipe = _recipe("adapter.type=qlora", "adapter.r=8")
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+
+    def grads() -> torch.Tensor:
+        lm.train()
+        lm.zero_grad(set_to_none=True)
+        net = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)
+        loss_sum, count = net(input_ids=batch["input_ids"], labels=batch["labels"],
+                              position_ids=batch.get("position_ids"))
+        (loss_sum / count).backward()
+        return torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None])
+
+    before = grads()
+    lm.eval()
+    with torch.no_grad():
+        lm(input_ids=batch["input_ids"][:1, :8], use_cache=False)
+    after = grads()
+    assert before.numel() > 0 and torch.equal(before, after)
+    # load_model itself runs an eval forward (the attention probe): so check the cause too, not only the effect.
+    states = [m.weight.quant_state for m in lm.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert states and not any(getattr(q, "packing_format_for_cpu", False) for q in states)
