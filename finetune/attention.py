@@ -40,10 +40,11 @@ _probe: ContextVar[list[bool] | None] = ContextVar("finetune_attention_probe", d
 
 
 def passes_position_ids(model: torch.nn.Module) -> bool:
-    """Whether the model's architecture hands position_ids to every attention call, found by one 4-token forward.
+    """Whether our function works for this architecture: every attention call receives 2D position_ids and the
+    model stays causal without a mask, found by two 4-token forwards.
 
-    Most do (Llama, Qwen, Mistral, Gemma, Phi, ...). A few do not (GPTBigCode, Llama4, Persimmon, ...): there our
-    function would see a packed row as one document, so the caller keeps transformers' sdpa and its mask.
+    Most do (Llama, Qwen, Mistral, Gemma, Phi, ...; 68 architectures checked). A few do not (GPTBigCode, Llama4,
+    Persimmon: no position_ids; Doge: builds its own mask from ours): the caller keeps transformers' sdpa.
     """
     seen: list[bool] = []
     token = _probe.set(seen)
@@ -54,10 +55,15 @@ def passes_position_ids(model: torch.nn.Module) -> bool:
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
                   position_ids=torch.tensor([[0, 1, 0, 1]], device=device), use_cache=False)
+            # Causality too: a model that builds its own mask from the (absent) one, e.g. Doge, would let a token
+            # see later ones. Two rows that differ only in their last token must agree everywhere before it.
+            rows = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 1]], device=device)
+            logits = model(input_ids=rows, use_cache=False).logits.float()
     finally:
         _probe.reset(token)
         model.train(training)
-    return bool(seen) and all(seen)
+    causal = torch.allclose(logits[0, :3], logits[1, :3], rtol=1e-3, atol=1e-3)
+    return bool(seen) and all(seen) and causal
 
 
 def document_spans(position_ids: torch.Tensor, batch_size: int) -> list[list[tuple[int, int]]]:
@@ -74,12 +80,16 @@ def document_spans(position_ids: torch.Tensor, batch_size: int) -> list[list[tup
 
 def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                      attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
-    """No mask at all for a batch without padding and without a cache prefix (packed training rows): the
-    attention function takes the documents from position_ids, so no [S, S] mask is built. Anything else gets
-    transformers' sdpa mask."""
+    """No mask at all for a plain causal batch without padding and without a cache prefix (packed training rows):
+    the attention function takes the documents from position_ids, so no [S, S] mask is built. Anything else gets
+    transformers' sdpa mask, and with it transformers' sdpa path."""
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+    # Not for masks that carry more than causality (a sliding window or attention chunk the row exceeds, custom
+    # or/and mask functions): some models (Qwen2-MoE) keep their window only in the mask.
+    local_size = kwargs.get("local_size")
+    plain_causal = not kwargs.get("use_vmap") and (local_size is None or kv_length <= local_size)
+    if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length and plain_causal:
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
@@ -93,13 +103,14 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     ([b, S, heads, d], None). Documents of a row attend causally within themselves only."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    usable = position_ids is not None and position_ids.ndim == 2  # not None, not 3D (multimodal rope)
     probe = _probe.get()
     if probe is not None:
-        probe.append(position_ids is not None)
+        probe.append(usable)
     batch, _, q_length, _ = query.shape
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    if attention_mask is not None or position_ids is None or key.shape[2] != q_length or not causal:
+    if attention_mask is not None or not usable or key.shape[2] != q_length or not causal:
         # A padding mask, a cache prefix or a bidirectional module: transformers' own path, mask and all.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       position_ids=position_ids, sliding_window=sliding_window, **kwargs)

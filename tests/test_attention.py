@@ -67,6 +67,23 @@ def test_padded_batches_and_generation_are_transformers_sdpa():
     assert torch.equal(ref.generate(prompt, **gen), ours.generate(prompt, **gen))
 
 
+def test_a_window_kept_only_in_the_mask_is_kept():
+    # Qwen2-MoE does not pass sliding_window to its attention function: the window lives only in the mask, which
+    # is then built (transformers' path) for rows longer than the window.
+    config = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
+                                         use_sliding_window=True, sliding_window=3, max_window_layers=2)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for impl in ("sdpa", VARLEN):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+        with torch.no_grad():
+            logits[impl] = model(input_ids=ids, use_cache=False).logits
+    assert (logits["sdpa"] - logits[VARLEN]).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("config_cls", [transformers.Qwen2Config, transformers.MistralConfig])
 def test_sliding_window_within_documents(config_cls: type):
     # Documents longer than the window (7, 11, 9 tokens vs 4): each query sees its last 4 keys of its own document,
@@ -108,11 +125,12 @@ def test_startup_isolation_check_passes_in_half_precision(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize(("model_type", "chosen"), [("llama", VARLEN), ("qwen2", VARLEN), ("gemma2", "eager"),
-                                                    ("gpt_bigcode", "sdpa")])
+                                                    ("gpt_bigcode", "sdpa"), ("doge", "sdpa")])
 def test_auto_upgrades_sdpa_and_keeps_eager_where_sdpa_is_unsupported(model_type: str, chosen: str):
     """auto = transformers' default (sdpa, or eager for architectures without sdpa such as Gemma2's softcapped
     attention), with sdpa upgraded to ours where the attention receives position_ids (GPTBigCode's does not: it
-    keeps sdpa's block-diagonal mask). Either way the packed documents stay apart."""
+    keeps sdpa's block-diagonal mask; Doge builds its own mask from the one it is given, so it keeps sdpa too).
+    Either way the packed documents stay apart."""
     from conftest import REPO_ROOT
 
     from finetune.model import load_model, load_tokenizer
