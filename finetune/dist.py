@@ -5,7 +5,9 @@ Everything is a no-op in a single process, so the trainer reads the same with an
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -90,6 +92,18 @@ def wait_for_main(what: str) -> None:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def process_group(world: World) -> Iterator[torch.device]:
+    """init(world) for the body, then shutdown: clean after success, without the barrier after a failure."""
+    device = init(world)
+    try:
+        yield device
+    except BaseException:
+        shutdown(failed=True)
+        raise
+    shutdown()
 
 
 def shutdown(failed: bool = False) -> None:

@@ -69,29 +69,19 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> tuple[float, int]:
     """`finetune eval`: the recipe's model (or, given a run directory, that run's trained model) on the
     recipe's eval data, in one process."""
     world = dist.from_env()
-    device = dist.init(world)
-    try:
-        result = _run_eval(recipe, run_dir, world, device)
-    except BaseException:
-        dist.shutdown(failed=True)
-        raise
-    dist.shutdown()
-    return result
-
-
-def _run_eval(recipe: Recipe, run_dir: Path | None, world: dist.World, device: torch.device) -> tuple[float, int]:
-    if run_dir is not None:
-        lm, tokenizer = load_trained(run_dir, recipe)
-    else:
-        tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
-        lm = None
-    _, eval_samples, _, _ = build_samples(recipe, tokenizer)
-    if not eval_samples:
-        raise UserError("the recipe has no eval data: set eval_datasets or data.val_fraction")
-    if lm is None:
-        lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
-    lm = lm.to(device)
-    impl = resolve_impl(recipe.loss.impl, device)
-    net = CausalLMWithLoss(lm, impl, recipe.loss.chunk_size, recipe.loss.z_loss, recipe.loss.softcap)
-    micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
-    return evaluate_loss(net, eval_samples, recipe, micro, tokenizer.pad_token_id, world, device)
+    with dist.process_group(world) as device:
+        if run_dir is not None:
+            lm, tokenizer = load_trained(run_dir, recipe)
+        else:
+            tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
+            lm = None
+        _, eval_samples, _, _ = build_samples(recipe, tokenizer)
+        if not eval_samples:
+            raise UserError("the recipe has no eval data: set eval_datasets or data.val_fraction")
+        if lm is None:
+            lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+        lm = lm.to(device)
+        impl = resolve_impl(recipe.loss.impl, device)
+        net = CausalLMWithLoss(lm, impl, recipe.loss.chunk_size, recipe.loss.z_loss, recipe.loss.softcap)
+        micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
+        return evaluate_loss(net, eval_samples, recipe, micro, tokenizer.pad_token_id, world, device)

@@ -91,18 +91,12 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
           console: Console | None = None) -> Path:
     """Run a recipe to the end; returns the output directory. Works alone and under torchrun."""
     world = dist.from_env()
-    device = dist.init(world)
     # soft_wrap: log lines stay whole when the output is a file or a pipe (rich would wrap them at 80 columns).
     console = console or Console(soft_wrap=True)
     if not world.is_main:
         console = Console(quiet=True, soft_wrap=True)
-    try:
-        out = _train(recipe, world, device, console, overwrite, allow_unpinned)
-    except BaseException:
-        dist.shutdown(failed=True)
-        raise
-    dist.shutdown()
-    return out
+    with dist.process_group(world) as device:
+        return _train(recipe, world, device, console, overwrite, allow_unpinned)
 
 
 def preprocess(recipe: Recipe, *, show: int = 0, rebuild: bool = False) -> None:
@@ -113,8 +107,9 @@ def preprocess(recipe: Recipe, *, show: int = 0, rebuild: bool = False) -> None:
 def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Console, overwrite: bool,
            allow_unpinned: bool) -> Path:
     out = Path(recipe.output_dir)
+    impl = resolve_impl(recipe.loss.impl, device)
     used = features(recipe)
-    if "liger" not in used and resolve_impl(recipe.loss.impl, device) == "liger":
+    if "liger" not in used and impl == "liger":
         used.append("liger")  # loss.impl auto runs Liger on CUDA whenever it imports: hold it to its pin too
     warnings = versions.enforce(versions.packages_for(used), allow_unpinned=allow_unpinned)
     for w in warnings:
@@ -150,7 +145,6 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     if recipe.data.packing and recipe.data.packing_check:
         err = check_packing_isolation(lm, len(tokenizer))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
-    impl = resolve_impl(recipe.loss.impl, device)
     attn = getattr(lm.config, "_attn_implementation", "?")
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
