@@ -49,8 +49,9 @@ class ModelConfig(Section):
     """auto: torch sdpa run one packed document at a time (documents found from position_ids; no [S, S] mask, so
     a packed row costs attention within its documents only), transformers' sdpa for padded batches and
     generation; eager for architectures without sdpa support (e.g. Gemma2); sdpa for those whose attention gets
-    no position_ids (e.g. GPTBigCode, Llama4). sdpa: transformers' sdpa, packed rows isolated by a block-diagonal mask over the whole row.
-    eager: the same mask in plain torch ops. flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
+    no position_ids or builds its own mask (e.g. GPTBigCode, Llama4, Doge). sdpa: transformers' sdpa, packed rows
+    isolated by a block-diagonal mask over the whole row. eager: the same mask in plain torch ops.
+    flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     trust_remote_code: bool = False
@@ -284,6 +285,18 @@ class Recipe(Section):
 _PATH_KEYS = (("model", "path"), ("model", "gguf_file"), ("tokenizer", "path"))
 # A dataset path with one of these suffixes is a local file (anything else may be a hub dataset name).
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def local_data_path(path: str) -> Path | None:
+    """The local file a dataset path names (a data-file suffix, or anything that exists), or None for a hub
+    dataset name. The one rule the recipe check, the data reader and the cache key share."""
+    local = Path(path).expanduser()
+    return local if local.suffix.lower() in LOCAL_SUFFIXES or local.exists() else None
+
+
+def data_file_not_found(path: str) -> str:
+    return (f"data file not found: {path} (relative paths are looked up next to the recipe file, then in the "
+            "current directory)")
 _DATASET_LISTS = ("datasets", "eval_datasets")
 
 
@@ -592,10 +605,9 @@ def missing_inputs(recipe: Recipe) -> list[str]:
         problems.append(f"resume: checkpoint {recipe.resume!r} does not exist (use auto, null or a checkpoint path)")
     for key in _DATASET_LISTS:
         for i, ds in enumerate(getattr(recipe, key)):
-            local = Path(ds.path).expanduser()
-            if local.suffix.lower() in LOCAL_SUFFIXES and not local.is_file():
-                problems.append(f"{key}.{i}.path: data file not found: {ds.path} (relative paths are looked up "
-                                "next to the recipe file, then in the current directory)")
+            local = local_data_path(ds.path)
+            if local is not None and not local.exists():  # a directory is told apart when the data is read
+                problems.append(f"{key}.{i}.path: {data_file_not_found(ds.path)}")
     return problems
 
 

@@ -55,9 +55,8 @@ import numpy as np
 
 from finetune.data import DataStats, build_samples, epoch_rows, rank_micro_batches, steps_in
 from finetune.data.pack import PackStats, pack_samples
-from finetune.data.sources import LOCAL_SUFFIXES
 from finetune.data.tokenize import IGNORE_INDEX
-from finetune.recipe import DatasetConfig, Recipe
+from finetune.recipe import DatasetConfig, Recipe, local_data_path
 
 # Bump whenever sources.py, formats.py, tokenize.py or the truncation in tokenize_examples change what samples
 # a row gives: every existing entry then stops matching.
@@ -139,9 +138,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def _source_key(cfg: DatasetConfig, key: str) -> dict[str, Any]:
     options = cfg.model_dump(mode="json", exclude={"path"})
-    local = Path(cfg.path).expanduser()
-    # The same test read_rows uses to tell a local file from a hub dataset name.
-    if local.suffix.lower() in LOCAL_SUFFIXES or local.exists():
+    local = local_data_path(cfg.path)  # the test read_rows uses to tell a local file from a hub dataset name
+    if local is not None:
         if not local.is_file():
             raise CacheError(f"{key}.path: {cfg.path} is not a file")  # build_samples says so properly
         try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.recipe import LOCAL_SUFFIXES
+from finetune.recipe import LOCAL_SUFFIXES, data_file_not_found, local_data_path
 
 
 @dataclass(frozen=True)
@@ -33,14 +33,13 @@ class BadRow(UserError):
 
 def read_rows(path: str, *, split: str = "train", name: str | None = None) -> Iterator[RawRow]:
     """Yield the rows of a local data file or a hub dataset. Malformed rows come with `error` set."""
-    local = Path(path).expanduser()
-    if local.suffix.lower() in LOCAL_SUFFIXES or local.exists():
+    local = local_data_path(path)
+    if local is not None:
         if local.is_dir():
             raise UserError(f"{path} is a directory; give a data file ({', '.join(LOCAL_SUFFIXES)})")
         if not local.is_file():
             # Relative paths were already tried against the recipe's folder (recipe.py), then the cwd.
-            raise UserError(f"data file not found: {path} (relative paths are looked up next to the recipe "
-                            "file, then in the current directory)")
+            raise UserError(data_file_not_found(path))
         try:
             yield from _read_local(local)
         except OSError as e:  # unreadable (permissions) or vanished while reading
