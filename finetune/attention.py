@@ -35,12 +35,12 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, sdpa_varlen_mask)
 
 
-# Set by passes_position_ids while it probes a model: each attention call appends whether position_ids reached it.
+# Set by serves() while it probes a model: each attention call appends whether usable position_ids reached it.
 _probe: ContextVar[list[bool] | None] = ContextVar("finetune_attention_probe", default=None)
 
 
-def passes_position_ids(model: torch.nn.Module) -> bool:
-    """Whether our function works for this architecture: every attention call receives 2D position_ids and the
+def serves(model: torch.nn.Module) -> bool:
+    """Whether our attention function can serve this model's architecture: every attention call receives 2D position_ids and the
     model stays causal without a mask, found by two 4-token forwards.
 
     Most do (Llama, Qwen, Mistral, Gemma, Phi, ...; 68 architectures checked). A few do not (GPTBigCode, Llama4,

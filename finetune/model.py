@@ -155,12 +155,12 @@ def _common_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:
     """attn_implementation auto: where transformers chose sdpa, switch to the same sdpa run one packed document at
     a time (finetune/attention.py). Architectures without sdpa (e.g. Gemma2's softcapped attention) keep eager;
-    those whose attention never receives position_ids (e.g. GPTBigCode, Llama4) keep sdpa."""
+    those it cannot serve (attention without position_ids: GPTBigCode, Llama4; their own mask: Doge) keep sdpa."""
     if cfg.attn_implementation != "auto" or model.config._attn_implementation != "sdpa":
         return
     attention.register()
     model.set_attn_implementation(attention.ATTN_NAME)
-    if not attention.passes_position_ids(model):  # it could not see the documents: transformers' mask can
+    if not attention.serves(model):  # no position_ids reach it, or not causal without a mask
         model.set_attn_implementation("sdpa")
 
 
