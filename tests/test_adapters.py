@@ -55,6 +55,16 @@ def _steps(lm, batch, recipe, n: int) -> list[float]:
     return losses
 
 
+def _assert_fused_loss_is_the_models(lm, batch) -> None:
+    """Our fused chunked loss through the (adapted) model equals the model's own loss on the batch (1e-5)."""
+    lm.eval()
+    with torch.no_grad():
+        loss_sum, n = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)(
+            input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
+        own = lm(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
+    assert abs(float(loss_sum / n) - float(own)) <= 1e-5
+
+
 def _logits(model, batch) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
@@ -110,12 +120,7 @@ def test_modules_to_save_on_tied_embeddings_loss_save_and_merge(data, tmp_path):
     base = lm.get_base_model()
     head, embed = base.get_output_embeddings().weight, base.get_input_embeddings().weight
     assert head.data_ptr() == embed.data_ptr() and not torch.equal(head, head_before)
-    lm.eval()
-    with torch.no_grad():
-        loss_sum, n = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)(
-            input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
-        own = lm(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
-    assert abs(float(loss_sum / n) - float(own)) <= 1e-5
+    _assert_fused_loss_is_the_models(lm, batch)
 
     # A run directory as the trainer writes it, then `finetune merge`.
     (tmp_path / "recipe.yaml").write_text(to_yaml(recipe))
@@ -148,12 +153,7 @@ def test_qlora_quantizes_the_base_and_the_loss_falls(data):
     assert base.is_activation_checkpointing
     losses = _steps(lm, batch, recipe, 5)
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
-    lm.eval()
-    with torch.no_grad():
-        loss_sum, n = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)(
-            input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
-        own = lm(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
-    assert abs(float(loss_sum / n) - float(own)) <= 1e-5
+    _assert_fused_loss_is_the_models(lm, batch)
 
 
 def test_full_fine_tune_with_gradient_checkpointing_and_adamw_8bit(data):
