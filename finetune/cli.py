@@ -166,10 +166,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         _preflight_output_dir(recipe, args.overwrite)
         return _exec_torchrun(args)
-    allow = args.allow_unpinned or os.environ.get("FINETUNE_ALLOW_UNPINNED") == "1"
     from finetune.trainer import train  # heavy: torch and transformers
 
-    train(recipe, overwrite=args.overwrite, allow_unpinned=allow)
+    # FINETUNE_ALLOW_UNPINNED is read where the pins are enforced (versions.allow_unpinned_env), not here.
+    train(recipe, overwrite=args.overwrite, allow_unpinned=args.allow_unpinned)
     return 0
 
 
@@ -316,20 +316,20 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_recipes(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from finetune import recipe_repos
+    from finetune.recipe import names, repos
 
     if args.action == "list":
-        Console().print(recipe_repos.list_table())
+        Console().print(names.list_table())
     elif args.action == "add":
-        repo = recipe_repos.add(args.name, args.url, args.ref)
+        repo = repos.add(args.name, args.url, args.ref)
         print(f"added {repo.name}: {repo.url} {repo.ref_kind} {repo.ref} pinned at {repo.commit[:12]} "
               f"({repo.dir}); use its recipes as {repo.name}/RECIPE")
     elif args.action == "update":
-        for repo, before in recipe_repos.update(args.name, args.ref):
+        for repo, before in repos.update(args.name, args.ref):
             moved = f"{before[:12]} -> {repo.commit[:12]}" if before != repo.commit else f"already at {before[:12]}"
             print(f"{repo.name}: {moved} ({repo.ref_kind} {repo.ref})")
     elif args.action == "remove":
-        repo = recipe_repos.remove(args.name)
+        repo = repos.remove(args.name)
         print(f"removed {repo.name} ({repo.url}) and its clone {repo.dir}")
     return 0
 

@@ -116,8 +116,13 @@ def installed_version(package: str) -> str | None:
     """Version string from the installed distribution's metadata, or None if it is not installed.
 
     Uses importlib.metadata rather than importing the module: importing torch or flash-attn takes
-    seconds and can fail for reasons unrelated to the version (no driver, ABI mismatch).
+    seconds and can fail for reasons unrelated to the version (no driver, ABI mismatch). `finetune` itself is
+    the running code's own __version__ (right for a checkout that is not pip-installed too).
     """
+    if package.lower() == "finetune":
+        from finetune import __version__  # the package root: version only, already imported as our parent
+
+        return __version__
     # Distribution names are normalized by importlib.metadata on 3.11+, not on every 3.10 patch
     # release, so also try the underscore spelling used by the dist-info directory.
     for name in dict.fromkeys((package, package.replace("-", "_"), package.replace("_", "-"))):
@@ -148,29 +153,32 @@ def pip_line(package: str, spec: str | None = None) -> str:
 
 
 def compare_version(package: str, wanted: str, installed: str | None) -> VersionProblem | None:
-    """Pure check of one installed version against a specifier; None when it satisfies it.
-
-    PEP 440 semantics via `packaging` (a transformers dependency, so present wherever this matters):
-    a local label is ignored by "==" (2.13.0+cu130 == 2.13.0), and pre-releases are rejected
-    (an NGC 2.13.0a0 build is not the tested 2.13.0).
-    """
+    """Pure check of one installed version against a specifier; None when it satisfies it (see `satisfies`)."""
     fix = pip_line(package, wanted)
     if installed is None:
         return VersionProblem(package, wanted, None, fix)
-    if _satisfies(installed, wanted):
+    if satisfies(installed, wanted):
         return None
     return VersionProblem(package, wanted, installed, fix)
 
 
-def _satisfies(installed: str, wanted: str) -> bool:
-    from packaging.specifiers import SpecifierSet  # lazy: keeps module import stdlib-only
+def satisfies(installed: str, wanted: str) -> bool:
+    """Whether an installed version meets a PEP 440 specifier: the one version rule of the pins and `requires:`.
+
+    What is installed is what runs, so a pre-release is judged by where it sorts, like any version: 2.13.1rc1 is
+    in >=2.13,<2.14, while an NGC 2.13.0a0 build sorts before 2.13 and is not (PEP 440 ordering; `<2.14` still
+    excludes 2.14's own pre-releases). A local label is ignored by == (2.13.0+cu130 == 2.13.0). An unparseable
+    version (a git checkout, say) meets nothing. `packaging` is a transformers dependency, imported lazily so
+    this module stays stdlib-only at import.
+    """
+    from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     try:
         version = Version(installed)
     except InvalidVersion:
-        return False  # an unparseable version (a git checkout, say) is not a tested one
-    return SpecifierSet(wanted).contains(version, prereleases=False)
+        return False
+    return SpecifierSet(wanted).contains(version, prereleases=True)
 
 
 def check_versions(packages: Iterable[str] = CORE) -> list[VersionProblem]:
@@ -227,7 +235,8 @@ def require_packages(features: Iterable[str]) -> None:
         )
 
 
-def _env_allows() -> bool:
+def allow_unpinned_env() -> bool:
+    """Whether FINETUNE_ALLOW_UNPINNED opts out of the pins: 1, true or yes (any case). The one reading of it."""
     return os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
@@ -242,7 +251,7 @@ def enforce(packages: Iterable[str], *, allow_unpinned: bool) -> list[str]:
     problems = check_versions(packages)
     if not problems:
         return []
-    allowed = allow_unpinned or _env_allows()
+    allowed = allow_unpinned or allow_unpinned_env()
     missing = [p for p in problems if p.installed is None]
     if allowed and not missing:
         return [f"unpinned: {p.describe()}" for p in problems]
@@ -261,6 +270,45 @@ def enforce(packages: Iterable[str], *, allow_unpinned: bool) -> list[str]:
         else "installed libraries differ from the tested versions:"
     )
     raise UserError("\n".join([header, *(f"  - {p.describe()}" for p in listed), *hints]))
+
+
+def check_requires(requires: dict[str, str], source: str = "recipe") -> None:
+    """Refuse a recipe whose `requires:` (distribution -> PEP 440 specifier) the installed packages do not meet,
+    naming each one and the fix. Read from package metadata, never by importing: `finetune validate` stays fast.
+    """
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    problems = []
+    for package, text in requires.items():
+        try:
+            spec = str(SpecifierSet(text))
+        except InvalidSpecifier:
+            bare = text.strip()
+            hint = f" (did you mean '=={bare}'?)" if bare[:1].isdigit() else ""
+            problems.append(f"requires.{package}: {text!r} is not a version specifier{hint}; write e.g. "
+                            "'>=5.23', '==5.23.0' or '>=2.13,<2.14'")
+            continue
+        wanted = f"{package}{spec}"
+        installed = installed_version(package)
+        if installed is None:
+            problems.append(f"requires.{package}: needs {wanted}, which is not installed{_similar_dist(package)}; "
+                            f"fix: pip install '{wanted}'")
+        elif not satisfies(installed, spec):
+            problems.append(f"requires.{package}: needs {wanted}, installed {installed}; fix: pip install '{wanted}'")
+    if problems:
+        noun = "requirement is" if len(problems) == 1 else "requirements are"
+        raise UserError(f"{source}: {len(problems)} {noun} not met by the installed packages:\n"
+                        + "\n".join(f"  - {line}" for line in problems)
+                        + "\n  (to try anyway, drop the check with the override requires={})")
+
+
+def _similar_dist(package: str) -> str:
+    """' (did you mean X?)' when an installed distribution has a close name: a typo, not a missing package."""
+    import difflib
+
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    guess = difflib.get_close_matches(package.lower(), sorted(n for n in names if n), n=1, cutoff=0.75)
+    return f" (did you mean '{guess[0]}'?)" if guess else ""
 
 
 def device_info() -> dict[str, Any]:
@@ -295,17 +343,6 @@ def device_info() -> dict[str, Any]:
     return info
 
 
-def _finetune_version() -> str | None:
-    # The package root is version-only (no heavy imports) and is already imported as this module's
-    # parent, so this adds no dependency; metadata is the fallback for unusual loaders.
-    try:
-        from finetune import __version__
-
-        return __version__
-    except ImportError:
-        return installed_version("finetune")
-
-
 def snapshot(warnings: Sequence[str] = ()) -> dict[str, Any]:
     """Everything versions.json records: interpreter, platform, library versions, device, warnings.
 
@@ -315,7 +352,7 @@ def snapshot(warnings: Sequence[str] = ()) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "executable": sys.executable,
-        "finetune": _finetune_version(),
+        "finetune": installed_version("finetune"),
     }
     for package in SNAPSHOT_PACKAGES:
         data[package] = installed_version(package)

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from finetune.recipe import Recipe  # noqa: E402
-from finetune.recipe_repos import HOME_ENV, PATH_ENV  # noqa: E402
+from finetune.recipe.names import HOME_ENV, PATH_ENV  # noqa: E402
 
 REFERENCE = ROOT / "docs" / "recipe-reference.md"
 SCHEMA = ROOT / "docs" / "recipe.schema.json"

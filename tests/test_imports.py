@@ -10,14 +10,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "versions", "recipe", "recipe_repos", "dist", "attention"}
+LEAVES = {"errors", "versions", "recipe", "dist", "attention"}
 SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
 # What each module may import from the package (beyond `errors`, which everything may import).
 ALLOWED = {
     "errors": set(),
     "versions": set(),
-    "recipe": {"recipe_repos", "versions"},  # the recipe search path, split out of the schema module; a leaf itself
-    "recipe_repos": set(),
+    "recipe": {"versions"},  # a package: schema, loading, validation, identity, names, repos; `requires:` -> versions
     "dist": set(),
     "data": {"recipe", "data"},
     "model": {"attention", "recipe"},
@@ -31,7 +30,7 @@ ALLOWED = {
     "rundir": {"checkpoint", "recipe"},
     "trainer": {"checkpoint", "data", "dist", "evaluate", "loss", "metrics", "model", "optim", "recipe", "rundir",
                 "versions", "wrap"},
-    "cli": {"recipe", "recipe_repos", "rundir", "trainer", "versions", "evaluate", "verify", "merge", "generate", "plot", "runs", "__init__"},
+    "cli": {"recipe", "rundir", "trainer", "versions", "evaluate", "verify", "merge", "generate", "plot", "runs", "__init__"},
     "merge": {"model", "recipe"},
     "generate": {"model", "recipe"},
     "plot": {"metrics"},
@@ -100,7 +99,14 @@ def test_only_cli_imports_trainer_and_lazily():
                 assert not top_level, "cli must import the trainer inside the command (lazily)"
 
 
+def _files(module: str) -> list[Path]:
+    """The files of a top-level module: module.py, or every file of the package module/."""
+    single = PACKAGE / f"{module}.py"
+    return [single] if single.is_file() else sorted((PACKAGE / module).rglob("*.py"))
+
+
 def test_leaves_import_nothing_from_the_package():
     for leaf in LEAVES:
-        names = {n for n, _ in _imports(PACKAGE / f"{leaf}.py")} - {"errors", "__version__"} - ALLOWED[leaf]
-        assert not names, f"{leaf}.py imports {names}"
+        for path in _files(leaf):
+            names = {n for n, _ in _imports(path)} - {"errors", "__version__", leaf} - ALLOWED[leaf]
+            assert not names, f"{path.relative_to(PACKAGE)} imports {names}"

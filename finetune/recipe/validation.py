@@ -1,0 +1,144 @@
+"""Validating a raw recipe dict: the schema's errors and the cross-key checks, collected and reported at once.
+
+Each problem is one line naming the dotted key, what was given, what is allowed and, for an unknown key, the
+closest known one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from finetune.errors import UserError
+from finetune.recipe.schema import DATASET_LISTS, Recipe
+
+# A dataset path with one of these suffixes is a local file (anything else may be a hub dataset name).
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def local_data_path(path: str) -> Path | None:
+    """The local file a dataset path names (a data-file suffix, or anything that exists), or None for a hub
+    dataset name. The one rule the recipe check, the data reader and the cache key share."""
+    local = Path(path).expanduser()
+    return local if local.suffix.lower() in LOCAL_SUFFIXES or local.exists() else None
+
+
+def data_file_not_found(path: str) -> str:
+    return (f"data file not found: {path} (relative paths are looked up next to the recipe file, then in the "
+            "current directory)")
+
+def validate(raw: dict[str, Any], source: str = "recipe", check_inputs: bool = False) -> Recipe:
+    """Validate a raw dict into a Recipe, collecting every schema and cross-field error into one UserError.
+
+    `check_inputs`: also require the local files it reads (data files, a resume checkpoint) to exist, as every
+    CLI command does. Off for the recipe stored in a finished run, whose data may since have moved (`generate`
+    and `merge` do not read it), and for library callers that only want the schema.
+    """
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(_error_block(source, _describe_all(e.errors()))) from None
+    problems = cross_checks(recipe) + (missing_inputs(recipe) if check_inputs else [])
+    if problems:
+        raise UserError(_error_block(source, problems))
+    return recipe
+
+
+def _error_block(source: str, lines: list[str]) -> str:
+    noun = "problem" if len(lines) == 1 else "problems"
+    return f"{source}: {len(lines)} {noun} in the recipe:\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def _describe_all(errors: list[dict[str, Any]]) -> list[str]:
+    """One line per key: a union (e.g. 'all-linear' or a list) fails once per member, joined here with 'or'."""
+    by_key: dict[str, list[str]] = {}
+    for err in errors:
+        key, _, text = _describe(err).partition(": ")
+        by_key.setdefault(key, [])
+        if text not in by_key[key]:
+            by_key[key].append(text)
+    lines = []
+    for key, texts in by_key.items():
+        first, rest = texts[0], [t.partition("; ")[2] or t for t in texts[1:]]
+        lines.append(f"{key}: " + "; or ".join([first, *rest]))
+    return lines
+
+
+def _describe(err: dict[str, Any]) -> str:
+    """One line for one pydantic error: dotted key, what was given, what is allowed."""
+    loc = [str(p) for p in err["loc"]]
+    # Union types add their member names to the location (e.g. 'literal[...]'); they are noise to users.
+    loc = [p for p in loc if not (p.startswith(("literal[", "list[", "tuple[")) or p in ("str", "int", "float"))]
+    key = ".".join(loc)
+    given = err.get("input")
+    if err["type"] == "extra_forbidden":
+        parent = _section_at(loc[:-1])
+        known = list(parent.model_fields) if parent else []
+        guess = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        hint = f"; did you mean '{guess[0]}'?" if guess else f"; known keys here: {', '.join(known)}"
+        return f"{key}: unknown key{hint}"
+    if err["type"] == "missing":
+        return f"{key}: required, but missing"
+    allowed = err.get("ctx", {}).get("expected")
+    shown = json.dumps(given) if isinstance(given, (str, int, float, bool)) or given is None else repr(given)
+    if allowed:
+        return f"{key}: got {shown}; allowed: {allowed}"
+    return f"{key}: got {shown}; {err['msg'][0].lower()}{err['msg'][1:]}"
+
+
+def _section_at(loc: list[str]) -> type[BaseModel] | None:
+    """The schema class at a dotted location (list indices skipped), for 'did you mean' suggestions."""
+    cls: Any = Recipe
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", None)
+        cls = inner[0] if inner and isinstance(inner[0], type) else annotation
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def cross_checks(recipe: Recipe) -> list[str]:
+    """Checks that involve several keys. Returns every problem found (empty when the recipe is coherent)."""
+    problems = []
+    m, d, t = recipe.model, recipe.data, recipe.train
+    if m.init == "pretrained" and not m.path:
+        problems.append("model.path: required for init: pretrained (or set model.init: random with model.config)")
+    if m.init == "random" and not m.config and not m.path:
+        problems.append("model.config: init: random needs a config (e.g. {model_type: llama, ...}) or a model.path")
+    if not recipe.tokenizer.path and not m.path:
+        problems.append("tokenizer.path: required when model.path is not set")
+    if d.packing and d.max_seq_len is None:
+        problems.append("data.max_seq_len: packing needs a row length; set data.max_seq_len or data.packing: false")
+    if t.epochs is None and t.max_steps is None:
+        problems.append("train.epochs / train.max_steps: both are null; set at least one")
+    if not recipe.datasets:
+        problems.append("datasets: at least one training dataset is required")
+    if recipe.adapter.type == "qlora" and m.dtype == "float16":
+        problems.append("model.dtype: qlora computes in float32 or bfloat16; float16 is not supported")
+    if m.gguf_file and m.init == "random":
+        problems.append("model.gguf_file: only meaningful with init: pretrained")
+    return problems
+
+
+def missing_inputs(recipe: Recipe) -> list[str]:
+    """The local files the recipe names that do not exist: a resume checkpoint, data files (a path with a data
+    file suffix; anything else may be a hub dataset). Caught at load time, not after the model has loaded."""
+    problems = []
+    if recipe.resume not in (None, "auto") and not Path(recipe.resume).expanduser().exists():
+        problems.append(f"resume: checkpoint {recipe.resume!r} does not exist (use auto, null or a checkpoint path)")
+    for key in DATASET_LISTS:
+        for i, ds in enumerate(getattr(recipe, key)):
+            local = local_data_path(ds.path)
+            if local is not None and not local.exists():  # a directory is told apart when the data is read
+                problems.append(f"{key}.{i}.path: {data_file_not_found(ds.path)}")
+    return problems
+
+
