@@ -2,7 +2,8 @@
 
 A checkpoint is written into a temporary directory, every file fsynced, a COMPLETE marker written last, and
 the directory renamed into place: a crash at any instant leaves the previous checkpoint intact and loadable,
-and a half-written one is never mistaken for a checkpoint.
+and a half-written one is never mistaken for a checkpoint. Resuming picks a checkpoint (`resume_path`),
+refuses one whose recipe changed the training (`check_resume_recipe`), and restores everything (`load`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +23,15 @@ from safetensors.torch import load_file, save_file
 
 from finetune import dist
 from finetune.errors import UserError
+from finetune.recipe import Recipe, recipe_hash, training_keys
+from finetune.rundir import RunDir
 
 MARKER = "COMPLETE"
 PREFIX = "step-"
 
 
 def checkpoint_root(output_dir: Path) -> Path:
-    return output_dir / "checkpoints"
+    return RunDir(output_dir).checkpoints
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -59,7 +64,7 @@ def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.o
     root = checkpoint_root(output_dir)
     final = root / f"{PREFIX}{step}"
     tmp = root / f".tmp-{PREFIX}{step}"
-    main = dist.is_main()
+    main = dist.from_env().is_main
     error: OSError | None = None
     if main:
         try:
@@ -204,3 +209,54 @@ def _fsync(path: Path) -> None:
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories; rename is still atomic
         _fsync(path)
+
+
+# --- what a checkpoint records about the run, and resuming from it -------------------------------------------
+
+def trainer_state(recipe: Recipe, *, step: int, epoch: int, samples_key: str | None, global_batch: int,
+                  world_size: int, tokens_seen: int, samples_seen: int) -> dict[str, Any]:
+    """trainer_state.json: where the run stands, and what it was, so a resume can refuse a different training."""
+    return {"step": step, "epoch": epoch, "recipe_hash": recipe_hash(recipe), "training_keys": training_keys(recipe),
+            "samples_key": samples_key, "global_batch": global_batch, "world_size": world_size,
+            "tokens_seen": tokens_seen, "samples_seen": samples_seen}
+
+
+def resume_path(recipe: Recipe, out: Path, warn: Callable[[str], Any]) -> Path | None:
+    """The checkpoint to resume from: none, the newest complete one (auto), or the one the recipe names.
+    `warn` shows what the user should know (a skipped broken checkpoint, what auto chose)."""
+    if recipe.resume is None:
+        return None
+    if recipe.resume == "auto":
+        found = find_latest(out, warn=warn)
+        warn(f"resume: auto -> {found or 'no complete checkpoint, starting fresh'}")
+        return found
+    return Path(recipe.resume)
+
+
+# How one step's rows are split (micro-batch x accumulation x ranks) does not change the training: only the
+# global batch does. So a run may resume on another number of GPUs with the same global batch.
+BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
+
+# Paths of inputs whose content is in the samples key (data/cache.py): when the content is the same, a moved
+# checkout, a copied dataset or another machine's mount point continues the same run.
+_CONTENT_KEYED = re.compile(r"^(datasets\.\d+\.path|tokenizer\.path)$")
+
+
+def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int,
+                        samples_key: str | None = None) -> None:
+    """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
+    may change; so may the paths of the data and tokenizer when their content (samples_key) has not."""
+    saved, now = state.get("training_keys", {}), training_keys(recipe)
+    same_content = samples_key is not None and state.get("samples_key") == samples_key
+    changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+               if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS
+               and not (same_content and _CONTENT_KEYED.match(k))]
+    if samples_key is not None and state.get("samples_key") not in (None, samples_key):
+        changed.append("  - the training data or tokenizer content (files changed, though their paths may not have)")
+    if state.get("global_batch", global_batch) != global_batch:
+        changed.append(f"  - global batch (micro_batch_size x gradient_accumulation_steps x world size): "
+                       f"{state['global_batch']} -> {global_batch}")
+    if changed:
+        lines = "\n".join(changed)
+        raise UserError(f"resume refused: the recipe changed in ways that alter training:\n{lines}\n"
+                        "  Restore these keys, or start a new run in another output_dir.")

@@ -176,12 +176,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _preflight_output_dir(recipe: Recipe, overwrite: bool) -> None:
     """The output_dir check the trainer makes, made before torchrun starts: a refusal then ends with our message
     and exit code 2, not with torchrun's traceback of a failed worker. Nothing is removed here."""
-    from rich.console import Console
-
-    from finetune.rundir import check_output_dir, resume_path
+    from finetune.checkpoint import resume_path
+    from finetune.rundir import check_output_dir
 
     out = Path(recipe.output_dir)
-    resume_from = resume_path(recipe, out, Console(quiet=True))
+    resume_from = resume_path(recipe, out, warn=lambda message: None)  # the trainer says it again, once
     check_output_dir(out, fresh=resume_from is None, overwrite=overwrite, restart_incomplete=recipe.resume == "auto")
 
 
@@ -197,9 +196,10 @@ def _exec_torchrun(args: argparse.Namespace) -> int:
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
     recipe = load_recipe_arg(args)
-    from finetune.trainer import preprocess  # heavy: transformers (the tokenizer)
+    from finetune.data.report import preprocess  # heavy: transformers (the tokenizer)
+    from finetune.model import load_tokenizer
 
-    preprocess(recipe, show=args.show, rebuild=args.rebuild)
+    preprocess(recipe, load_tokenizer(recipe.tokenizer, recipe.model), show=args.show, rebuild=args.rebuild)
     return 0
 
 
@@ -214,18 +214,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.model:
         overrides += [f"model.path={args.model}", "model.init=pretrained", "adapter.type=none"]
+    from finetune.rundir import RunDir, is_run
+
     run = Path(args.recipe).expanduser()
-    run_dir = run if run.is_dir() and (run / "recipe.yaml").is_file() else None
+    run_dir = run if is_run(run) else None
     if run_dir is not None:  # a run directory: its own recipe, and its trained model
         from finetune.recipe import load_recipe
 
-        recipe = load_recipe(run_dir / "recipe.yaml", overrides, check_inputs=True)
+        recipe = load_recipe(RunDir(run_dir).recipe, overrides, check_inputs=True)
     else:
         recipe = load_recipe_arg(args, overrides)
     from finetune.evaluate import run_eval
 
-    loss, tokens = run_eval(recipe, run_dir=run_dir)
-    print(f"eval_loss {loss:.6f} over {tokens} target tokens")
+    loss, counts = run_eval(recipe, run_dir=run_dir)
+    print(f"eval_loss {loss:.6f} over {counts['tokens']} target tokens")
     return 0
 
 
@@ -283,7 +285,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from finetune.runs import compare_runs
+    from finetune.compare import compare_runs
 
     Console().print(compare_runs(args.run_a, args.run_b))
     return 0

@@ -60,11 +60,6 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
-def is_main() -> bool:
-    """Rank 0 (or the only process)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 # How long ranks wait for rank 0's one-time work (tokenizing a large dataset); generous on purpose.
 WAIT_FOR_MAIN_S = float(os.environ.get("FINETUNE_DIST_WAIT_S", 3 * 3600))
 
@@ -87,6 +82,18 @@ def wait_for_main(what: str) -> None:
 
         raise UserError(f"rank {dist.get_rank()} gave up waiting for {what} after {WAIT_FOR_MAIN_S:.0f} s "
                         f"({e}); set FINETUNE_DIST_WAIT_S to wait longer, or run `finetune preprocess` first") from None
+
+
+@contextlib.contextmanager
+def main_first(world: World, what: str) -> Iterator[None]:
+    """Rank 0 runs the body first while the other ranks wait, then they run it (e.g. rank 0 tokenizes and fills
+    the data cache, the others read it). No barrier after rank 0 fails in the body: it exits, and the waiting
+    ranks are stopped by torchrun rather than left to wait for a rank that is gone."""
+    if not world.is_main:
+        wait_for_main(what)
+    yield
+    if world.is_main:
+        wait_for_main(what)
 
 
 def barrier() -> None:

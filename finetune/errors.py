@@ -7,3 +7,9 @@ class UserError(Exception):
     The message must name the key or file/line and say how to fix it. The CLI prints it without a
     traceback (unless --debug) and exits with status 2.
     """
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (library messages run long), or its type name when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

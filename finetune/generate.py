@@ -18,7 +18,8 @@ from typing import Any, TextIO
 import torch
 
 from finetune.errors import UserError
-from finetune.model import has_adapter, load_trained, read_run
+from finetune.rundir import finished_run, is_run
+from finetune.trained import has_adapter, load_trained
 
 
 @dataclass
@@ -124,10 +125,10 @@ def load_for_inference(run_dir: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(run_dir).expanduser()
-    if (path / "adapter_config.json").is_file() and (path.parent / "recipe.yaml").is_file():
+    if has_adapter(path) and is_run(path.parent):
         path = path.parent  # RUN/final holding an adapter: its base comes from the run's recipe
-    if (path / "recipe.yaml").is_file():
-        recipe, final = read_run(path)
+    if is_run(path):
+        recipe, final = finished_run(path)
         if has_adapter(final) and recipe.adapter.type == "qlora":
             print("note: QLoRA adapter applied to the base loaded unquantized (as `finetune merge` does)",
                   file=sys.stderr)

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from finetune.errors import UserError
+from finetune.labels import IGNORE_INDEX
 
-IGNORE_INDEX: int = -100
 IMPLS = ("auto", "liger", "chunked", "torch")
 
 _LIGER_FIX = "install it with `pip install 'finetune[liger]'` or set `loss.impl: chunked`"
@@ -351,20 +351,8 @@ def linear_cross_entropy(
     loss_sum is float64 instead when the inputs are float64 (tests). z_loss adds z_loss * logsumexp^2 per
     target; softcap caps the logits with softcap * tanh(logits / softcap) before the softmax.
     """
-    if impl not in ("liger", "chunked", "torch"):
-        raise ValueError(f"impl must be resolved with resolve_impl() first; got {impl!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise UserError(f"loss.chunk_size must be a positive integer, got {chunk_size!r}")
-    if softcap is not None and not softcap > 0:
-        raise UserError(f"loss.softcap must be a positive number or null, got {softcap!r}")
-    if hidden.dim() not in (2, 3) or labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: want [B, T, H] and [B, T]"
-                         " (or [T, H] and [T])")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    _check_arguments(hidden, weight, labels, bias, impl, chunk_size, softcap)
     vocab, hsize = weight.shape
-    if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match vocab size {vocab}")
 
     targets = shift_labels(labels).reshape(-1)
     keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: the row count is a dynamic shape
@@ -392,24 +380,40 @@ def linear_cross_entropy(
     # Cast explicitly (differentiably) to the dtype nn.Linear would use, then compute with autocast off, so the
     # three implementations see the same operands and autocast cannot silently downcast the fp32 work.
     dtype = _compute_dtype(hidden, weight)
-    h = h.to(dtype)
-    w = weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None
     dev = hidden.device.type
     with torch.autocast(device_type=dev, enabled=False) if dev in ("cuda", "cpu") else contextlib.nullcontext():
-        if impl == "torch":
-            loss = _torch_loss(h, w, b, y, z_loss, softcap)
-        elif impl == "liger":
-            if hidden.device.type != "cuda":
-                resolve_impl("liger", hidden.device)  # raises the UserError naming loss.impl
-            loss = _liger_loss(h, w, b, y, z_loss, softcap)
-        else:
-            grad_on = torch.is_grad_enabled()
-            flags = (
-                grad_on and h.requires_grad,
-                grad_on and w.requires_grad,
-                grad_on and b is not None and b.requires_grad,
-            )
-            loss = _ChunkedLinearCrossEntropy.apply(h, w, b, y, chunk_size, float(z_loss), softcap, flags)
+        loss = _summed_loss(impl, h.to(dtype), weight.to(dtype), b, y, chunk_size, z_loss, softcap)
     return loss.to(out_dtype), n_targets
+
+
+def _check_arguments(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+                     impl: str, chunk_size: int, softcap: float | None) -> None:
+    if impl not in ("liger", "chunked", "torch"):
+        raise ValueError(f"impl must be resolved with resolve_impl() first; got {impl!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise UserError(f"loss.chunk_size must be a positive integer, got {chunk_size!r}")
+    if softcap is not None and not softcap > 0:
+        raise UserError(f"loss.softcap must be a positive number or null, got {softcap!r}")
+    if hidden.dim() not in (2, 3) or labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: want [B, T, H] and [B, T]"
+                         " (or [T, H] and [T])")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match vocab size {weight.shape[0]}")
+
+
+def _summed_loss(impl: str, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor,
+                 chunk_size: int, z_loss: float, softcap: float | None) -> torch.Tensor:
+    """The summed loss of the target rows h [N, H] by one implementation, operands already in the compute dtype."""
+    if impl == "torch":
+        return _torch_loss(h, w, b, y, z_loss, softcap)
+    if impl == "liger":
+        if h.device.type != "cuda":
+            resolve_impl("liger", h.device)  # raises the UserError naming loss.impl
+        return _liger_loss(h, w, b, y, z_loss, softcap)
+    grad_on = torch.is_grad_enabled()
+    flags = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
+    return _ChunkedLinearCrossEntropy.apply(h, w, b, y, chunk_size, float(z_loss), softcap, flags)
 

@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from finetune.errors import UserError
-from finetune.model import DTYPES, has_adapter, load_adapted_model, read_run
+from finetune.model import DTYPES
+from finetune.rundir import finished_run
+from finetune.trained import has_adapter, load_adapted_model
 
 
 def merge_run(run_dir: str, out: str | None = None) -> Path:
@@ -28,7 +30,7 @@ def merge_run(run_dir: str, out: str | None = None) -> Path:
     (default RUN_DIR/merged) and return that directory."""
     from transformers import AutoTokenizer
 
-    recipe, final = read_run(run_dir)
+    recipe, final = finished_run(run_dir)
     if not has_adapter(final):
         raise UserError(f"nothing to merge: {final} holds a full model (the run used adapter.type: none), not a "
                         f"LoRA adapter. Use {final} directly as an HF model directory.")

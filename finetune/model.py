@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
-import json
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -35,8 +34,8 @@ from typing import Any
 import torch
 
 from finetune import attention
-from finetune.errors import UserError
-from finetune.recipe import AdapterConfig, ModelConfig, Recipe, TokenizerConfig, validate
+from finetune.errors import UserError, first_line
+from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PKG_SCHEME = "pkg://"
@@ -96,7 +95,7 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as e:  # OSError offline / missing files, ValueError for unknown formats
-        raise UserError(f"tokenizer {path!r} could not be loaded ({type(e).__name__}: {_first_line(e)}).\n"
+        raise UserError(f"tokenizer {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
                         "  Point tokenizer.path (or model.path) at a local tokenizer directory.") from None
     if tok.chat_template:
         tokenizer.chat_template = tok.chat_template
@@ -183,7 +182,7 @@ def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
-        raise UserError(f"model.path {path!r} could not be loaded ({type(e).__name__}: {_first_line(e)}).\n"
+        raise UserError(f"model.path {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
                         "  Use a local HF model directory, a .gguf file, or model.init: random.") from None
     return _plain_copy(model, dtype, common) if gguf else model
 
@@ -225,7 +224,7 @@ def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Mod
             return AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as e:
             raise UserError(f"model.path {path!r} could not be loaded in 4-bit ({type(e).__name__}: "
-                            f"{_first_line(e)}).") from None
+                            f"{first_line(e)}).") from None
     # Random init and GGUF bases exist only in memory; transformers quantizes only inside from_pretrained.
     with tempfile.TemporaryDirectory(prefix="finetune-qlora-") as tmp:
         _plain_model(cfg, tokenizer, seed).save_pretrained(tmp, safe_serialization=True)
@@ -250,7 +249,7 @@ def _random_init_config(cfg: ModelConfig, tokenizer: Any) -> Any:
         try:
             config = AutoConfig.for_model(model_type, **values)
         except (ValueError, TypeError, StrictDataclassError) as e:
-            raise UserError(f"model.config: {_first_line(e)}") from None
+            raise UserError(f"model.config: {first_line(e)}") from None
         if "vocab_size" not in values:
             config.vocab_size = len(tokenizer)
     else:
@@ -289,7 +288,7 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
                         target_modules=adapter.target_modules, modules_to_save=adapter.modules_to_save,
                         ensure_weight_tying=tie, task_type="CAUSAL_LM")
     try:
-        with _quiet_peft():
+        with quiet_peft():
             peft_model = get_peft_model(model, config)
     except ValueError as e:
         raise UserError(f"adapter.target_modules: {e}") from None
@@ -302,7 +301,7 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
 
 
 @contextlib.contextmanager
-def _quiet_peft() -> Iterator[None]:
+def quiet_peft() -> Iterator[None]:
     """peft 0.21.2 reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model: a
     FutureWarning the user cannot act on, printed on every run. Silenced for that call only."""
     with warnings.catch_warnings():
@@ -364,85 +363,3 @@ def save_final(model: torch.nn.Module, tokenizer: Any, out_dir: Path, state_dict
 def is_adapter_model(model: torch.nn.Module) -> bool:
     """Whether `model` is a PEFT model (its save is an adapter, not a full model)."""
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
-
-
-# --- Trained runs: what `finetune merge` and `finetune generate` load --------------------------------------
-
-def read_run(run_dir: str | Path) -> tuple[Recipe, Path]:
-    """(the run's recipe, its final/ directory) of a finished run directory, or a UserError saying what is
-    missing."""
-    run = Path(run_dir).expanduser()
-    if not run.is_dir():
-        raise UserError(f"{run_dir}: no such run directory")
-    recipe_file, final = run / "recipe.yaml", run / "final"
-    if not recipe_file.is_file():
-        raise UserError(f"{run_dir} is not a run directory: it has no recipe.yaml (give the output_dir of a "
-                        "`finetune train` run)")
-    if not final.is_dir():
-        raise UserError(f"{run_dir} has no final/ directory: the run did not finish (resume it with resume: auto)")
-    import yaml
-
-    try:
-        raw = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"{recipe_file}: cannot read the run's recipe ({_first_line(e)})") from None
-    return validate(raw if isinstance(raw, dict) else {}, source=str(recipe_file)), final
-
-
-def load_trained(run_dir: str | Path, recipe: Recipe | None = None) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer) of a finished run, ready for inference in its recipe's dtype on the CPU: the full
-    weights of final/, or the run's base with the adapter of final/ on it; the tokenizer saved with the run.
-    `recipe` defaults to the run's own (`finetune eval` passes the run's recipe with the user's overrides)."""
-    saved, final = read_run(run_dir)
-    recipe = recipe or saved
-    tokenizer = load_tokenizer(TokenizerConfig(path=str(final)), recipe.model)
-    if has_adapter(final):
-        return load_adapted_model(run_dir, final, recipe, tokenizer), tokenizer
-    trained = recipe.model.model_copy(update={"path": str(final), "init": "pretrained", "gguf_file": None})
-    return load_base(trained, tokenizer, recipe.seed), tokenizer
-
-
-def has_adapter(final: Path) -> bool:
-    return (final / "adapter_config.json").is_file()
-
-
-def load_adapted_model(run_dir: str | Path, final: Path, recipe: Recipe, tokenizer: Any) -> torch.nn.Module:
-    """The run's base (rebuilt unquantized in the recipe's dtype) with the adapter from `final` on it, for
-    inference. A random-init base is rebuilt from the recipe's config and seed, which needs the torch and
-    transformers versions the run used (recorded in versions.json): checked here."""
-    from peft import PeftModel
-
-    if recipe.model.init == "random":
-        check_rebuild_versions(Path(run_dir))
-    base = load_base(recipe.model, tokenizer, recipe.seed)
-    try:
-        with _quiet_peft():
-            return PeftModel.from_pretrained(base, str(final)).eval()
-    except (OSError, ValueError, RuntimeError) as e:
-        raise UserError(f"{final}: the adapter does not load onto the run's base model "
-                        f"({type(e).__name__}: {_first_line(e)})") from None
-
-
-def check_rebuild_versions(run_dir: Path) -> None:
-    """A random-init base is not stored: it is rebuilt from its seed, which gives the same weights only with
-    the same torch and transformers (their init code and RNG streams). Refuse with the reason otherwise."""
-    import transformers
-
-    file = run_dir / "versions.json"
-    try:
-        saved = json.loads(file.read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{file} is missing or unreadable: the random-init base of this run cannot be rebuilt "
-                        "safely without knowing the torch/transformers versions it was built with") from None
-    now = {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__}
-    then = {k: str(saved.get(k) or "").split("+")[0] for k in now}
-    if now != then:
-        raise UserError(f"this run's base was random-init (not stored; rebuilt from model.config and seed), "
-                        f"built with torch {then['torch']}, transformers {then['transformers']}; installed are "
-                        f"torch {now['torch']}, transformers {now['transformers']}, which may initialize "
-                        "differently. Install the run's versions (see versions.json) to merge or generate.")
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -19,10 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from finetune.errors import UserError
-from finetune.metrics import INSTALL_HINT, RunMetrics, read_metrics
+from finetune.metrics import INSTALL_HINT
+from finetune.rundir import RunMetrics, read_metrics, read_recipe_dict
 
 X_AXES = {
     "steps": ("step", "optimizer step"),
@@ -160,9 +159,8 @@ def _common_clip(run_dirs: list[str]) -> float | None:
     values = set()
     for d in run_dirs:
         try:
-            recipe = yaml.safe_load((Path(d) / "recipe.yaml").read_text(encoding="utf-8"))
-            values.add(recipe["train"]["max_grad_norm"])
-        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            values.add(read_recipe_dict(d)["train"]["max_grad_norm"])
+        except (UserError, KeyError, TypeError):
             return None
     value = values.pop() if len(values) == 1 else None
     return float(value) if isinstance(value, (int, float)) and value > 0 else None

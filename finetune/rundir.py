@@ -1,64 +1,201 @@
-"""The run directory: refuse to overwrite a run by accident, choose the checkpoint to resume, refuse a resume
-whose recipe changed the training, and keep metrics.jsonl consistent after a resume."""
+"""The run directory: its layout, the readers of what a run wrote, and the rules for starting a run in one.
+
+This is the one module that spells out the layout (docs/design.md, "The run directory"):
+
+    output_dir/recipe.yaml        the fully resolved recipe
+    output_dir/versions.json      library versions and the device
+    output_dir/metrics.jsonl      one JSON object per optimizer step, plus eval lines
+    output_dir/checkpoints/step-N/   resumable state (finetune/checkpoint.py writes it)
+    output_dir/final/             the trained model (or adapter) in HF format
+
+Everything else reaches those files through `RunDir` and the readers here. No torch: `finetune plot` and
+`finetune runs compare` stay light.
+"""
 
 from __future__ import annotations
 
 import json
-import re
+import math
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+import yaml
 
-from finetune import checkpoint
-from finetune.errors import UserError
-from finetune.recipe import Recipe, training_keys
-
-RUN_FILES = ("metrics.jsonl", "recipe.yaml", "versions.json", "checkpoints", "final", "tensorboard", "wandb",
-             "mlflow.db", "mlartifacts", "mlruns")
+from finetune.errors import UserError, first_line
+from finetune.recipe import Recipe, validate
 
 
-def resume_path(recipe: Recipe, out: Path, console: Console) -> Path | None:
-    """The checkpoint to resume from: none, the newest complete one (auto), or the one the recipe names."""
-    if recipe.resume is None:
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory."""
+
+    root: Path
+
+    @property
+    def recipe(self) -> Path:
+        return self.root / "recipe.yaml"
+
+    @property
+    def versions(self) -> Path:
+        return self.root / "versions.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def final(self) -> Path:
+        return self.root / "final"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    def tracker(self, name: str) -> Path:
+        """Where an offline tracker keeps its files: wandb, mlflow.db, mlartifacts or mlruns."""
+        assert name in TRACKER_FILES, name
+        return self.root / name
+
+
+TRACKER_FILES = ("wandb", "mlflow.db", "mlartifacts", "mlruns")
+# Everything a run writes: what --overwrite replaces and what makes a directory "hold a run".
+RUN_FILES = ("metrics.jsonl", "recipe.yaml", "versions.json", "checkpoints", "final", "tensorboard", *TRACKER_FILES)
+
+
+# --- reading a run ---------------------------------------------------------------------------------------
+
+def existing_run(run_dir: str | Path) -> RunDir:
+    """The run directory `run_dir` names, or a UserError when it is not one (no recipe.yaml)."""
+    run = RunDir(Path(run_dir).expanduser())
+    if not run.root.is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    if not run.recipe.is_file():
+        raise UserError(f"{run_dir} is not a run directory: it has no recipe.yaml (finetune train writes the "
+                        "resolved recipe there when a run starts); give the run's output_dir")
+    return run
+
+
+def is_run(path: str | Path) -> bool:
+    """Whether `path` is a run directory (it holds a recipe.yaml)."""
+    return RunDir(Path(path).expanduser()).recipe.is_file()
+
+
+def read_recipe_dict(run_dir: str | Path) -> dict[str, Any]:
+    """The run's recipe.yaml as written, unvalidated: a run from an older finetune compares and plots even when
+    today's schema would refuse its recipe."""
+    file = existing_run(run_dir).recipe
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"{file}: cannot read the run's recipe ({first_line(e)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{file}: not a recipe (expected a mapping of keys)")
+    return data
+
+
+def read_recipe(run_dir: str | Path) -> Recipe:
+    """The run's recipe, validated (its data files need not exist any more: nothing reads them here)."""
+    return validate(read_recipe_dict(run_dir), source=str(existing_run(run_dir).recipe))
+
+
+def finished_run(run_dir: str | Path) -> tuple[Recipe, Path]:
+    """(the run's recipe, its final/ directory) of a finished run, or a UserError saying what is missing."""
+    run = existing_run(run_dir)
+    if not run.final.is_dir():
+        raise UserError(f"{run_dir} has no final/ directory: the run did not finish (resume it with resume: auto)")
+    return read_recipe(run_dir), run.final
+
+
+def read_versions(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's versions.json, or None when it is missing or unreadable."""
+    try:
+        data = json.loads(RunDir(Path(run_dir)).versions.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
-    if recipe.resume == "auto":
-        found = checkpoint.find_latest(out, warn=lambda m: console.print(f"[yellow]{m}[/yellow]"))
-        console.print(f"resume: auto -> {found or 'no complete checkpoint, starting fresh'}")
-        return found
-    return Path(recipe.resume)
+    return data if isinstance(data, dict) else None
 
 
-# How one step's rows are split (micro-batch x accumulation x ranks) does not change the training: only the
-# global batch does. So a run may resume on another number of GPUs with the same global batch.
-BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
+def is_eval(record: dict[str, Any]) -> bool:
+    """An eval line of metrics.jsonl (a train line has `loss`, an eval line `eval_loss`)."""
+    return "eval_loss" in record
 
 
-# Paths of inputs whose content is in the samples key (data/cache.py): when the content is the same, a moved
-# checkout, a copied dataset or another machine's mount point continues the same run.
-_CONTENT_KEYED = re.compile(r"^(datasets\.\d+\.path|tokenizer\.path)$")
+def number(record: dict[str, Any], key: str) -> float:
+    """A numeric field of a metrics record, NaN when absent: a record from an older trainer must not break a
+    reader."""
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) else float("nan")
 
 
-def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int,
-                        samples_key: str | None = None) -> None:
-    """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
-    may change; so may the paths of the data and tokenizer when their content (samples_key) has not."""
-    saved, now = state.get("training_keys", {}), training_keys(recipe)
-    same_content = samples_key is not None and state.get("samples_key") == samples_key
-    changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-               if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS
-               and not (same_content and _CONTENT_KEYED.match(k))]
-    if samples_key is not None and state.get("samples_key") not in (None, samples_key):
-        changed.append("  - the training data or tokenizer content (files changed, though their paths may not have)")
-    if state.get("global_batch", global_batch) != global_batch:
-        changed.append(f"  - global batch (micro_batch_size x gradient_accumulation_steps x world size): "
-                       f"{state['global_batch']} -> {global_batch}")
-    if changed:
-        lines = "\n".join(changed)
-        raise UserError(f"resume refused: the recipe changed in ways that alter training:\n{lines}\n"
-                        "  Restore these keys, or start a new run in another output_dir.")
+@dataclass
+class RunMetrics:
+    """A run's metrics.jsonl: train lines and eval lines, one per step, in step order.
 
+    A resumed run appends the steps after its checkpoint again; the later line of a step wins (it is the one
+    the final weights descend from). `lines` keeps every train line in file order, for wall-clock totals.
+    """
+
+    path: Path
+    train: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[dict[str, Any]] = field(default_factory=list)
+
+
+def read_metrics(run_dir: str | Path) -> RunMetrics:
+    """Read RUN_DIR/metrics.jsonl. UserError naming the file when it is missing, empty or corrupt.
+
+    A last line cut short (a crash mid-write) is ignored; a bad line anywhere else is an error.
+    """
+    path = RunDir(Path(run_dir)).metrics
+    if not Path(run_dir).is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    if not path.is_file():
+        raise UserError(f"{path} not found: {run_dir} is not a training run directory, or its run has not "
+                        "logged a step yet")
+    text_lines = [t for t in path.read_text(encoding="utf-8").splitlines() if t.strip()]
+    train: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    lines: list[dict[str, Any]] = []
+    for line_no, text in enumerate(text_lines, 1):
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            if line_no == len(text_lines):
+                break
+            raise UserError(f"{path}:{line_no}: not a JSON object ({e.msg}); fix or delete that line") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise UserError(f"{path}:{line_no}: not a metrics record (needs a 'step' field)")
+        if is_eval(record):
+            evals[int(record["step"])] = record
+        elif "loss" in record:
+            train[int(record["step"])] = record
+            lines.append(record)
+    if not train and not evals:
+        raise UserError(f"{path} has no metrics records (empty file): the run has not logged a step yet")
+    return RunMetrics(path, [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], lines)
+
+
+def total_elapsed(lines: list[dict[str, Any]]) -> float:
+    """Wall-clock seconds of training over every launch: elapsed_s restarts at each resume, so sum the last
+    value of each launch (a launch ends where elapsed_s goes down)."""
+    total, last = 0.0, 0.0
+    for r in lines:
+        value = number(r, "elapsed_s")
+        if not math.isfinite(value):
+            continue
+        if value < last:
+            total += last
+        last = value
+    return total + last
+
+
+# --- starting a run in a directory ----------------------------------------------------------------------
 
 def check_output_dir(out: Path, *, fresh: bool, overwrite: bool, restart_incomplete: bool = False) -> list[str]:
     """Refuse to start a fresh run over an existing one unless asked; check the directory is writable.
@@ -84,8 +221,21 @@ def check_output_dir(out: Path, *, fresh: bool, overwrite: bool, restart_incompl
     return existing if fresh and overwrite else []
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def remove_previous_run(out: Path, names: list[str]) -> None:
+    for name in names:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def write_run_header(run: RunDir, recipe_yaml: str, versions: dict[str, Any]) -> None:
+    """recipe.yaml and versions.json, written when a run starts (or resumes: the resumed launch's versions)."""
+    run.recipe.write_text(recipe_yaml, encoding="utf-8")
+    run.versions.write_text(json.dumps(versions, indent=2), encoding="utf-8")
+
+
+def truncate_metrics(run: RunDir, step: int) -> None:
     """Keep the metrics lines up to the resumed step: a killed run may have logged steps that are re-run now."""
+    path = run.metrics
     if not path.exists():
         return
     kept = []
@@ -98,12 +248,6 @@ def truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     tmp.replace(path)
-
-
-def remove_previous_run(out: Path, names: list[str]) -> None:
-    for name in names:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def check_disk_room(out: Path, model: Any, checkpointing: bool) -> None:

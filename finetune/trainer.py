@@ -1,90 +1,55 @@
-"""The training loop, written out. Read it top to bottom: setup, then one optimizer step at a time.
+"""The training loop, written out. Read it top to bottom: `setup` builds a `Run`, `train_loop` takes one optimizer
+step at a time.
 
-The loss contract (DESIGN.md section 5): for one optimizer step, every rank gathers its micro-batches first,
-the step's target-token count N is all-reduced before the first backward, and each micro-batch
-backpropagates `loss_sum / N` (times the world size, because DDP/FSDP average gradients over ranks). The
-logged loss is the sum of every token loss of the step over N: exactly the quantity whose gradient we apply.
+The loss contract (docs/design.md, "The loss contract"): for one optimizer step, every rank collates its
+micro-batches first, the step's counts (target tokens for SFT) are all-reduced before the first backward, and
+each micro-batch backpropagates its summed loss over those counts (times the world size, because DDP/FSDP
+average gradients over ranks). The logged loss is the step's summed loss over its counts: exactly the quantity
+whose gradient is applied. What a micro-batch's loss and counts are is the objective's business
+(finetune/objective.py); the mechanics here are the same for every objective.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 
 from finetune import checkpoint, dist, versions
-from finetune.data import DataStats, collate, epoch_rows, rank_micro_batches, steps_in
+from finetune.data import DataStats, StepPlan, collate, rank_micro_batches
 from finetune.data.cache import prepare
-from finetune.data.cache import preprocess as preprocess_data
-from finetune.data.isolation import check_packing_isolation
 from finetune.errors import UserError
-from finetune.evaluate import CausalLMWithLoss, evaluate_loss, model_inputs
+from finetune.evaluate import evaluate_loss
+from finetune.isolation import check_packing_isolation
 from finetune.loss import resolve_impl
-from finetune.metrics import Stopwatch, mfu, open_sinks, peak_memory_mb, update_sums, weight_sample
+from finetune.metrics import (
+    MetricsLogger,
+    Stopwatch,
+    mfu,
+    open_sinks,
+    peak_memory_mb,
+    update_ratio,
+    weight_sample,
+)
 from finetune.model import count_parameters, load_model, load_tokenizer, save_final
+from finetune.model_with_loss import CausalLMWithLoss
+from finetune.objective import SFT, Objective
 from finetune.optim import build_optimizer, build_scheduler
-from finetune.recipe import Recipe, features, recipe_hash, to_yaml, training_keys
+from finetune.parallel import gather_full_state, wrap_model
+from finetune.recipe import Recipe, features, to_yaml
 from finetune.rundir import (
+    RunDir,
     check_disk_room,
     check_output_dir,
-    check_resume_recipe,
     remove_previous_run,
-    resume_path,
     truncate_metrics,
+    write_run_header,
 )
-from finetune.wrap import gather_full_state, wrap_model
-
-
-class StepPlan:
-    """Which rows each global optimizer step uses, worked out lazily one epoch at a time.
-
-    Step s of an epoch takes rows [s * global_batch, (s + 1) * global_batch) of that epoch's rows, the same
-    for every world size. Epochs are (re)packed only when reached, so `epochs: null` with a large max_steps
-    costs nothing up front.
-    """
-
-    def __init__(self, samples: list[dict], recipe: Recipe, world_size: int) -> None:
-        t = recipe.train
-        self.samples, self.recipe = samples, recipe
-        self.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
-        self._steps_per_epoch: list[int] = []
-        self._rows: tuple[int, list[dict]] | None = None  # (epoch, rows): the current epoch only
-        if t.epochs is not None:
-            total = sum(self.steps_in_epoch(e) for e in range(t.epochs))
-            self.total = min(total, t.max_steps) if t.max_steps else total
-        else:
-            self.steps_in_epoch(0)  # fail early if one epoch cannot fill a step
-            self.total = t.max_steps
-
-    def rows_of_epoch(self, epoch: int) -> list[dict]:
-        if self._rows is None or self._rows[0] != epoch:
-            self._rows = (epoch, epoch_rows(self.samples, self.recipe.data, self.recipe.seed, epoch))
-        return self._rows[1]
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        while len(self._steps_per_epoch) <= epoch:
-            e = len(self._steps_per_epoch)
-            n_rows = len(self.rows_of_epoch(e))
-            n_steps = steps_in(n_rows, self.global_batch, self.recipe.data.drop_last)
-            if n_steps == 0:
-                raise UserError(f"one optimizer step needs {self.global_batch} rows but an epoch has only {n_rows} "
-                                "(data.drop_last: true drops them all); lower train.micro_batch_size or "
-                                "gradient_accumulation_steps, or set data.drop_last: false")
-            self._steps_per_epoch.append(n_steps)
-        return self._steps_per_epoch[epoch]
-
-    def step(self, step: int) -> tuple[int, list[dict]]:
-        """(epoch, rows) of global optimizer step `step` (0-based)."""
-        epoch = 0
-        while step >= self.steps_in_epoch(epoch):
-            step -= self.steps_in_epoch(epoch)
-            epoch += 1
-        rows = self.rows_of_epoch(epoch)
-        return epoch, rows[step * self.global_batch: (step + 1) * self.global_batch]
 
 
 def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = False,
@@ -96,52 +61,109 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
     if not world.is_main:
         console = Console(quiet=True, soft_wrap=True)
     with dist.process_group(world) as device:
-        return _train(recipe, world, device, console, overwrite, allow_unpinned)
+        run = setup(recipe, world, device, console, overwrite=overwrite, allow_unpinned=allow_unpinned)
+        try:
+            train_loop(run)
+        except BaseException:
+            if run.logger:
+                run.logger.close(ok=False)  # trackers record the run as failed
+            raise
+    return run.out.root
 
 
-def preprocess(recipe: Recipe, *, show: int = 0, rebuild: bool = False) -> None:
-    """`finetune preprocess`: lives here because the tokenizer (model) and the data meet only in the trainer."""
-    preprocess_data(recipe, load_tokenizer(recipe.tokenizer, recipe.model), show=show, rebuild=rebuild)
+@dataclass
+class Progress:
+    """Where the run stands: the optimizer steps done, and the real input tokens and samples trained on."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    samples_seen: int = 0
 
 
-def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Console, overwrite: bool,
-           allow_unpinned: bool) -> Path:
-    out = Path(recipe.output_dir)
+@dataclass
+class Run:
+    """Everything the step loop needs, built once by `setup`."""
+
+    recipe: Recipe
+    world: dist.World
+    device: torch.device
+    console: Console
+    out: RunDir
+    tokenizer: Any
+    lm: torch.nn.Module  # the model (PEFT-wrapped with an adapter): what is saved
+    net: torch.nn.Module  # the model with its fused loss, DDP/FSDP-wrapped: what is run
+    objective: Objective
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    plan: StepPlan
+    eval_samples: list[dict]
+    samples_key: str | None  # the training data's identity, recorded in checkpoints
+    logger: MetricsLogger | None  # rank 0 only
+    start: Progress
+    n_params: int
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+
+# --- setup -------------------------------------------------------------------------------------------------
+
+def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Console, *, overwrite: bool,
+          allow_unpinned: bool) -> Run:
+    """Check the environment and the output directory, load the data and the model, restore a checkpoint."""
+    out = RunDir(Path(recipe.output_dir))
     impl = resolve_impl(recipe.loss.impl, device)
-    used = features(recipe)
-    if "liger" not in used and impl == "liger":
-        used.append("liger")  # loss.impl auto runs Liger on CUDA whenever it imports: hold it to its pin too
-    warnings = versions.enforce(versions.packages_for(used), allow_unpinned=allow_unpinned)
-    for w in warnings:
-        console.print(f"[yellow]warning: {w}[/yellow]")
-    resume_from = resume_path(recipe, out, console)
+    warnings = _enforce_versions(recipe, impl, allow_unpinned, console)
+    resume_from = checkpoint.resume_path(recipe, out.root, warn=lambda m: _warn(console, m))
     # Checked now, before anything slow; an old run is only removed once everything has loaded (below).
-    replaced = check_output_dir(out, fresh=resume_from is None, overwrite=overwrite,
-                                 restart_incomplete=recipe.resume == "auto") if world.is_main else []
+    replaced = check_output_dir(out.root, fresh=resume_from is None, overwrite=overwrite,
+                                restart_incomplete=recipe.resume == "auto") if world.is_main else []
     dist.barrier()
 
     torch.manual_seed(recipe.seed)
     if recipe.model.trust_remote_code:  # said before the tokenizer and the model load, i.e. before that code runs
         console.print("[yellow]model.trust_remote_code is on: running code shipped with the model[/yellow]")
     tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
-    # Under torchrun, rank 0 tokenizes and writes the cache while the others wait, then read it: one process
-    # tokenizes, not all of them at once.
-    if not world.is_main:
-        dist.wait_for_main("rank 0 to preprocess the data")
-    prepared = prepare(recipe, tokenizer)
-    train_samples, eval_samples, stats = prepared.train, prepared.evals, prepared.train_stats
-    if world.is_main:
-        dist.wait_for_main("rank 0 to preprocess the data")
+    # Under torchrun rank 0 tokenizes and writes the cache while the others wait, then they read it.
+    with dist.main_first(world, "rank 0 to preprocess the data"):
+        prepared = prepare(recipe, tokenizer)
     console.print(prepared.note, markup=False, highlight=False)  # reused the preprocessed-data cache, or wrote it
-    _report_data(console, stats, len(eval_samples))
-    plan = StepPlan(train_samples, recipe, world.size)
+    _report_data(console, prepared.train_stats, len(prepared.evals))
+    plan = StepPlan(prepared.train, recipe, world.size)
 
+    lm, net, n_params = _load_model(recipe, tokenizer, world, device, console, impl, plan)
+    optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
+    scheduler = build_scheduler(optimizer, plan.total, recipe.train)
+    start = Progress()
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, lm, optimizer, scheduler)
+        checkpoint.check_resume_recipe(recipe, state, plan.global_batch, prepared.samples_key)
+        start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
+        console.print(f"resumed from {resume_from} at step {start.step}")
+    logger = _open_run_dir(recipe, out, world, console, replaced, warnings, plan, start) if world.is_main else None
+    return Run(recipe, world, device, console, out, tokenizer, lm, net, SFT(), optimizer, scheduler, plan,
+               prepared.evals, prepared.samples_key, logger, start, n_params)
+
+
+def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: Console) -> list[str]:
+    used = features(recipe)
+    if "liger" not in used and impl == "liger":
+        used.append("liger")  # loss.impl auto runs Liger on CUDA whenever it imports: hold it to its pin too
+    warnings = versions.enforce(versions.packages_for(used), allow_unpinned=allow_unpinned)
+    for w in warnings:
+        console.print(f"[yellow]warning: {w}[/yellow]")
+    return warnings
+
+
+def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch.device, console: Console,
+                impl: str, plan: StepPlan) -> tuple[torch.nn.Module, torch.nn.Module, int]:
+    """(the model, the model with its loss as the trainer runs it, the number of parameters), checked: room on
+    disk for what the run will write, and packed documents isolated from each other."""
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
     trainable, total = count_parameters(lm)
     if world.is_main:
-        check_disk_room(out, lm, checkpointing=recipe.checkpoint.every_steps is not None)
-    if trainable == 0:
-        raise UserError("the model has no trainable parameters; nothing would be learned")
+        check_disk_room(Path(recipe.output_dir), lm, checkpointing=recipe.checkpoint.every_steps is not None)
     if recipe.data.packing and recipe.data.packing_check:
         err = check_packing_isolation(lm, len(tokenizer))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
@@ -149,136 +171,163 @@ def _train(recipe: Recipe, world: dist.World, device: torch.device, console: Con
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
                   f"{plan.global_batch} rows")
-    net = wrap_model(CausalLMWithLoss(lm, impl, recipe.loss.chunk_size, recipe.loss.z_loss, recipe.loss.softcap),
-                     recipe, world, device)
-    params = [p for p in net.parameters() if p.requires_grad]
-    optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
-    scheduler = build_scheduler(optimizer, plan.total, recipe.train)
-
-    start_step, tokens_seen, samples_seen = 0, 0, 0
-    if resume_from is not None:
-        state = checkpoint.load(resume_from, lm, optimizer, scheduler)
-        check_resume_recipe(recipe, state, plan.global_batch, prepared.samples_key)
-        start_step, tokens_seen, samples_seen = state["step"], state["tokens_seen"], state.get("samples_seen", 0)
-        console.print(f"resumed from {resume_from} at step {start_step}")
-    if world.is_main:
-        remove_previous_run(out, replaced)
-        (out / "recipe.yaml").write_text(to_yaml(recipe))
-        (out / "versions.json").write_text(json.dumps(versions.snapshot(warnings), indent=2))
-    if world.is_main and start_step:
-        truncate_metrics(out / "metrics.jsonl", start_step)
-    logger = open_sinks(out, recipe.logging, console, plan.total, start_step) if world.is_main else None
-    pad_id = tokenizer.pad_token_id
-    eval_every = recipe.eval.every_steps
-    eval_micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
-
-    def evaluate(step: int) -> None:
-        if not eval_samples:
-            return
-        loss, n = evaluate_loss(net, eval_samples, recipe, eval_micro, pad_id, world, device)
-        if logger:
-            logger.log({"step": step, "eval_loss": loss, "eval_tokens": n})
-
-    try:
-        if start_step == 0 and recipe.eval.at_start:
-            evaluate(0)
-        clock, bad_streak = Stopwatch(), 0
-        for step in range(start_step, plan.total):
-            clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
-            epoch, step_rows = plan.step(step)
-            micro = [collate(rows, recipe.data, pad_id) for rows in rank_micro_batches(
-                step_rows, recipe.train.micro_batch_size, world.size, world.rank, recipe.data.group_by_length)]
-
-            # N_step: the step's target tokens over all micro-batches and ranks, known before any backward.
-            local_targets = sum(m["targets"] for m in micro)
-            counts = dist.all_reduce_sum(torch.tensor([local_targets, sum(m["seq_tokens"] for m in micro),
-                                                       sum(m["padded_tokens"] for m in micro)], device=device))
-            n_step, seq_tokens, padded_tokens = (int(x) for x in counts.tolist())
-            loss_total = torch.zeros((), device=device, dtype=torch.float32)
-            net.train()
-            for i, batch in enumerate(micro):
-                # DDP: synchronize gradients only on the step's last micro-batch.
-                sync = i == len(micro) - 1
-                with contextlib.nullcontext() if sync or not hasattr(net, "no_sync") else net.no_sync():
-                    loss_sum, _ = net(**model_inputs(batch, device))
-                    (loss_sum * (world.size / max(n_step, 1))).backward()
-                loss_total += loss_sum.detach()
-            step_loss = float(dist.all_reduce_sum(loss_total)) / max(n_step, 1)
-
-            max_norm = recipe.train.max_grad_norm or math.inf
-            grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            healthy = math.isfinite(step_loss) and math.isfinite(grad_norm) and n_step > 0
-            before = [weight_sample(p).clone() for p in params] if healthy else None
-            if healthy:
-                optimizer.step()
-                bad_streak = 0
-            elif n_step > 0:
-                bad_streak += 1
-                console.print(f"[red]step {step + 1}: non-finite loss or gradient; update skipped "
-                              f"({bad_streak} in a row)[/red]")
-            else:
-                console.print(f"[yellow]step {step + 1}: no target tokens (every label masked); skipped[/yellow]")
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            update_ratio = _update_ratio(before, params, dist.is_sharded(lm)) if before is not None else 0.0
-            if healthy and (update_ratio == 0.0 or grad_norm == 0.0):  # weight decay alone still moves them
-                what = "the trainable weights did not change" if update_ratio == 0.0 else "every gradient was 0"
-                console.print(f"[yellow]step {step + 1}: {what}[/yellow]")
-            seconds = clock.lap()
-            tokens_seen += seq_tokens
-            samples_seen += sum(len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows)
-            step_mfu = mfu(seq_tokens / seconds / world.size, total, lm.config.num_hidden_layers,
-                           lm.config.hidden_size, recipe.data.max_seq_len or 2048, device)
-            if logger:
-                logger.log({
-                    "step": step + 1, "total_steps": plan.total, "epoch": epoch, "loss": step_loss,
-                    "grad_norm": grad_norm, "grad_norm_clipped": min(grad_norm, max_norm), "lr": lr,
-                    "tokens": n_step, "seq_tokens": seq_tokens, "padded_tokens": padded_tokens,
-                    "tokens_seen": tokens_seen, "samples": samples_seen, "tokens_per_s": seq_tokens / seconds,
-                    "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": update_ratio,
-                    "skipped": not healthy, "peak_memory_mb": peak_memory_mb(), "elapsed_s": clock.elapsed,
-                    **({"mfu": step_mfu} if step_mfu is not None else {}),
-                })
-            if bad_streak >= recipe.train.max_bad_steps:  # after logging, so the metrics show the bad steps
-                raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
-                                f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
-                                "check the data, or use float32")
-            done = step + 1
-            if eval_every and done % eval_every == 0 and done != plan.total:
-                evaluate(done)
-            if recipe.checkpoint.every_steps and done % recipe.checkpoint.every_steps == 0:
-                checkpoint.save(out, done, lm, optimizer, scheduler,
-                                {"step": done, "epoch": epoch, "recipe_hash": recipe_hash(recipe),
-                                 "training_keys": training_keys(recipe), "samples_key": prepared.samples_key,
-                                 "global_batch": plan.global_batch, "world_size": world.size,
-                                 "tokens_seen": tokens_seen, "samples_seen": samples_seen},
-                                recipe.checkpoint.keep_last)
-        evaluate(plan.total)
-        full_state = gather_full_state(net, lm)  # a collective under FSDP: every rank takes part
-        if world.is_main:
-            save_final(lm, tokenizer, out / "final", state_dict=full_state)
-            logger.close()
-            console.print(f"done: {out / 'final'}")
-    except BaseException:
-        if logger:
-            logger.close(ok=False)  # trackers record the run as failed
-        raise
-    return out
+    net = wrap_model(CausalLMWithLoss.for_recipe(lm, recipe.loss, impl), recipe, world, device)
+    return lm, net, total
 
 
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    """FSDP2 returns the norm as a DTensor; its full value is what we log and compare."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def _open_run_dir(recipe: Recipe, out: RunDir, world: dist.World, console: Console, replaced: list[str],
+                  warnings: list[str], plan: StepPlan, start: Progress) -> MetricsLogger:
+    """Rank 0, once everything has loaded: replace an earlier run (--overwrite), record the recipe and the
+    versions, drop metrics lines a resume re-runs, and open the metrics sinks."""
+    remove_previous_run(out.root, replaced)
+    write_run_header(out, to_yaml(recipe), versions.snapshot(warnings))
+    if start.step:
+        truncate_metrics(out, start.step)
+    return open_sinks(out, recipe.logging, console, plan.total, start.step, config=recipe.model_dump(mode="json"))
 
 
-def _update_ratio(before: list[torch.Tensor], params: list[torch.Tensor], sharded: bool) -> float:
-    """||w_after - w_before|| / ||w_before|| over the sampled elements of all trainable weights: 0 means the step
-    changed none of them."""
-    sums = update_sums(before, params)
-    if sharded:  # each rank holds a shard: the norms are sums over all ranks
-        dist.all_reduce_sum(sums)
-    return math.sqrt(float(sums[0])) / max(math.sqrt(float(sums[1])), 1e-12)
+# --- the loop ------------------------------------------------------------------------------------------------
+
+def train_loop(run: Run) -> None:
+    """Every optimizer step from the start (or the resumed step) to the end, then the final eval and save."""
+    recipe, world, plan = run.recipe, run.world, run.plan
+    done = run.start
+    if done.step == 0 and recipe.eval.at_start:
+        _evaluate(run, 0)
+    clock, bad_streak = Stopwatch(), 0
+    for step in range(done.step, plan.total):
+        clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
+        epoch, step_rows = plan.step(step)
+        micro = [collate(rows, recipe.data, run.tokenizer.pad_token_id) for rows in rank_micro_batches(
+            step_rows, recipe.train.micro_batch_size, world.size, world.rank, recipe.data.group_by_length)]
+
+        # The step's counts over all micro-batches and ranks, known before any backward.
+        counts, seq_tokens, padded_tokens = _step_counts(run.objective, micro, run.device)
+        loss = _forward_backward(run, micro, counts)
+        grad_norm, max_norm = _clip_gradients(run)
+        healthy = math.isfinite(loss) and math.isfinite(grad_norm) and all(n > 0 for n in counts.values())
+        before = [weight_sample(p).clone() for p in run.params] if healthy else None
+        if healthy:
+            run.optimizer.step()
+            bad_streak = 0
+        else:
+            bad_streak = _report_skipped(run.console, step, counts, bad_streak)
+        run.optimizer.zero_grad(set_to_none=True)
+        lr = run.scheduler.get_last_lr()[0]
+        run.scheduler.step()
+        ratio = _update_ratio(run, before) if before is not None else 0.0
+        if healthy and (ratio == 0.0 or grad_norm == 0.0):  # weight decay alone still moves them
+            what = "the trainable weights did not change" if ratio == 0.0 else "every gradient was 0"
+            run.console.print(f"[yellow]step {step + 1}: {what}[/yellow]")
+        seconds = clock.lap()
+        done = Progress(step + 1, done.tokens_seen + seq_tokens, done.samples_seen + sum(
+            len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows))
+        step_mfu = mfu(seq_tokens / seconds / world.size, run.n_params, run.lm.config.num_hidden_layers,
+                       run.lm.config.hidden_size, recipe.data.max_seq_len or 2048, run.device)
+        if run.logger:
+            run.logger.log({
+                "step": done.step, "total_steps": plan.total, "epoch": epoch, "loss": loss,
+                "grad_norm": grad_norm, "grad_norm_clipped": min(grad_norm, max_norm), "lr": lr, **counts,
+                "seq_tokens": seq_tokens, "padded_tokens": padded_tokens, "tokens_seen": done.tokens_seen,
+                "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
+                "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": ratio, "skipped": not healthy,
+                "peak_memory_mb": peak_memory_mb(), "elapsed_s": clock.elapsed,
+                **({"mfu": step_mfu} if step_mfu is not None else {}),
+            })
+        if bad_streak >= recipe.train.max_bad_steps:  # after logging, so the metrics show the bad steps
+            raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
+                            f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
+                            "check the data, or use float32")
+        if recipe.eval.every_steps and done.step % recipe.eval.every_steps == 0 and done.step != plan.total:
+            _evaluate(run, done.step)
+        if recipe.checkpoint.every_steps and done.step % recipe.checkpoint.every_steps == 0:
+            _save_checkpoint(run, done, epoch)
+    _evaluate(run, plan.total)
+    _save_final(run)
+
+
+def _step_counts(objective: Objective, micro: list[dict], device: torch.device) -> tuple[dict[str, int], int, int]:
+    """(the objective's counts, real input tokens, tokens computed), each summed over the step's micro-batches
+    on every rank: one all-reduce."""
+    local = [sum(objective.counts(m)[u] for m in micro) for u in objective.units]
+    local += [sum(m["seq_tokens"] for m in micro), sum(m["padded_tokens"] for m in micro)]
+    totals = [int(x) for x in dist.all_reduce_sum(torch.tensor(local, device=device)).tolist()]
+    return dict(zip(objective.units, totals)), totals[-2], totals[-1]
+
+
+def _forward_backward(run: Run, micro: list[dict], counts: dict[str, int]) -> float:
+    """Backpropagate every micro-batch's loss terms over the step's counts; returns the step's loss."""
+    units = run.objective.units
+    totals = torch.zeros(len(units), device=run.device, dtype=torch.float32)
+    run.net.train()
+    for i, batch in enumerate(micro):
+        with _gradient_sync(run.net, last=i == len(micro) - 1):
+            terms = run.objective.loss_terms(run.net, batch, run.device)
+            scaled = [terms[u] * (run.world.size / max(counts[u], 1)) for u in units]
+            sum(scaled[1:], scaled[0]).backward()
+        totals += torch.stack([terms[u].detach() for u in units])
+    totals = dist.all_reduce_sum(totals).tolist()
+    return sum(total / max(counts[u], 1) for u, total in zip(units, totals))
+
+
+def _gradient_sync(net: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """DDP: synchronize gradients only on the step's last micro-batch."""
+    return contextlib.nullcontext() if last or not hasattr(net, "no_sync") else net.no_sync()
+
+
+def _clip_gradients(run: Run) -> tuple[float, float]:
+    """(the step's pre-clip gradient norm, the clipping threshold): gradients are clipped in place."""
+    max_norm = run.recipe.train.max_grad_norm or math.inf
+    norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm)
+    # FSDP2 returns the norm as a DTensor; its full value is what we log and compare.
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm), max_norm
+
+
+def _report_skipped(console: Console, step: int, counts: dict[str, int], bad_streak: int) -> int:
+    """Say why step `step` applied no update; returns the streak of non-finite steps."""
+    empty = [u for u, n in counts.items() if n == 0]
+    if empty:
+        what = "target tokens (every label masked)" if empty[0] == "tokens" else empty[0]
+        console.print(f"[yellow]step {step + 1}: no {what}; skipped[/yellow]")
+        return bad_streak
+    console.print(f"[red]step {step + 1}: non-finite loss or gradient; update skipped ({bad_streak + 1} in a "
+                  "row)[/red]")
+    return bad_streak + 1
+
+
+def _update_ratio(run: Run, before: list[torch.Tensor]) -> float:
+    # Under FSDP2 each rank holds a shard of every weight: the sums are summed over ranks.
+    return update_ratio(before, run.params, dist.all_reduce_sum if dist.is_sharded(run.lm) else None)
+
+
+def _evaluate(run: Run, step: int) -> None:
+    if not run.eval_samples:
+        return
+    micro = run.recipe.eval.micro_batch_size or run.recipe.train.micro_batch_size
+    loss, counts = evaluate_loss(run.objective, run.net, run.eval_samples, run.recipe, micro,
+                                 run.tokenizer.pad_token_id, run.world, run.device)
+    if run.logger:
+        run.logger.log({"step": step, "eval_loss": loss, **{f"eval_{u}": n for u, n in counts.items()}})
+
+
+def _save_checkpoint(run: Run, done: Progress, epoch: int) -> None:
+    state = checkpoint.trainer_state(run.recipe, step=done.step, epoch=epoch, samples_key=run.samples_key,
+                                     global_batch=run.plan.global_batch, world_size=run.world.size,
+                                     tokens_seen=done.tokens_seen, samples_seen=done.samples_seen)
+    checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
+                    run.recipe.checkpoint.keep_last)
+
+
+def _save_final(run: Run) -> None:
+    full_state = gather_full_state(run.net, run.lm)  # a collective under FSDP: every rank takes part
+    if run.world.is_main:
+        save_final(run.lm, run.tokenizer, run.out.final, state_dict=full_state)
+        run.logger.close()
+        run.console.print(f"done: {run.out.final}")
+
+
+def _warn(console: Console, message: str) -> None:
+    console.print(message, style="yellow", markup=False, highlight=False)
 
 
 def _report_data(console: Console, stats: DataStats, n_eval: int) -> None:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from finetune.data import build_samples, collate, epoch_rows, rank_micro_batches
-from finetune.evaluate import CausalLMWithLoss, model_inputs
 from finetune.loss import resolve_impl
 from finetune.model import load_model, load_tokenizer
+from finetune.model_with_loss import CausalLMWithLoss, model_inputs
 from finetune.recipe import Recipe
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -58,8 +58,7 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
     # Dropout would make the three passes differ for reasons unrelated to accumulation.
     lm.eval()
-    net = CausalLMWithLoss(lm, resolve_impl(recipe.loss.impl, device), recipe.loss.chunk_size,
-                           recipe.loss.z_loss, recipe.loss.softcap)
+    net = CausalLMWithLoss.for_recipe(lm, recipe.loss, resolve_impl(recipe.loss.impl, device))
     t = recipe.train
     step_rows = epoch_rows(samples, recipe.data, recipe.seed, 0)[: t.micro_batch_size * t.gradient_accumulation_steps
                                                                   * world_size]

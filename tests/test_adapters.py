@@ -15,8 +15,8 @@ from helpers import QUICKSTART, TINY
 
 from finetune.data import build_samples, collate, epoch_rows
 from finetune.errors import UserError
-from finetune.evaluate import CausalLMWithLoss
 from finetune.model import load_base, load_model, load_tokenizer, resolve_path, save_final
+from finetune.model_with_loss import CausalLMWithLoss
 from finetune.optim import build_optimizer, parameter_groups
 from finetune.recipe import load_recipe
 

@@ -14,7 +14,7 @@ from test_pack import VOCAB, packed_batch, packed_vs_alone, tiny_model
 from transformers import AutoModelForCausalLM
 
 from finetune import attention
-from finetune.data.isolation import check_packing_isolation, default_tolerance
+from finetune.isolation import check_packing_isolation, default_tolerance
 
 VARLEN = attention.ATTN_NAME
 attention.register()

@@ -21,16 +21,8 @@ from helpers import run_cli
 
 from finetune.data import PARALLEL_MIN_EXAMPLES, DataStats, build_samples, load_examples, tokenize_examples
 from finetune.data import cache as data_cache
-from finetune.data.cache import (
-    cache_inputs,
-    cache_key,
-    histogram_lines,
-    load_entry,
-    pack_epoch0,
-    prepare,
-    save_entry,
-    token_accounting,
-)
+from finetune.data.cache import cache_inputs, cache_key, load_entry, prepare, save_entry
+from finetune.data.report import histogram_lines, pack_epoch0, token_accounting
 from finetune.model import load_tokenizer
 from finetune.recipe import Recipe, validate
 
@@ -272,7 +264,7 @@ def test_num_proc_2_gives_identical_samples_and_stats(tokenizer, monkeypatch):
     assert len(examples) >= 2 * PARALLEL_MIN_EXAMPLES
     serial_stats, parallel_stats = DataStats(), DataStats()
     serial = tokenize_examples(examples, tokenizer, recipe.data, serial_stats)
-    import finetune.data as data_module
+    import finetune.data.samples as data_module
 
     calls = []
     real = data_module._tokenize_parallel

@@ -1,8 +1,8 @@
-"""The import direction of DESIGN.md section 1, checked by parsing every module's imports with ast.
+"""The import direction of docs/design.md ("Layout"), checked by parsing every module's imports with ast.
 
-recipe -> data -> model -> loss -> trainer -> metrics. Leaves (errors, versions, recipe, dist) import nothing
-from the package but `errors`; data, model, loss, optim, metrics never import each other; only cli imports
-the trainer, and lazily.
+recipe -> data -> model -> loss -> trainer -> metrics. Leaves (errors, labels, versions, recipe, dist, attention)
+import nothing from the package but `errors` (recipe: versions); data, model, loss, optim, metrics and checkpoint
+never import each other; only cli imports the trainer, and lazily.
 """
 
 import ast
@@ -10,32 +10,39 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "versions", "recipe", "dist", "attention"}
+LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention"}
 SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
-# What each module may import from the package (beyond `errors`, which everything may import).
+# What each module may import from the package (beyond `errors`, which everything may import). A package (recipe,
+# data, metrics) is one module here: its files may import each other.
 ALLOWED = {
     "errors": set(),
+    "labels": set(),  # IGNORE_INDEX, shared by the data pipeline and the loss
     "versions": set(),
-    "recipe": {"versions"},  # a package: schema, loading, validation, identity, names, repos; `requires:` -> versions
+    "recipe": {"versions"},  # `requires:` is checked by the version rules
     "dist": set(),
-    "data": {"recipe", "data"},
+    "attention": set(),  # transformers' attention extension point, registered by model
+    "data": {"recipe", "labels"},
     "model": {"attention", "recipe"},
-    "attention": set(),  # a leaf: transformers' attention extension point, registered by model
-    "loss": set(),
+    "loss": {"labels"},
     "optim": {"recipe"},
-    "metrics": set(),
-    "checkpoint": {"dist"},
-    "wrap": {"dist", "model", "recipe"},
-    "evaluate": {"dist", "data", "loss", "model", "recipe"},
-    "rundir": {"checkpoint", "recipe"},
-    "trainer": {"checkpoint", "data", "dist", "evaluate", "loss", "metrics", "model", "optim", "recipe", "rundir",
-                "versions", "wrap"},
-    "cli": {"recipe", "rundir", "trainer", "versions", "evaluate", "verify", "merge", "generate", "plot", "runs", "__init__"},
-    "merge": {"model", "recipe"},
-    "generate": {"model", "recipe"},
-    "plot": {"metrics"},
-    "runs": {"metrics", "recipe"},
-    "verify": {"data", "evaluate", "loss", "model", "recipe"},
+    "rundir": {"recipe"},  # the run directory's layout and readers
+    "metrics": {"recipe", "rundir"},
+    "checkpoint": {"dist", "recipe", "rundir"},
+    "isolation": {"data"},  # runs packed rows through a model as training collates them
+    "model_with_loss": {"loss", "model", "recipe"},
+    "objective": {"model_with_loss"},
+    "parallel": {"dist", "model", "recipe"},
+    "trained": {"model", "recipe", "rundir"},
+    "evaluate": {"dist", "data", "loss", "model", "model_with_loss", "objective", "recipe", "trained"},
+    "trainer": {"checkpoint", "data", "dist", "evaluate", "isolation", "loss", "metrics", "model", "model_with_loss",
+                "objective", "optim", "parallel", "recipe", "rundir", "versions"},
+    "cli": {"checkpoint", "compare", "data", "evaluate", "generate", "merge", "model", "plot", "recipe", "rundir",
+            "trainer", "verify", "versions", "__init__"},
+    "merge": {"model", "rundir", "trained"},
+    "generate": {"rundir", "trained"},
+    "plot": {"metrics", "rundir"},
+    "compare": {"recipe", "rundir"},
+    "verify": {"data", "loss", "model", "model_with_loss", "recipe"},
     "__main__": {"cli"},
     "__init__": set(),
 }

@@ -13,7 +13,6 @@ import math
 import sys
 import types
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,11 +30,11 @@ from finetune.metrics import (
     mfu,
     open_sinks,
     peak_flops,
-    read_metrics,
     scalars,
-    total_elapsed,
     window_loss,
 )
+from finetune.recipe import LoggingConfig
+from finetune.rundir import RunDir, read_metrics, total_elapsed
 
 # Few rows, so data building and the final eval cost little; no packing, so a step's rows are whole samples.
 OVERRIDES = [*TINY, "train.max_steps=2", "data.packing=false", "datasets.0.max_rows=64",
@@ -69,10 +68,9 @@ def test_logged_step_loss_equals_independent_recomputation(cli_run):
     rows (build_samples, StepPlan), the same seeded random init, one padded batch of all the
     step's rows through the plain HF forward, and torch's own cross_entropy summed over every target token.
     """
-    from finetune.data import build_samples
+    from finetune.data import StepPlan, build_samples
     from finetune.model import load_model, load_tokenizer
     from finetune.recipe import load_recipe
-    from finetune.trainer import StepPlan
 
     out, _ = cli_run
     logged = train_lines(out)[0]
@@ -228,9 +226,9 @@ def test_logger_closes_as_failed_when_training_raises():
     assert rec.closed is False
 
 
-def _logging(**on: Any) -> SimpleNamespace:
-    return SimpleNamespace(**{"every_steps": 1, "tensorboard": False, "wandb": False, "wandb_project": None,
-                              "mlflow": False, **on})
+def _logging(**on: Any) -> LoggingConfig:
+    return LoggingConfig(**{"every_steps": 1, "tensorboard": False, "wandb": False, "wandb_project": None,
+                            "mlflow": False, **on})
 
 
 def test_open_sinks_missing_packages_warn_with_install_line(tmp_path, monkeypatch):
@@ -240,7 +238,7 @@ def test_open_sinks_missing_packages_warn_with_install_line(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "mlflow.entities", None)
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
     console, buffer = _console()
-    logger = open_sinks(tmp_path, _logging(wandb=True, mlflow=True), console, 3, 0)
+    logger = open_sinks(RunDir(tmp_path), _logging(wandb=True, mlflow=True), console, 3, 0)
     assert [type(s).__name__ for s in logger.sinks] == ["JsonlSink", "ConsoleSink"]
     text = buffer.getvalue()
     assert "logging.wandb needs the wandb package" in text and "logging.mlflow needs the mlflow package" in text
@@ -257,7 +255,7 @@ def test_open_sinks_tracker_that_cannot_start_is_left_out(tmp_path, monkeypatch)
     fake.init = init  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "wandb", fake)
     console, buffer = _console()
-    logger = open_sinks(tmp_path, _logging(wandb=True), console, 3, 0)
+    logger = open_sinks(RunDir(tmp_path), _logging(wandb=True), console, 3, 0)
     assert len(logger.sinks) == 2
     assert "WANDB_MODE=offline" in " ".join(buffer.getvalue().split())
     logger.close()
@@ -277,9 +275,9 @@ def test_wandb_sink_gets_recipe_config_and_every_record(tmp_path, monkeypatch):
     fake = types.ModuleType("wandb")
     fake.init = lambda **kw: calls.update(init=kw) or Run()  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    (tmp_path / "recipe.yaml").write_text("train:\n  lr: 0.001\n  gradient_accumulation_steps: 4\n")
+    config = {"train": {"lr": 0.001, "gradient_accumulation_steps": 4}}
     console, _ = _console()
-    logger = open_sinks(tmp_path, _logging(wandb=True, wandb_project="proj"), console, 2, 0)
+    logger = open_sinks(RunDir(tmp_path), _logging(wandb=True, wandb_project="proj"), console, 2, 0, config=config)
     logger.log(_step(1, 2.0, 10))
     logger.log({"step": 1, "eval_loss": 1.5, "eval_tokens": 7})
     logger.close()
@@ -296,9 +294,9 @@ def test_mlflow_sink_with_real_mlflow_logs_params_and_metrics_offline(tmp_path, 
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     from mlflow.tracking import MlflowClient
 
-    (tmp_path / "recipe.yaml").write_text("train:\n  lr: 0.001\n  adam_betas: [0.9, 0.99]\n")
+    config = {"train": {"lr": 0.001, "adam_betas": [0.9, 0.99]}}
     console, buffer = _console()
-    logger = open_sinks(tmp_path, _logging(mlflow=True), console, 2, 0)
+    logger = open_sinks(RunDir(tmp_path), _logging(mlflow=True), console, 2, 0, config=config)
     assert "MLflowSink" in [type(s).__name__ for s in logger.sinks], buffer.getvalue()
     sink = logger.sinks[-1]
     logger.log(_step(1, 2.0, 10))

@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from finetune import attention
-from finetune.data.isolation import check_packing_isolation, default_tolerance
-from finetune.data.pack import IGNORE_INDEX, PackStats, collate_packed, pack_samples
+from finetune.data.collate import collate_packed
+from finetune.data.pack import IGNORE_INDEX, PackStats, pack_samples
 from finetune.errors import UserError
+from finetune.isolation import check_packing_isolation, default_tolerance
 
 VOCAB = 64
 

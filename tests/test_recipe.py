@@ -403,7 +403,7 @@ def test_the_examples_folder_has_recipes():
 def test_example_recipe_validates(path):
     recipe = load_recipe(path)
     assert recipe.datasets
-    # DESIGN.md: every example is headed by a comment saying what it does and the exact command.
+    # docs/design.md: every example is headed by a comment saying what it does and the exact command.
     head = path.read_text(encoding="utf-8").splitlines()[0]
     assert head.startswith("#"), f"{path.name}: start with a comment saying what it does and how to run it"
 

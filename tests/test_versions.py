@@ -81,6 +81,8 @@ def test_core_versions_pass_here():
         ("torch", ">=2.13,<2.14", "2.14.0", False),
         ("torch", ">=2.13,<2.14", "2.12.1", False),
         ("torch", ">=2.13,<2.14", "2.13.0a0+git1234", False),  # NGC-style pre-release build
+        ("torch", ">=2.13,<2.14", "2.13.1rc1", True),  # a pre-release is judged by where it sorts
+        ("torch", ">=2.13,<2.14", "2.14.0rc1", False),  # <2.14 never admits 2.14's own pre-releases
         ("torch", ">=2.13,<2.14", "not a version", False),
     ],
 )
@@ -228,3 +230,37 @@ def test_env_piped_keeps_each_pip_line_whole():
     assert result.returncode == 0, result.stderr
     assert "pip install 'flash-attn==2.8.3.post2' --no-build-isolation" in result.stdout
     assert "…" not in result.stdout
+
+
+@pytest.mark.parametrize(("installed", "spec"), [("5.24.0rc1", ">=5.23"), ("5.23.0rc1", ">=5.23"),
+                                                 ("5.23.0", "==5.23.0"), ("5.23.0rc1", "==5.23.0"),
+                                                 ("2.13.1rc1", ">=2.13,<2.14"), ("2.14.0rc1", ">=2.13,<2.14")])
+def test_pins_and_requires_follow_one_version_rule(monkeypatch, installed, spec):
+    """A version meets a specifier the same way for the pins (compare_version) and a recipe's `requires:`."""
+    monkeypatch.setattr(versions, "installed_version", lambda p: installed)
+    pinned = versions.compare_version("transformers", spec, installed) is None
+    try:
+        versions.check_requires({"transformers": spec})
+        required = True
+    except UserError:
+        required = False
+    assert pinned == required == versions.satisfies(installed, spec)
+
+
+@pytest.mark.parametrize(("value", "allowed"), [("1", True), ("true", True), ("Yes", True), (" TRUE ", True),
+                                                ("0", False), ("", False), ("no", False)])
+def test_allow_unpinned_env_is_read_in_one_place(monkeypatch, value, allowed):
+    monkeypatch.setenv(versions.ALLOW_ENV, value)
+    assert versions.allow_unpinned_env() is allowed
+    monkeypatch.setattr(versions, "installed_version", lambda p: "5.22.0" if p == "transformers" else "99")
+    if allowed:
+        assert versions.enforce(["transformers"], allow_unpinned=False)  # warnings, no error
+    else:
+        with pytest.raises(UserError):
+            versions.enforce(["transformers"], allow_unpinned=False)
+
+
+def test_finetune_itself_is_the_running_version():
+    from finetune import __version__
+
+    assert versions.installed_version("finetune") == __version__ == versions.snapshot()["finetune"]

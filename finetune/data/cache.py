@@ -44,7 +44,6 @@ import itertools
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
@@ -53,9 +52,9 @@ from typing import Any
 
 import numpy as np
 
-from finetune.data import DataStats, build_samples, epoch_rows, rank_micro_batches, steps_in
-from finetune.data.pack import PackStats, pack_samples
-from finetune.data.tokenize import IGNORE_INDEX
+from finetune.data.samples import build_samples
+from finetune.data.stats import DataStats
+from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DatasetConfig, Recipe, local_data_path
 
 # Bump whenever sources.py, formats.py, tokenize.py or the truncation in tokenize_examples change what samples
@@ -330,178 +329,3 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
     return Prepared(train, evals, train_stats, eval_stats, False, entry, "\n".join(notes), samples_key)
 
 
-# --- `finetune preprocess`: statistics and samples ---------------------------------------------------------
-
-def preprocess(recipe: Recipe, tokenizer: Any, *, show: int = 0, rebuild: bool = False,
-               console: Any = None) -> Prepared:
-    """Tokenize (or reuse the cache), then print the dataset statistics, the packing of epoch 0 and, with
-    `show`, that many training samples with trained and masked tokens told apart."""
-    from rich.console import Console
-
-    console = console or Console(soft_wrap=True)
-    prepared = prepare(recipe, tokenizer, rebuild=rebuild)
-    console.print(prepared.note, markup=False, highlight=False)
-    _print_stats(console, prepared)
-    _print_histogram(console, [len(s["input_ids"]) for s in prepared.train], recipe.data.max_seq_len)
-    _print_packing(console, recipe, prepared)
-    for i, sample in enumerate(prepared.train[: max(0, show)]):
-        console.print()
-        print_sample(console, tokenizer, sample, f"sample {i}")
-    return prepared
-
-
-def _print_stats(console: Any, p: Prepared) -> None:
-    from rich.table import Table
-
-    table = Table(title="data", title_justify="left")
-    table.add_column("")
-    table.add_column("train", justify="right")
-    table.add_column("eval", justify="right")
-    rows = [("rows read", "rows_read"), ("bad rows skipped", "bad_rows_skipped"), ("samples", "samples"),
-            ("tokens", "tokens"), ("target tokens", "target_tokens"), ("truncated samples", "truncated"),
-            ("truncated tokens", "truncated_tokens"), ("dropped samples", "dropped_too_long"),
-            ("dropped tokens", "dropped_tokens")]
-    for label, name in rows:
-        table.add_row(label, f"{getattr(p.train_stats, name):,}", f"{getattr(p.eval_stats, name):,}")
-    console.print(table)
-    for example in p.train_stats.bad_row_examples + p.eval_stats.bad_row_examples:
-        console.print(f"  bad row: {example}", markup=False, highlight=False)
-
-
-def _nice_step(span: int, bins: int) -> int:
-    """The smallest of 1, 2, 5, 10, 20, 50, ... that cuts `span` into at most `bins` bins."""
-    step = 1
-    while True:
-        for factor in (1, 2, 5):
-            if span <= factor * step * bins:
-                return factor * step
-        step *= 10
-
-
-def histogram_lines(lengths: list[int], *, bins: int = 16, width: int = 40, bar: str = "#") -> list[str]:
-    """A text histogram of sample lengths: one line per bin of equal width, bars scaled to the fullest bin."""
-    if not lengths:
-        return []
-    step = _nice_step(max(lengths) + 1, bins)
-    counts = [0] * (max(lengths) // step + 1)
-    for n in lengths:
-        counts[n // step] += 1
-    top = max(counts)
-    digits = len(str(len(counts) * step))
-    lines = []
-    for k, count in enumerate(counts):
-        filled = round(width * count / top) if count else 0
-        filled = max(filled, 1 if count else 0)  # a nonempty bin is never invisible
-        lines.append(f"{k * step:>{digits}}-{(k + 1) * step - 1:<{digits}} {count:>8,} "
-                     f"{100 * count / len(lengths):5.1f}% {bar * filled}")
-    return lines
-
-
-def _print_histogram(console: Any, lengths: list[int], max_seq_len: int | None) -> None:
-    if not lengths:
-        return
-    ordered = sorted(lengths)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    cap = f" (max_seq_len {max_seq_len})" if max_seq_len else ""
-    console.print(f"\ntraining sample lengths in tokens{cap}: min {ordered[0]}, median "
-                  f"{statistics.median(ordered):g}, p90 {pick(0.9)}, p99 {pick(0.99)}, max {ordered[-1]}",
-                  markup=False, highlight=False)
-    bar = "█" if (console.encoding or "").lower().startswith("utf") else "#"
-    for line in histogram_lines(lengths, bar=bar):
-        console.print("  " + line, markup=False, highlight=False)
-
-
-def padded_tokens_of_epoch(samples: list[dict], recipe: Recipe, epoch: int = 0) -> tuple[int, int]:
-    """(rows, tokens computed) of one epoch with packing off: each micro-batch pads to its longest sample,
-    exactly as the trainer batches it (world size 1)."""
-    data = recipe.data.model_copy(update={"packing": False})
-    rows = epoch_rows(samples, data, recipe.seed, epoch)
-    batch = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps
-    multiple = data.pad_to_multiple_of or 1
-    computed = 0
-    for start in range(0, len(rows), batch):
-        for micro in rank_micro_batches(rows[start: start + batch], recipe.train.micro_batch_size, 1, 0,
-                                        data.group_by_length):
-            width = -(-max(len(r["input_ids"]) for r in micro) // multiple) * multiple
-            computed += width * len(micro)
-    return len(rows), computed
-
-
-def pack_epoch0(samples: list[dict], recipe: Recipe) -> tuple[list[dict], PackStats]:
-    """The packed rows of epoch 0, as the trainer builds them."""
-    data = recipe.data
-    return pack_samples(samples, data.max_seq_len or 0, seed=recipe.seed, epoch=0, truncation=data.truncation)
-
-
-def token_accounting(stats: DataStats, pack: PackStats | None) -> tuple[int, int, int, int]:
-    """(tokens in, tokens that reach training, truncated tokens, dropped tokens), tokenizer to packed rows.
-
-    `tokens in` counts every tokenized sample before truncation. The identity in = kept + truncated + dropped
-    always holds; `finetune preprocess` prints it so that nothing can vanish unseen.
-    """
-    kept = pack.tokens if pack else stats.tokens
-    truncated = stats.truncated_tokens + (pack.truncated_tokens if pack else 0)
-    dropped = stats.dropped_tokens + (pack.dropped_tokens if pack else 0)
-    return stats.input_tokens, kept, truncated, dropped
-
-
-def _print_packing(console: Any, recipe: Recipe, p: Prepared) -> None:
-    from rich.table import Table
-
-    t = recipe.train
-    global_batch = t.micro_batch_size * t.gradient_accumulation_steps
-    width = recipe.data.max_seq_len
-    table = Table(title=f"epoch 0, world size 1: {global_batch} rows per optimizer step (micro-batch "
-                        f"{t.micro_batch_size} x accumulation {t.gradient_accumulation_steps})", title_justify="left")
-    # slots: row capacity when packed (rows x max_seq_len), tokens computed with padding when padded.
-    for name in ("mode", "rows", "steps", "real tokens", "slots", "efficiency"):
-        table.add_column(name, justify="left" if name == "mode" else "right")
-    pack = None
-    packing = recipe.data.packing
-    if width:  # packing needs a row length; without max_seq_len only the padded mode exists
-        rows, pack = pack_epoch0(p.train, recipe)
-        steps = steps_in(len(rows), global_batch, recipe.data.drop_last)
-        table.add_row(f"packed ({width})" + (" *" if packing else ""), f"{len(rows):,}", f"{steps:,}",
-                      f"{pack.tokens:,}", f"{pack.capacity:,}", f"{pack.efficiency:.3f}")
-    n_rows, computed = padded_tokens_of_epoch(p.train, recipe)
-    real = p.train_stats.tokens
-    table.add_row("padded" + ("" if packing else " *"), f"{n_rows:,}",
-                  f"{steps_in(n_rows, global_batch, recipe.data.drop_last):,}", f"{real:,}", f"{computed:,}",
-                  f"{real / computed if computed else 0:.3f}")
-    console.print()
-    console.print(table)
-    console.print("* this recipe's mode (data.packing). efficiency: real tokens / slots (packed: rows x "
-                  "max_seq_len; padded: tokens computed with padding)", markup=False, highlight=False)
-    tokens_in, kept, truncated, dropped = token_accounting(p.train_stats, pack if packing else None)
-    verdict = "balanced" if tokens_in == kept + truncated + dropped else "MISMATCH (a bug: please report it)"
-    where = "packed" if packing and pack else "kept"
-    console.print(f"token accounting (train): {tokens_in:,} tokenized = {kept:,} {where} + {truncated:,} truncated "
-                  f"+ {dropped:,} dropped: {verdict}", markup=False, highlight=False)
-    if t.max_steps:
-        console.print(f"train.max_steps: {t.max_steps} caps the run", markup=False, highlight=False)
-
-
-def print_sample(console: Any, tokenizer: Any, sample: dict, title: str) -> None:
-    """One sample, decoded, with trained tokens told apart from masked ones.
-
-    On a terminal trained tokens are bold green and masked ones dim; otherwise (a pipe, a file) trained text is
-    wrapped in [[...]]. Tokens are decoded in runs of equal masking rather than one by one, so a character that
-    byte-level BPE splits over several tokens still prints whole.
-    """
-    from rich.text import Text
-
-    ids, labels = sample["input_ids"], sample["labels"]
-    trained_count = sum(1 for x in labels if x != IGNORE_INDEX)
-    console.print(f"--- {title}: {len(ids)} tokens, {trained_count} trained ---", markup=False, highlight=False)
-    color = console.is_terminal and not console.no_color
-    text = Text()
-    for trained, run in itertools.groupby(zip(ids, labels), key=lambda pair: pair[1] != IGNORE_INDEX):
-        piece = tokenizer.decode([token for token, _ in run], skip_special_tokens=False,
-                                 clean_up_tokenization_spaces=False)
-        if color:
-            text.append(piece, style="bold green" if trained else "dim")
-        else:
-            text.append(f"[[{piece}]]" if trained else piece)
-    console.print(text)
-    if color:
-        console.print(Text.assemble(("legend: ", ""), ("trained", "bold green"), (" / ", ""), ("masked", "dim")))

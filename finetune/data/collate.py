@@ -1,4 +1,4 @@
-"""Micro-batches as tensors: dynamic padding for unpacked samples (packed rows: see pack.collate_packed)."""
+"""Micro-batches as tensors: packed rows (position ids per document, no attention mask) or padded samples."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from finetune.data.tokenize import IGNORE_INDEX
+from finetune.labels import IGNORE_INDEX
+from finetune.recipe import DataConfig
 
 
 def collate_padded(samples: Sequence[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict:
@@ -28,3 +29,51 @@ def collate_padded(samples: Sequence[dict], pad_token_id: int, pad_to_multiple_o
     seq_tokens = int(mask.sum())
     return {"input_ids": ids, "labels": labels, "attention_mask": mask,
             "seq_tokens": seq_tokens, "padded_tokens": ids.numel()}
+
+
+def collate_packed(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor | int]:
+    """Stack packed rows into [b, L] tensors, L = the longest row of this micro-batch.
+
+    Shorter rows are padded at the end with ``pad_token_id``, labels -100 and position_ids 0..p-1, so
+    the padding is one more isolated "document" (its restart at 0 ends the last real document). No
+    attention_mask is returned on purpose: passing one would turn off transformers' packed-sequence
+    detection. The model must be called with ``use_cache=False``.
+    Also returns ``seq_tokens`` (real tokens) and ``padded_tokens`` (b * L) as ints.
+    """
+    if not rows:
+        raise ValueError("collate_packed needs at least one row")
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids: list[list[int]] = []
+    labels: list[list[int]] = []
+    position_ids: list[list[int]] = []
+    seq_tokens = 0
+    for r in rows:
+        n = len(r["input_ids"])
+        p = width - n
+        seq_tokens += n
+        input_ids.append(list(r["input_ids"]) + [pad_token_id] * p)
+        labels.append(list(r["labels"]) + [IGNORE_INDEX] * p)
+        position_ids.append(list(r["position_ids"]) + list(range(p)))
+    return {
+        "input_ids": torch.tensor(input_ids, dtype=torch.long),
+        "labels": torch.tensor(labels, dtype=torch.long),
+        "position_ids": torch.tensor(position_ids, dtype=torch.long),
+        "seq_tokens": seq_tokens,
+        "padded_tokens": len(rows) * width,
+    }
+
+
+def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
+    """Tensors for one micro-batch: packed rows (no attention mask, position ids per document) or padded.
+
+    `targets` counts the tokens that carry a loss after the shift (what N_step sums). A filler micro-batch (see
+    rank_micro_batches) is computed, so its tokens count as padded tokens, but it is no data: its seq_tokens are 0.
+    """
+    batch = collate_packed(rows, pad_token_id) if data.packing else collate_padded(
+        rows, pad_token_id, data.pad_to_multiple_of)
+    batch["targets"] = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    if rows and rows[0].get("filler"):
+        batch["seq_tokens"] = 0
+    return batch
+
+

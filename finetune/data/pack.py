@@ -1,39 +1,19 @@
-"""Sample packing: several tokenized samples per row, each one isolated from the others.
+"""Sample packing: several tokenized samples per row, best-fit decreasing, deterministic per (seed, epoch).
 
-A packed row concatenates whole documents. Isolation does not come from an attention mask: the
-collator emits ``position_ids`` that restart at 0 for every document and passes *no* attention_mask.
-transformers (5.23.0) then detects the packed documents from the position restarts
-(``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal causal mask for
-sdpa/eager, or uses the varlen kernels for flash_attention_2. That detection only happens when
-``past_key_values is None``, i.e. the model must be called with ``use_cache=False``: with the cache on
-(the config default) documents silently attend to each other. ``finetune.data.isolation`` proves on
-the real model that this holds before training.
+A packed row concatenates whole documents and records where each starts: ``position_ids`` restart at 0 for
+every document (and ``doc_lengths`` lists them). What keeps the documents apart is the attention, not this
+module: the collator passes no attention_mask, and the model's attention takes the documents from the position
+restarts (``attn_implementation: auto`` runs attention one document at a time, finetune/attention.py;
+transformers' sdpa/eager build a block-diagonal mask from the same restarts). ``finetune.isolation`` proves it
+on the real model before a packed run trains.
 
-Labels stay unshifted (the loss shifts: position t predicts ``labels[t + 1]``). So the last token of
-document A would be trained to predict the first token of document B; to keep every target inside
-its own document, the first label of every document is set to -100. In an unpacked row that label is
-never a target anyway (nothing precedes it), so packing trains exactly the same targets.
+Labels stay unshifted (the loss shifts: position t predicts ``labels[t + 1]``), so the last token of document
+A would be trained to predict the first token of document B; to keep every target inside its own document, the
+first label of every document is set to -100. In an unpacked row that label is never a target anyway (nothing
+precedes it), so packing trains exactly the same targets.
 
-Algorithm: best-fit decreasing (BFD) rather than first-fit decreasing (FFD).
-  * Both sort samples by length, longest first, and never split a sample; both are within 11/9 of
-    the optimal number of rows in the worst case and, on realistic data, within 0-2% of the lower
-    bound ceil(tokens / max_seq_len).
-  * FFD puts a sample into the *first* row it fits, BFD into the row where it fits *tightest*
-    (smallest free capacity that is still >= its length). BFD keeps large holes open for the large
-    samples still to come and fills small holes with small samples, which tends to help the
-    long tail. Measured on 3000 lognormal lengths at max_seq_len 512-2048 both gave the same row
-    counts (efficiency 0.98-0.999; tests assert >= 0.98): the packing quality is not the reason.
-  * The reason is cost: BFD's question ("smallest free capacity >= n") is one ``bisect`` on a
-    sorted list of (free capacity, row) pairs, O(log R); FFD's ("first row with room >= n") needs a
-    max-segment-tree to beat a linear scan, and the linear scan makes FFD O(n * R), quadratic on
-    large datasets. The list insert/delete after a placement is a memmove, O(R) in theory but
-    negligible in practice (4000 samples pack in well under a second); full rows leave the list.
-
-Determinism and epochs: everything random comes from ``random.Random`` seeded with a stable hash of
-(seed, epoch) (not Python's ``hash``, so it is the same across processes and versions). The seeded
-permutation breaks ties between samples of equal length (so which equal-length samples share a row
-changes per epoch) and the final order of the rows is shuffled, so each epoch sees a different order
-while the same (seed, epoch) always gives the same rows.
+Why best-fit rather than first-fit decreasing, and how the (seed, epoch) determinism works: docs/design.md,
+"Packing".
 """
 
 from __future__ import annotations
@@ -43,16 +23,12 @@ import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from finetune.errors import UserError
+from finetune.labels import IGNORE_INDEX
 
-if TYPE_CHECKING:  # torch is only needed by collate_packed; packing itself is pure Python
-    import torch
-
-IGNORE_INDEX = -100
-
-__all__ = ["IGNORE_INDEX", "PackStats", "collate_packed", "pack_samples"]
+__all__ = ["IGNORE_INDEX", "PackStats", "pack_samples"]
 
 
 @dataclass
@@ -102,12 +78,30 @@ def pack_samples(
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     if truncation not in ("truncate", "drop"):
         raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
+    kept, counts = _fit_samples(samples, max_seq_len, truncation)
+    rng = _rng(seed, epoch)
+    bins = _best_fit(kept, max_seq_len, rng)
+    rng.shuffle(bins)  # row order changes per epoch; contents are fixed for this (seed, epoch)
+    rows = [_row(kept, members) for members in bins]
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    stats = PackStats(samples=len(samples), rows=len(rows), tokens=tokens,
+                      target_tokens=sum(sum(1 for x in kept[k][1][1:] if x != IGNORE_INDEX) for k in range(len(kept))),
+                      truncated=counts["truncated"], dropped=counts["dropped"], capacity=len(rows) * max_seq_len,
+                      input_tokens=counts["input_tokens"], truncated_tokens=counts["truncated_tokens"],
+                      dropped_tokens=counts["dropped_tokens"])
+    # Never lose a token silently: whatever is not in a row was counted as truncated or dropped.
+    assert stats.input_tokens == tokens + stats.truncated_tokens + stats.dropped_tokens, stats
+    return rows, stats
 
+
+def _fit_samples(samples: Sequence[dict], max_seq_len: int,
+                 truncation: str) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
+    """The samples that go into rows, as (ids, labels), over-long ones truncated; and the counts of what was
+    truncated or dropped (empty samples, over-long ones in "drop" mode)."""
     kept: list[tuple[list[int], list[int]]] = []
-    input_tokens = truncated = dropped = truncated_tokens = dropped_tokens = 0
+    counts = dict.fromkeys(("input_tokens", "truncated", "dropped", "truncated_tokens", "dropped_tokens"), 0)
     for i, sample in enumerate(samples):
-        ids = list(sample["input_ids"])
-        labels = list(sample["labels"])
+        ids, labels = list(sample["input_ids"]), list(sample["labels"])
         if len(ids) != len(labels):
             # Data problem the user can fix (their tokenization/template step), not a bug here.
             raise UserError(
@@ -115,28 +109,30 @@ def pack_samples(
                 "every tokenized sample needs one label per token (-100 where no loss)"
             )
         n = len(ids)
-        input_tokens += n
+        counts["input_tokens"] += n
         if n == 0:
-            dropped += 1
+            counts["dropped"] += 1
             continue
         if n > max_seq_len:
             if truncation == "drop":
-                dropped += 1
-                dropped_tokens += n
+                counts["dropped"] += 1
+                counts["dropped_tokens"] += n
                 continue
-            truncated += 1
-            truncated_tokens += n - max_seq_len
+            counts["truncated"] += 1
+            counts["truncated_tokens"] += n - max_seq_len
             ids, labels = ids[:max_seq_len], labels[:max_seq_len]
         kept.append((ids, labels))
+    return kept, counts
 
-    rng = _rng(seed, epoch)
-    # Longest first; ties broken by a seeded permutation so equal-length samples regroup per epoch.
+
+def _best_fit(kept: list[tuple[list[int], list[int]]], max_seq_len: int, rng: random.Random) -> list[list[int]]:
+    """Rows as lists of sample indices: longest first, each into the row where it fits tightest."""
+    # Ties broken by a seeded permutation so equal-length samples regroup per epoch.
     tie = list(range(len(kept)))
     rng.shuffle(tie)
     order = sorted(range(len(kept)), key=lambda k: (-len(kept[k][0]), tie[k]))
-
-    # Best fit: `free` is sorted by (free capacity, row index); the tightest row that still fits a
-    # sample of length n is the first entry >= (n, -1). Full rows are removed (nothing fits in 0).
+    # `free` is sorted by (free capacity, row index); the tightest row that still fits a sample of length n is
+    # the first entry >= (n, -1). Full rows are removed (nothing fits in 0).
     bins: list[list[int]] = []  # sample indices per row, in placement order
     free: list[tuple[int, int]] = []
     for k in order:
@@ -152,83 +148,19 @@ def pack_samples(
         cap -= n
         if cap > 0:
             bisect.insort(free, (cap, row))
-
-    rng.shuffle(bins)  # row order changes per epoch; contents are fixed for this (seed, epoch)
-
-    rows: list[dict] = []
-    tokens = target_tokens = 0
-    for members in bins:
-        row_ids: list[int] = []
-        row_labels: list[int] = []
-        positions: list[int] = []
-        doc_lengths: list[int] = []
-        for k in members:
-            ids, labels = kept[k]
-            n = len(ids)
-            row_ids.extend(ids)
-            # First label of each document -> -100: with the loss's shift it is the target of the
-            # previous document's last token, which must not learn across the boundary.
-            row_labels.append(IGNORE_INDEX)
-            row_labels.extend(labels[1:])
-            positions.extend(range(n))  # restart at 0: this is what marks the document boundary
-            doc_lengths.append(n)
-            target_tokens += sum(1 for x in labels[1:] if x != IGNORE_INDEX)
-        tokens += len(row_ids)
-        rows.append(
-            {
-                "input_ids": row_ids,
-                "labels": row_labels,
-                "position_ids": positions,
-                "doc_lengths": doc_lengths,
-            }
-        )
-
-    stats = PackStats(
-        samples=len(samples),
-        rows=len(rows),
-        tokens=tokens,
-        target_tokens=target_tokens,
-        truncated=truncated,
-        dropped=dropped,
-        capacity=len(rows) * max_seq_len,
-        input_tokens=input_tokens,
-        truncated_tokens=truncated_tokens,
-        dropped_tokens=dropped_tokens,
-    )
-    # Never lose a token silently: whatever is not in a row was counted as truncated or dropped.
-    assert input_tokens == tokens + truncated_tokens + dropped_tokens, stats
-    return rows, stats
+    return bins
 
 
-def collate_packed(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor | int]:
-    """Stack packed rows into [b, L] tensors, L = the longest row of this micro-batch.
-
-    Shorter rows are padded at the end with ``pad_token_id``, labels -100 and position_ids 0..p-1, so
-    the padding is one more isolated "document" (its restart at 0 ends the last real document). No
-    attention_mask is returned on purpose: passing one would turn off transformers' packed-sequence
-    detection. The model must be called with ``use_cache=False``.
-    Also returns ``seq_tokens`` (real tokens) and ``padded_tokens`` (b * L) as ints.
-    """
-    import torch
-
-    if not rows:
-        raise ValueError("collate_packed needs at least one row")
-    width = max(len(r["input_ids"]) for r in rows)
-    input_ids: list[list[int]] = []
-    labels: list[list[int]] = []
-    position_ids: list[list[int]] = []
-    seq_tokens = 0
-    for r in rows:
-        n = len(r["input_ids"])
-        p = width - n
-        seq_tokens += n
-        input_ids.append(list(r["input_ids"]) + [pad_token_id] * p)
-        labels.append(list(r["labels"]) + [IGNORE_INDEX] * p)
-        position_ids.append(list(r["position_ids"]) + list(range(p)))
-    return {
-        "input_ids": torch.tensor(input_ids, dtype=torch.long),
-        "labels": torch.tensor(labels, dtype=torch.long),
-        "position_ids": torch.tensor(position_ids, dtype=torch.long),
-        "seq_tokens": seq_tokens,
-        "padded_tokens": len(rows) * width,
-    }
+def _row(kept: list[tuple[list[int], list[int]]], members: list[int]) -> dict:
+    """One packed row of the given samples, in order: positions restart at 0 for each document."""
+    row: dict = {"input_ids": [], "labels": [], "position_ids": [], "doc_lengths": []}
+    for k in members:
+        ids, labels = kept[k]
+        row["input_ids"].extend(ids)
+        # First label of each document -> -100: with the loss's shift it is the target of the previous
+        # document's last token, which must not learn across the boundary.
+        row["labels"].append(IGNORE_INDEX)
+        row["labels"].extend(labels[1:])
+        row["position_ids"].extend(range(len(ids)))  # restart at 0: this is what marks the document boundary
+        row["doc_lengths"].append(len(ids))
+    return row

@@ -17,8 +17,7 @@ from typing import Any
 from finetune.data.formats import Example
 from finetune.data.sources import BadRow
 from finetune.errors import UserError
-
-IGNORE_INDEX = -100
+from finetune.labels import IGNORE_INDEX
 
 
 def tokenize_example(example: Example, tokenizer: Any) -> dict[str, list[int]]:

@@ -31,9 +31,10 @@ def features(recipe: Recipe) -> list[str]:
     return [name for name, on in used.items() if on]
 
 
-def to_yaml(recipe: Recipe) -> str:
-    """The fully resolved recipe as YAML (what `validate` prints and the run directory stores)."""
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+def to_yaml(recipe: Recipe | dict[str, Any]) -> str:
+    """The fully resolved recipe (or its dump, a dict) as YAML: what `validate` prints and the run stores."""
+    data = recipe.model_dump(mode="json") if isinstance(recipe, Recipe) else recipe
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 # Keys that may change between a checkpoint and its resume without changing the training itself.

@@ -1,4 +1,4 @@
-"""`finetune runs compare DIR_A DIR_B`: what differs between two runs and how each one ended.
+"""`finetune runs compare DIR_A DIR_B` (comparing runs): what differs between two runs and how each one ended.
 
 One rich table: the resolved recipes' differing keys (dotted, `datasets.0.path`; identical keys and
 output_dir are left out), the library versions that differ, then each run's summary from its metrics.jsonl:
@@ -7,7 +7,6 @@ final train loss, best and final eval loss with their steps, steps, tokens seen,
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,8 @@ import yaml
 from rich.markup import escape
 from rich.table import Table
 
-from finetune.errors import UserError
-from finetune.metrics import RunMetrics, flatten, read_metrics, total_elapsed
+from finetune.recipe import flatten
+from finetune.rundir import RunDir, RunMetrics, read_metrics, read_recipe_dict, read_versions, total_elapsed
 
 ABSENT = "[dim](absent)[/dim]"
 # Keys every pair of runs differs in by construction; the table's column headers already name the runs.
@@ -27,7 +26,7 @@ IGNORED_VERSION_KEYS = ("executable", "unpinned_warnings")
 
 def compare_runs(run_a: str, run_b: str) -> Table:
     """The comparison table of two run directories. UserError when either is not a run."""
-    recipe_a, recipe_b = _recipe(run_a), _recipe(run_b)
+    recipe_a, recipe_b = read_recipe_dict(run_a), read_recipe_dict(run_b)
     name_a, name_b = _names(run_a, run_b)
     table = Table(title=escape(f"runs compare: {name_a} vs {name_b}"), title_justify="left")
     table.add_column("", style="bold", no_wrap=True)
@@ -109,26 +108,9 @@ def mean_tokens_per_s(train: list[dict[str, Any]]) -> float:
     return tokens / seconds if seconds else math.nan
 
 
-def _recipe(run_dir: str) -> dict[str, Any]:
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise UserError(f"{run_dir}: no such run directory")
-    file = path / "recipe.yaml"
-    if not file.is_file():
-        raise UserError(f"{run_dir} is not a run directory: it has no recipe.yaml (finetune train writes the "
-                        "resolved recipe there when a run starts); give the run's output_dir")
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise UserError(f"{file}: not valid YAML ({e})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{file}: not a recipe (expected a mapping of keys)")
-    return data
-
-
 def _metrics(run_dir: str) -> RunMetrics | None:
     """The run's metrics, or None when it has logged nothing yet (a run that stopped before its first step)."""
-    file = Path(run_dir) / "metrics.jsonl"
+    file = RunDir(Path(run_dir)).metrics
     if not file.is_file() or not file.read_text(encoding="utf-8").strip():
         return None
     return read_metrics(run_dir)
@@ -136,13 +118,10 @@ def _metrics(run_dir: str) -> RunMetrics | None:
 
 def _version_differences(run_a: str, run_b: str) -> list[tuple[str, str, str]]:
     """Differing entries of the two versions.json files (library versions, device), when both have one."""
-    loaded = []
-    for run in (run_a, run_b):
-        try:
-            loaded.append(flatten(json.loads((Path(run) / "versions.json").read_text(encoding="utf-8"))))
-        except (OSError, ValueError):
-            return []
-    a, b = loaded
+    versions_a, versions_b = read_versions(run_a), read_versions(run_b)
+    if versions_a is None or versions_b is None:
+        return []
+    a, b = flatten(versions_a), flatten(versions_b)
     keys = [k for k in dict.fromkeys([*a, *b]) if k not in IGNORED_VERSION_KEYS]
     return [(k, _show(a, k), _show(b, k)) for k in keys if a.get(k, ...) != b.get(k, ...)]
 

@@ -1,32 +1,25 @@
 """Prove, on the real model, that packed documents do not see each other.
 
-Packing (``finetune.data.pack``) relies on transformers detecting document boundaries from
-``position_ids`` that restart at 0 when no attention_mask is passed and no cache is used
-(``masking_utils._preprocess_mask_arguments`` only looks for packed sequences when
-``past_key_values is None``; with ``use_cache=True`` it silently builds a plain causal mask over the
-whole row). Whether isolation holds depends on the model class, the attn_implementation, the
-transformers version and any wrapper around the model, so we measure it once before training.
+Packed rows carry no attention mask: the model's attention must take the documents from the position_ids that
+restart at 0 for each of them (finetune/attention.py under `attn_implementation: auto`; transformers' own
+packed-sequence detection under sdpa, eager and flash_attention_2, which only happens with the cache off).
+Whether that holds depends on the model class, the attention implementation, the transformers version and any
+wrapper around the model, so it is measured once before a packed run trains, on the run's device and dtype.
 
-What is measured: the same packed micro-batch is run twice, the second time with the tokens of the
-*first* document replaced. Shapes, positions and kernels are identical between the two runs, so any
-change in the logits of the other documents can only come from attention crossing a document (or a
-batch-row) boundary. When isolation holds the change is exactly 0 in every dtype we measured
-(masked keys contribute exact zeros); a leak moves logits by ~0.1 on tiny random models and by
-~14 on SmolLM2-135M.
-
-Why not compare "packed" with "each document run alone" (the obvious test)? Because the two runs use
-different shapes and kernels (masked vs is_causal sdpa), and that numerical noise is as large as a
-leak in half precision: on SmolLM2-135M (CPU, sdpa) packed-vs-alone differs by up to 5.9 logits in
-bf16 and 0.4 in fp16 with isolation intact, while a leak gives 17-35; even fp32 reached 9e-5. The
-test suite does assert packed == alone (<= 1e-5) in fp32 on tiny models, where that comparison is
-meaningful; this runtime check must work on real models in bf16.
+What is measured: the same packed micro-batch is run twice, the second time with the tokens of the *first*
+document replaced. Shapes, positions and kernels are identical between the two runs, so any change in the
+logits of the other documents can only come from attention crossing a document (or a batch-row) boundary.
+When isolation holds the change is exactly 0 in every dtype we measured (masked keys contribute exact zeros);
+a leak moves logits by ~0.1 on tiny random models and by ~14 on SmolLM2-135M. Why not compare "packed" with
+"each document alone": the two use different shapes and kernels, whose noise in half precision is as large as
+a leak (docs/design.md, "Packing").
 """
 
 from __future__ import annotations
 
 import torch
 
-from finetune.data.pack import collate_packed
+from finetune.data.collate import collate_packed
 from finetune.errors import UserError
 
 __all__ = ["check_packing_isolation", "default_tolerance"]

@@ -1,0 +1,108 @@
+"""Rows to optimizer steps: each epoch's rows, which rows each step takes, and each rank's micro-batches of them.
+
+One optimizer step consumes `micro_batch_size x gradient_accumulation_steps x world_size` rows (a row is a
+padded sample, or a packed row of up to max_seq_len tokens). The rows of step s are the same for every world
+size: ranks only split them. That is what makes a run on 1 process and on N the same training.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from finetune.data.pack import pack_samples
+from finetune.errors import UserError
+from finetune.labels import IGNORE_INDEX
+from finetune.recipe import DataConfig, Recipe
+
+
+class StepPlan:
+    """Which rows each global optimizer step uses, worked out lazily one epoch at a time.
+
+    Step s of an epoch takes rows [s * global_batch, (s + 1) * global_batch) of that epoch's rows, the same
+    for every world size. Epochs are (re)packed only when reached, so `epochs: null` with a large max_steps
+    costs nothing up front.
+    """
+
+    def __init__(self, samples: list[dict], recipe: Recipe, world_size: int) -> None:
+        t = recipe.train
+        self.samples, self.recipe = samples, recipe
+        self.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
+        self._steps_per_epoch: list[int] = []
+        self._rows: tuple[int, list[dict]] | None = None  # (epoch, rows): the current epoch only
+        if t.epochs is not None:
+            total = sum(self.steps_in_epoch(e) for e in range(t.epochs))
+            self.total = min(total, t.max_steps) if t.max_steps else total
+        else:
+            self.steps_in_epoch(0)  # fail early if one epoch cannot fill a step
+            self.total = t.max_steps
+
+    def rows_of_epoch(self, epoch: int) -> list[dict]:
+        if self._rows is None or self._rows[0] != epoch:
+            self._rows = (epoch, epoch_rows(self.samples, self.recipe.data, self.recipe.seed, epoch))
+        return self._rows[1]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        while len(self._steps_per_epoch) <= epoch:
+            e = len(self._steps_per_epoch)
+            n_rows = len(self.rows_of_epoch(e))
+            n_steps = steps_in(n_rows, self.global_batch, self.recipe.data.drop_last)
+            if n_steps == 0:
+                raise UserError(f"one optimizer step needs {self.global_batch} rows but an epoch has only {n_rows} "
+                                "(data.drop_last: true drops them all); lower train.micro_batch_size or "
+                                "gradient_accumulation_steps, or set data.drop_last: false")
+            self._steps_per_epoch.append(n_steps)
+        return self._steps_per_epoch[epoch]
+
+    def step(self, step: int) -> tuple[int, list[dict]]:
+        """(epoch, rows) of global optimizer step `step` (0-based)."""
+        epoch = 0
+        while step >= self.steps_in_epoch(epoch):
+            step -= self.steps_in_epoch(epoch)
+            epoch += 1
+        rows = self.rows_of_epoch(epoch)
+        return epoch, rows[step * self.global_batch: (step + 1) * self.global_batch]
+
+
+def epoch_rows(samples: Sequence[dict], data: DataConfig, seed: int, epoch: int) -> list[dict]:
+    """The rows of one epoch, in training order: packed rows (repacked per epoch) or shuffled samples."""
+    if data.packing:
+        rows, _ = pack_samples(samples, data.max_seq_len, seed=seed, epoch=epoch, truncation=data.truncation)
+        return rows  # pack_samples already orders rows by a (seed, epoch) shuffle
+    rows = list(samples)
+    if data.shuffle:
+        random.Random(f"{seed}:{epoch}").shuffle(rows)
+    return rows
+
+
+def steps_in(n_rows: int, global_batch: int, drop_last: bool) -> int:
+    """Optimizer steps an epoch of n_rows yields: a short last step runs unless drop_last."""
+    return n_rows // global_batch if drop_last else -(-n_rows // global_batch)
+
+
+def rank_micro_batches(step_rows: Sequence[dict], micro_batch_size: int, world_size: int, rank: int,
+                       group_by_length: bool = False) -> list[list[dict]]:
+    """This rank's micro-batches of one step's rows.
+
+    The step's rows are cut into micro-batches of `micro_batch_size` in order and dealt round-robin to ranks.
+    A rank left with fewer micro-batches than rank 0 (a short last step) gets filler micro-batches: a copy of
+    a row with every label ignored, so every rank runs the same number of forward/backward passes (no
+    distributed hang) while adding exactly nothing to the loss or the gradient.
+    """
+    rows = list(step_rows)
+    if group_by_length:
+        # Within the step only, so the step's set of rows (and its gradient) is unchanged.
+        rows.sort(key=lambda r: len(r["input_ids"]), reverse=True)
+    chunks = [rows[i: i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    per_rank = -(-len(chunks) // world_size)
+    mine = chunks[rank::world_size]
+    if len(mine) == per_rank:
+        return mine
+    filler = [{**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"]), "filler": True}]
+    return mine + [filler] * (per_rank - len(mine))
+
+
+
+def eval_rows(samples: Sequence[dict], data: DataConfig) -> list[dict]:
+    """The eval samples' rows in a fixed order (packed as epoch 0 when packing is on)."""
+    return epoch_rows(samples, data, seed=0, epoch=0) if data.packing else list(samples)

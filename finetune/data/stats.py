@@ -1,0 +1,44 @@
+"""DataStats: what happened to the data on its way from rows to samples, so that nothing vanishes uncounted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from finetune.data.sources import BadRow
+
+
+@dataclass
+class DataStats:
+    """What happened to the data on its way to samples: nothing is dropped without being counted here."""
+
+    rows_read: int = 0
+    bad_rows_skipped: int = 0
+    samples: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    bad_row_examples: list[str] = field(default_factory=list)
+
+    def bad_row(self, error: BadRow, on_bad_row: str) -> None:
+        """Stop on a bad row (`data.on_bad_row: error`) or count it and keep a few examples (`skip`)."""
+        if on_bad_row == "error":
+            raise BadRow(f"{error}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
+                         "(they are counted).") from None
+        self.bad_rows_skipped += 1
+        if len(self.bad_row_examples) < 5:
+            self.bad_row_examples.append(str(error))
+    # Token accounting, so that `finetune preprocess` can show nothing vanished:
+    # input_tokens == tokens + truncated_tokens + dropped_tokens.
+    input_tokens: int = 0  # tokens of every tokenized sample, before truncation
+    truncated_tokens: int = 0  # cut off the end of truncated samples
+    dropped_tokens: int = 0  # in samples dropped as too long (truncation: drop)
+
+    def add(self, other: DataStats) -> None:
+        """Add another part's counts (parallel tokenization): the same totals as one serial pass."""
+        for f in fields(self):
+            if f.name == "bad_row_examples":
+                self.bad_row_examples.extend(other.bad_row_examples[: max(0, 5 - len(self.bad_row_examples))])
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+

@@ -1,0 +1,142 @@
+"""Step measurements: model FLOPs utilization, the weights' update ratio, step time and peak memory.
+
+They make a broken run visible in its first steps: an update ratio of 0 means the weights did not move, an
+MFU far below the usual says the GPU idles.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is heavy: the functions that need it import it
+    import torch
+
+
+# Dense (no sparsity) peak bf16 tensor-core FLOP/s per GPU, from the vendors' data sheets. Checked in order
+# against torch.cuda.get_device_name(); specific variants come before the family name.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    (r"\bGB200\b", 2.5e15),
+    (r"\bB200\b", 2.25e15),
+    (r"\bH100\b.*\bPCIe\b", 756e12),
+    (r"\bH100\b.*\bNVL\b", 835e12),
+    (r"\bH200\b.*\bNVL\b", 835e12),
+    (r"\b(H100|H800|H200|GH200)\b", 989e12),  # SXM / HBM3 parts
+    (r"\b(A100|A800)\b", 312e12),
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"\bA10\b", 125e12),
+    (r"\bRTX 6000 Ada\b", 364e12),
+    (r"\bA6000\b", 155e12),
+    (r"\b4090\b", 165e12),  # GeForce: bf16 with fp32 accumulation
+    (r"\b3090\b", 71e12),
+    (r"\bMI300X\b", 1307e12),
+    (r"\bMI250X?\b", 383e12),
+)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a GPU by its name, None when it is not in the table."""
+    for pattern, flops in PEAK_BF16_FLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return flops
+    return None
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12·L·H·T (PaLM, appendix B).
+
+    6N: every weight does one multiply-add (2 FLOPs) per token in the forward and two in the backward (the
+    gradients with respect to the activations and to the weight). 12·L·H·T: attention's QK^T and AV products,
+    2·2·H·T FLOPs per token and layer forward, times 3 with the backward. N counts every parameter, frozen
+    ones too (the convention; for LoRA, whose frozen weights need no weight gradient, it overstates the
+    work by up to a third). T is the sequence length the model attends over (data.max_seq_len).
+    """
+    return 6.0 * n_params + 12.0 * n_layers * hidden * seq_len
+
+
+def mfu(tokens_per_s: float, n_params: int, n_layers: int, hidden: int, seq_len: int,
+        device: torch.device) -> float | None:
+    """Model FLOPs utilization: achieved FLOP/s (tokens/s x `flops_per_token`) over the GPU's bf16 peak.
+
+    `tokens_per_s` is this GPU's throughput (divide a global figure by the world size). None on a CPU or a GPU
+    that is not in PEAK_BF16_FLOPS: a made-up peak would give a made-up utilization.
+    """
+    if device.type != "cuda" or not math.isfinite(tokens_per_s):
+        return None
+    import torch
+
+    try:
+        name = torch.cuda.get_device_name(device)
+    except Exception:  # no driver, bad index: no figure rather than a crash
+        return None
+    peak = peak_flops(name)
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token(n_params, n_layers, hidden, seq_len) / peak
+
+
+
+def peak_memory_mb() -> float:
+    """Peak CUDA memory when on a GPU, else the process's peak resident set size."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+    except ImportError:  # not on Windows
+        return float("nan")
+
+
+def weight_sample(p: torch.Tensor, size: int = 4096) -> torch.Tensor:
+    """A fixed strided view of a weight (this rank's shard under FSDP2), at most ~2 x size elements (all of a
+    smaller one): update_ratio compares it before and after the step, because copying every trainable weight
+    each step would double their memory in a full fine-tune."""
+    flat = (p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // size)]
+
+
+def update_sums(before: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+    """[sum of squared changes, sum of squares before] over the weight samples, in float64."""
+    import torch
+
+    delta = sum(float((weight_sample(p).float() - b.float()).pow(2).sum()) for p, b in zip(params, before))
+    norm = sum(float(b.float().pow(2).sum()) for b in before)
+    return torch.tensor([delta, norm], dtype=torch.float64)
+
+
+def update_ratio(before: list[torch.Tensor], params: list[torch.Tensor],
+                 reduce: Callable[[torch.Tensor], Any] | None = None) -> float:
+    """||w_after - w_before|| / ||w_before|| over the sampled elements of the trainable weights: 0 means the step
+    changed none of them. `reduce` sums the two sums over ranks where each rank holds a shard (FSDP2)."""
+    sums = update_sums(before, params)
+    if reduce is not None:
+        reduce(sums)
+    return math.sqrt(float(sums[0])) / max(math.sqrt(float(sums[1])), 1e-12)
+
+
+class Stopwatch:
+    """Elapsed seconds since creation, and per-step durations."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def start_lap(self) -> None:
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return seconds
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
