@@ -28,8 +28,9 @@ QUICKSTART_YAML = REPO_ROOT / "examples" / "yaml" / "quickstart.yaml"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-# The quickstart's model shrunk to the smallest that still runs the real code paths (2 layers, hidden 32),
-# and one optimizer step: for tests that go through the trainer but are about something else.
+# The tests' one tiny model: the quickstart's Llama shrunk to the smallest that still runs the real code paths
+# (2 layers, hidden 32, grouped-query attention, tied embeddings). tiny_recipe uses it with one optimizer step;
+# helpers.TINY puts it into the quickstart recipe for the CLI tests.
 TINY_MODEL_CONFIG = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,

@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import TINY_MODEL_CONFIG
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "yaml" / "quickstart.yaml"
 
-# A smaller model than the quickstart's, same data and tokenizer: integration tests stay fast.
-TINY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+# The quickstart with the tests' one tiny model (conftest.TINY_MODEL_CONFIG), same data and tokenizer: integration
+# tests stay fast.
+TINY = [*(f"model.config.{key}={value}" for key, value in TINY_MODEL_CONFIG.items() if key != "model_type"),
         "data.max_seq_len=256", "eval.at_start=false", "eval.every_steps=null", "logging.every_steps=1"]
 
 
