@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -107,9 +108,11 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
     return tokenizer
 
 
-def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
+def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: int,
+               trainable: list[str] | None = None) -> torch.nn.Module:
     """The causal LM, on the CPU (a QLoRA base on the current GPU when there is one), in the recipe's dtype,
-    with its adapter applied (if any)."""
+    with its adapter applied (if any); with `trainable` (train.trainable_parameters), only the parameters whose
+    name matches one of those patterns train."""
     if adapter.type == "qlora":
         model = _load_quantized(cfg, tokenizer, seed)
         _keep_4bit_trainable(model)
@@ -123,7 +126,26 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if adapter.type != "none":
         model = _apply_adapter(model, adapter)
+    if trainable is not None:
+        freeze_except(model, trainable)
     return model
+
+
+def freeze_except(model: torch.nn.Module, patterns: list[str]) -> None:
+    """Freeze every parameter but those with a name matching one of `patterns` (re.match, from the start of the
+    name). A tied parameter (embeddings = output layer) trains when either of its names matches. A pattern that
+    matches no parameter is an error: it is a typo or another model's naming, never what the user meant."""
+    compiled = [re.compile(p) for p in patterns]
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    unused = [p for p, c in zip(patterns, compiled) if not any(c.match(n) for ns in names.values() for n in ns)]
+    if unused:
+        sample = ", ".join(n for ns in list(names.values())[:4] for n in ns[:1])
+        raise UserError(f"train.trainable_parameters: {', '.join(map(repr, unused))} match no parameter of this "
+                        f"model; its parameters are named like {sample}, ...")
+    for param in model.parameters():
+        param.requires_grad_(any(c.match(n) for c in compiled for n in names[id(param)]))
 
 
 def _keep_4bit_trainable(model: torch.nn.Module) -> None:

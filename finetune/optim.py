@@ -43,14 +43,20 @@ def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: TrainC
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, fused=fused)
 
 
+def warmup_steps(cfg: TrainConfig, total: int) -> int:
+    """The warmup length in optimizer steps: train.warmup_steps, or int(train.warmup_ratio x total) (floor)."""
+    return int(cfg.warmup_ratio * total) if cfg.warmup_ratio is not None else cfg.warmup_steps
+
+
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, then the decay."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    warmup = warmup_steps(cfg, total)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
     if cfg.lr_scheduler == "constant":
         return 1.0
-    span = max(1, total - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
     floor = cfg.min_lr_ratio
     if cfg.lr_scheduler == "linear":
         return floor + (1 - floor) * (1 - progress)

@@ -101,6 +101,8 @@ class Run:
     logger: MetricsLogger | None  # rank 0 only
     start: Progress
     n_params: int
+    eval_every: int | None  # optimizer steps between evals (eval.every_steps or every_epochs, resolved)
+    checkpoint_every: int | None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -131,8 +133,10 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     console.print(prepared.note, markup=False, highlight=False)  # reused the preprocessed-data cache, or wrote it
     _report_data(console, prepared.train_stats, len(prepared.evals))
     plan = StepPlan(prepared.train, recipe, world.size)
+    checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
 
-    lm, net, n_params = _load_model(recipe, tokenizer, world, device, console, impl, plan)
+    lm, net, n_params = _load_model(recipe, tokenizer, world, device, console, impl, plan,
+                                    checkpointing=checkpoint_every is not None)
     optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
     scheduler = build_scheduler(optimizer, plan.total, recipe.train)
     start = Progress()
@@ -143,7 +147,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
         console.print(f"resumed from {resume_from} at step {start.step}")
     logger = _open_run_dir(recipe, out, world, console, replaced, warnings, plan, start) if world.is_main else None
     return Run(recipe, world, device, console, out, tokenizer, lm, net, SFT(), optimizer, scheduler, plan,
-               prepared.evals, prepared.samples_key, logger, start, n_params)
+               prepared.evals, prepared.samples_key, logger, start, n_params,
+               plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every)
 
 
 def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: Console) -> list[str]:
@@ -157,13 +162,14 @@ def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: 
 
 
 def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch.device, console: Console,
-                impl: str, plan: StepPlan) -> tuple[torch.nn.Module, torch.nn.Module, int]:
+                impl: str, plan: StepPlan, *, checkpointing: bool) -> tuple[torch.nn.Module, torch.nn.Module, int]:
     """(the model, the model with its loss as the trainer runs it, the number of parameters), checked: room on
     disk for what the run will write, and packed documents isolated from each other."""
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed,
+                    trainable=recipe.train.trainable_parameters).to(device)
     trainable, total = count_parameters(lm)
     if world.is_main:
-        check_disk_room(Path(recipe.output_dir), lm, checkpointing=recipe.checkpoint.every_steps is not None)
+        check_disk_room(Path(recipe.output_dir), lm, checkpointing=checkpointing)
     if recipe.data.packing and recipe.data.packing_check:
         err = check_packing_isolation(lm, len(tokenizer))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
@@ -238,9 +244,9 @@ def train_loop(run: Run) -> None:
             raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
                             f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
                             "check the data, or use float32")
-        if recipe.eval.every_steps and done.step % recipe.eval.every_steps == 0 and done.step != plan.total:
+        if run.eval_every and done.step % run.eval_every == 0 and done.step != plan.total:
             _evaluate(run, done.step)
-        if recipe.checkpoint.every_steps and done.step % recipe.checkpoint.every_steps == 0:
+        if run.checkpoint_every and done.step % run.checkpoint_every == 0:
             _save_checkpoint(run, done, epoch)
     _evaluate(run, plan.total)
     _save_final(run)

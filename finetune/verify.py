@@ -55,7 +55,8 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
     samples, _, _, _ = build_samples(recipe, tokenizer)
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed,
+                    trainable=recipe.train.trainable_parameters).to(device)
     # Dropout would make the three passes differ for reasons unrelated to accumulation.
     lm.eval()
     net = CausalLMWithLoss.for_recipe(lm, recipe.loss, resolve_impl(recipe.loss.impl, device))

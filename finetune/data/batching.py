@@ -7,6 +7,7 @@ size: ranks only split them. That is what makes a run on 1 process and on N the 
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -53,6 +54,14 @@ class StepPlan:
                                 "gradient_accumulation_steps, or set data.drop_last: false")
             self._steps_per_epoch.append(n_steps)
         return self._steps_per_epoch[epoch]
+
+    def cadence(self, every_steps: int | None, every_epochs: float | None) -> int | None:
+        """Every how many optimizer steps something recurs (an eval, a checkpoint): every_steps, or a fraction of
+        an epoch resolved against the first epoch's steps (at least 1); None: never."""
+        if every_epochs is None:
+            return every_steps
+        # The tolerance keeps float noise from rounding up: 0.1 epochs of 30 steps is every 3 steps, not 4.
+        return max(1, math.ceil(every_epochs * self.steps_in_epoch(0) - 1e-9))
 
     def step(self, step: int) -> tuple[int, list[dict]]:
         """(epoch, rows) of global optimizer step `step` (0-based)."""

@@ -6,9 +6,10 @@ A misspelt key is an error, never silently ignored. Attribute docstrings are the
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Section(BaseModel):
@@ -137,7 +138,10 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """cosine/linear decay ends at lr * min_lr_ratio."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warmup from 0 over this many steps."""
+    """Linear warmup over this many steps: step k (from 0) runs at lr * (k + 1) / warmup_steps."""
+    warmup_ratio: float | None = Field(None, ge=0.0, lt=1.0)
+    """Warmup as a fraction of the run's optimizer steps: int(ratio x total steps) warmup steps (rounded down).
+    Instead of warmup_steps, not with it."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay (never applied to norms and biases)."""
     max_grad_norm: float | None = Field(1.0, gt=0)
@@ -150,6 +154,20 @@ class TrainConfig(Section):
     """AdamW epsilon."""
     max_bad_steps: int = Field(3, gt=0)
     """Abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
+    trainable_parameters: list[str] | None = None
+    """Full fine-tuning only: train just the parameters whose name (as in model.named_parameters(), e.g.
+    model.layers.3.mlp.down_proj.weight) matches one of these regular expressions from its start (Python re.match);
+    every other parameter is frozen. null: train every parameter."""
+
+    @field_validator("trainable_parameters")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str] | None) -> list[str] | None:
+        for pattern in patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
+        return patterns
 
 
 class LossConfig(Section):
@@ -170,6 +188,9 @@ class EvalConfig(Section):
 
     every_steps: int | None = Field(None, gt=0)
     """Evaluate every N optimizer steps (and always at step 0 and at the end when there is eval data)."""
+    every_epochs: float | None = Field(None, gt=0)
+    """Evaluate every this fraction of an epoch instead (0.25: four times per epoch): every
+    ceil(fraction x optimizer steps of the first epoch) steps. Not with every_steps."""
     at_start: bool = True
     """Evaluate before the first step."""
     micro_batch_size: int | None = Field(None, gt=0)
@@ -181,6 +202,9 @@ class CheckpointConfig(Section):
 
     every_steps: int | None = Field(None, gt=0)
     """Write a resumable checkpoint every N optimizer steps."""
+    every_epochs: float | None = Field(None, gt=0)
+    """Write one every this fraction of an epoch instead (1: at each epoch's end when epochs have equal steps):
+    every ceil(fraction x optimizer steps of the first epoch) steps. Not with every_steps."""
     keep_last: int = Field(2, gt=0)
     """Keep this many newest checkpoints."""
 

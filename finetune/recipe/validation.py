@@ -125,6 +125,15 @@ def cross_checks(recipe: Recipe) -> list[str]:
         problems.append("model.dtype: qlora computes in float32 or bfloat16; float16 is not supported")
     if m.gguf_file and m.init == "random":
         problems.append("model.gguf_file: only meaningful with init: pretrained")
+    if t.warmup_ratio is not None and t.warmup_steps:
+        problems.append("train.warmup_ratio / train.warmup_steps: give one of them, not both")
+    for section in ("eval", "checkpoint"):
+        cfg = getattr(recipe, section)
+        if cfg.every_steps is not None and cfg.every_epochs is not None:
+            problems.append(f"{section}.every_steps / {section}.every_epochs: give one of them, not both")
+    if t.trainable_parameters is not None and recipe.adapter.type != "none":
+        problems.append("train.trainable_parameters: only for full fine-tuning (adapter.type: none); with an "
+                        "adapter, choose what trains with adapter.target_modules and adapter.modules_to_save")
     return problems
 
 
