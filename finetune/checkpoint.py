@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from finetune import dist
 from finetune.errors import UserError
-from finetune.recipe import Recipe, recipe_hash, training_keys
+from finetune.recipe import Recipe, default_training_keys, recipe_hash, training_keys
 from finetune.rundir import RunDir
 
 MARKER = "COMPLETE"
@@ -246,7 +246,9 @@ def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int
                         samples_key: str | None = None) -> None:
     """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
     may change; so may the paths of the data and tokenizer when their content (samples_key) has not."""
-    saved, now = state.get("training_keys", {}), training_keys(recipe)
+    # A key the checkpoint's finetune did not have yet counts as its default (it could not have been set).
+    saved = {**default_training_keys(), **state.get("training_keys", {})}
+    now = training_keys(recipe)
     same_content = samples_key is not None and state.get("samples_key") == samples_key
     changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
                if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS

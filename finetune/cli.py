@@ -226,8 +226,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         recipe = load_recipe_arg(args, overrides)
     from finetune.evaluate import run_eval
 
-    loss, counts = run_eval(recipe, run_dir=run_dir)
-    print(f"eval_loss {loss:.6f} over {counts['tokens']} target tokens")
+    result = run_eval(recipe, run_dir=run_dir)
+    units = ", ".join(f"{n} {'target tokens' if u == 'tokens' else u.replace('_', ' ')}" for u, n in result.counts.items())
+    extra = "".join(f"; {k} {v:.6f}" for k, v in result.metrics.items())
+    print(f"eval_loss {result.loss:.6f} over {units}{extra}")
     return 0
 
 

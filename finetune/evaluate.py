@@ -6,6 +6,7 @@ whatever the micro-batch size, the number of ranks and whether packing is on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,35 +17,52 @@ from finetune.errors import UserError
 from finetune.loss import resolve_impl
 from finetune.model import load_model, load_tokenizer
 from finetune.model_with_loss import CausalLMWithLoss
-from finetune.objective import SFT, Objective
+from finetune.objective import Objective, objective_for
 from finetune.recipe import Recipe
 from finetune.trained import load_trained
 
 
+@dataclass
+class EvalResult:
+    """The objective's loss over the eval set (each term over its count of every eval micro-batch and rank), the
+    counts, and the objective's metrics over the same."""
+
+    loss: float
+    counts: dict[str, int]
+    metrics: dict[str, float]
+
+    def record(self, step: int) -> dict[str, float | int]:
+        """The metrics.jsonl eval line: step, eval_loss, eval_<count>, eval_<metric>."""
+        return {"step": step, "eval_loss": self.loss, **{f"eval_{k}": v for k, v in {**self.counts,
+                                                                                     **self.metrics}.items()}}
+
+
 def evaluate_loss(objective: Objective, net: torch.nn.Module, samples: list[dict], recipe: Recipe,
-                  micro_batch_size: int, pad_id: int, world: dist.World,
-                  device: torch.device) -> tuple[float, dict[str, int]]:
-    """The objective's loss over the eval set, each term over its count of all eval micro-batches and ranks
-    (SFT: the sum of token losses over all eval target tokens); and those counts."""
+                  micro_batch_size: int, pad_id: int, world: dist.World, device: torch.device) -> EvalResult:
+    """The objective's loss and metrics over the eval set (SFT: the sum of token losses over all eval target
+    tokens)."""
     # Dealt to ranks like a training step's rows: a rank with fewer micro-batches runs fillers that count
     # nothing, so every rank makes the same forward calls (FSDP gathers parameters in each).
     micro_batches = rank_micro_batches(eval_rows(samples, recipe.data), micro_batch_size, world.size, world.rank)
-    units = objective.units
-    totals = torch.zeros(2 * len(units), device=device, dtype=torch.float64)  # the terms, then the counts
+    units, metrics = objective.units, list(objective.metrics)
+    totals = torch.zeros(2 * len(units) + len(metrics), device=device, dtype=torch.float64)  # terms, counts, metrics
     net.eval()
     with torch.no_grad():
         for rows in micro_batches:
             batch = collate(rows, recipe.data, pad_id)
-            terms, counts = objective.loss_terms(net, batch, device), objective.counts(batch)
-            totals += torch.stack([*(terms[u].double() for u in units),
+            result, counts = objective.forward(net, batch, device), objective.counts(batch)
+            totals += torch.stack([*(result.terms[u].double() for u in units),
                                    *(torch.tensor(float(counts[u]), device=device, dtype=torch.float64)
-                                     for u in units)])
+                                     for u in units),
+                                   *(result.metrics[m] for m in metrics)])
     sums = dist.all_reduce_sum(totals).tolist()
-    loss = sum(term / max(count, 1) for term, count in zip(sums[:len(units)], sums[len(units):]))
-    return loss, {u: int(n) for u, n in zip(units, sums[len(units):])}
+    terms, counts = sums[:len(units)], dict(zip(units, sums[len(units):2 * len(units)]))
+    loss = sum(term / max(counts[u], 1) for term, u in zip(terms, units))
+    per_unit = {m: total / max(counts[objective.metrics[m]], 1) for m, total in zip(metrics, sums[2 * len(units):])}
+    return EvalResult(loss, {u: int(n) for u, n in counts.items()}, per_unit)
 
 
-def run_eval(recipe: Recipe, run_dir: Path | None = None) -> tuple[float, dict[str, int]]:
+def run_eval(recipe: Recipe, run_dir: Path | None = None) -> EvalResult:
     """`finetune eval`: the recipe's model (or, given a run directory, that run's trained model) on the
     recipe's eval data, in one process."""
     world = dist.from_env()
@@ -63,4 +81,5 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> tuple[float, dict[s
         impl = resolve_impl(recipe.loss.impl, device)
         net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl)
         micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
-        return evaluate_loss(SFT(), net, eval_samples, recipe, micro, tokenizer.pad_token_id, world, device)
+        return evaluate_loss(objective_for(recipe), net, eval_samples, recipe, micro, tokenizer.pad_token_id,
+                             world, device)

@@ -51,7 +51,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1)
-def _liger_import() -> tuple[Callable[..., torch.Tensor] | None, str]:
+def liger_import() -> tuple[Callable[..., torch.Tensor] | None, str]:
     """(liger_fused_linear_cross_entropy, "") or (None, why it failed). Cached: the import is slow and a
     failure will not fix itself within a process."""
     try:
@@ -69,7 +69,7 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
         raise UserError(f"loss.impl: unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
     device = torch.device(device)
     if impl == "auto":
-        if device.type == "cuda" and _liger_import()[0] is not None:
+        if device.type == "cuda" and liger_import()[0] is not None:
             return "liger"
         return "chunked"
     if impl == "liger":
@@ -78,7 +78,7 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
                 f"loss.impl: liger needs a CUDA device but the model is on {device.type!r}; "
                 "set `loss.impl: chunked` (or `auto`) on this machine"
             )
-        fn, why = _liger_import()
+        fn, why = liger_import()
         if fn is None:
             raise UserError(f"loss.impl: liger is selected but liger-kernel cannot be imported ({why}); {_LIGER_FIX}")
     return impl
@@ -88,13 +88,13 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
 # helpers shared by the implementations
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float32, or float64 when the inputs are float64 (keeps the gradcheck exact)."""
     return torch.promote_types(dtype, torch.float32)
 
 
 @functools.lru_cache(maxsize=8)
-def _has_mm_out_dtype(device: torch.device) -> bool:
+def has_mm_out_dtype(device: torch.device) -> bool:
     """Whether torch.mm(..., out_dtype=torch.float32) works for bf16/fp16 on this device.
 
     Only CUDA implements it (the CPU backend has no `aten::mm.dtype` kernel); Liger gates the same call on
@@ -107,17 +107,17 @@ def _has_mm_out_dtype(device: torch.device) -> bool:
         return False
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+def mm_f32(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
     """a @ b with an acc_dtype result. For bf16/fp16 on recent GPUs the GEMM writes fp32 directly (no rounding
     of the logits to 16 bits); elsewhere it computes in the input dtype and upcasts."""
     if a.dtype == acc_dtype:
         return torch.mm(a, b)
-    if _has_mm_out_dtype(a.device):
+    if has_mm_out_dtype(a.device):
         return torch.mm(a, b, out_dtype=acc_dtype)
     return torch.mm(a, b).to(acc_dtype)
 
 
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the projection runs in: what nn.Linear would use. Under autocast that is the autocast dtype;
     otherwise the promoted dtype of hidden and weight (they normally match)."""
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
@@ -145,8 +145,8 @@ def _chunk_loss_and_grad(
 
     Works in place on the chunk's logits buffer so that, without softcap, one [c, V] buffer is live (two with
     softcap: the tanh values are needed again for the chain rule)."""
-    acc = _acc_dtype(h.dtype)
-    logits = _mm_f32(h, weight.t(), acc)  # [c, V]
+    acc = acc_dtype(h.dtype)
+    logits = mm_f32(h, weight.t(), acc)  # [c, V]
     if bias is not None:
         logits.add_(bias)
     if softcap is not None:
@@ -194,7 +194,7 @@ def _chunked_forward(
     need_h, need_w, need_b = grad_flags
     need_grad = need_h or need_w or need_b
     n = hidden.shape[0]
-    acc = _acc_dtype(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     grad_h = torch.empty_like(hidden) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
     grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b and bias is not None else None
@@ -217,7 +217,7 @@ def _chunked_forward(
         if grad_w is not None:
             if g.dtype == hidden.dtype:
                 grad_w.addmm_(g.t(), h)
-            elif _has_mm_out_dtype(hidden.device):
+            elif has_mm_out_dtype(hidden.device):
                 torch.addmm(grad_w, g_lp.t(), h, out_dtype=acc, out=grad_w)
             else:
                 # no 16-bit GEMM with fp32 output here (CPU): do this one in fp32 from the fp32 chunk
@@ -285,7 +285,7 @@ def _torch_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 softcap: float | None) -> torch.Tensor:
     """Naive reference: full [N, V] logits upcast to fp32, F.cross_entropy(reduction='sum') + z-loss."""
     logits = F.linear(h, weight, bias)
-    logits = logits.to(_acc_dtype(logits.dtype))
+    logits = logits.to(acc_dtype(logits.dtype))
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     loss = F.cross_entropy(logits, y, reduction="sum")
@@ -297,7 +297,7 @@ def _torch_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def _liger_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, z_loss: float,
                 softcap: float | None) -> torch.Tensor:
     """Liger-Kernel 0.8.5's liger_fused_linear_cross_entropy with reduction='sum'."""
-    fn, why = _liger_import()
+    fn, why = liger_import()
     if fn is None:
         raise UserError(f"loss.impl: liger is selected but liger-kernel cannot be imported ({why}); {_LIGER_FIX}")
     kwargs: dict[str, Any] = {
@@ -357,7 +357,7 @@ def linear_cross_entropy(
     targets = shift_labels(labels).reshape(-1)
     keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: the row count is a dynamic shape
     n_targets = torch.tensor(keep.numel(), dtype=torch.int64, device=hidden.device)
-    out_dtype = _acc_dtype(_compute_dtype(hidden, weight))
+    out_dtype = acc_dtype(compute_dtype(hidden, weight))
 
     if keep.numel() == 0:
         # 0.0 that still reaches every parameter: backward runs and DDP/FSDP hooks fire. Empty slices instead of
@@ -379,7 +379,7 @@ def linear_cross_entropy(
 
     # Cast explicitly (differentiably) to the dtype nn.Linear would use, then compute with autocast off, so the
     # three implementations see the same operands and autocast cannot silently downcast the fp32 work.
-    dtype = _compute_dtype(hidden, weight)
+    dtype = compute_dtype(hidden, weight)
     b = bias.to(dtype) if bias is not None else None
     dev = hidden.device.type
     with torch.autocast(device_type=dev, enabled=False) if dev in ("cuda", "cpu") else contextlib.nullcontext():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from finetune.logprobs import token_logprobs
 from finetune.loss import linear_cross_entropy
 from finetune.model import output_layer
 from finetune.recipe import LossConfig
@@ -32,13 +33,20 @@ class CausalLMWithLoss(torch.nn.Module):
         return cls(lm, impl, loss.chunk_size, loss.z_loss, loss.softcap)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                position_ids: torch.Tensor | None = None,
+                per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, number of targets); with per_token, (each target's log-probability, its flat position)
+        for objectives that score whole sequences."""
         decoder, head = output_layer(self.lm)
         # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).last_hidden_state
-        return linear_cross_entropy(hidden, head.weight, labels, getattr(head, "bias", None), impl=self.impl,
-                                    chunk_size=self.chunk_size, z_loss=self.z_loss, softcap=self.softcap)
+        bias = getattr(head, "bias", None)
+        if per_token:
+            return token_logprobs(hidden, head.weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
+                                  softcap=self.softcap)
+        return linear_cross_entropy(hidden, head.weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
+                                    z_loss=self.z_loss, softcap=self.softcap)
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:

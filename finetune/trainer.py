@@ -38,7 +38,7 @@ from finetune.metrics import (
 )
 from finetune.model import count_parameters, load_model, load_tokenizer, save_final
 from finetune.model_with_loss import CausalLMWithLoss
-from finetune.objective import SFT, Objective
+from finetune.objective import Objective, objective_for
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.parallel import gather_full_state, wrap_model
 from finetune.recipe import Recipe, features, to_yaml
@@ -146,7 +146,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
         console.print(f"resumed from {resume_from} at step {start.step}")
     logger = _open_run_dir(recipe, out, world, console, replaced, warnings, plan, start) if world.is_main else None
-    return Run(recipe, world, device, console, out, tokenizer, lm, net, SFT(), optimizer, scheduler, plan,
+    return Run(recipe, world, device, console, out, tokenizer, lm, net, objective_for(recipe), optimizer, scheduler, plan,
                prepared.evals, prepared.samples_key, logger, start, n_params,
                plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every)
 
@@ -209,7 +209,7 @@ def train_loop(run: Run) -> None:
 
         # The step's counts over all micro-batches and ranks, known before any backward.
         counts, seq_tokens, padded_tokens = _step_counts(run.objective, micro, run.device)
-        loss = _forward_backward(run, micro, counts)
+        loss, metrics = _forward_backward(run, micro, counts)
         grad_norm, max_norm = _clip_gradients(run)
         healthy = math.isfinite(loss) and math.isfinite(grad_norm) and all(n > 0 for n in counts.values())
         before = [weight_sample(p).clone() for p in run.params] if healthy else None
@@ -233,7 +233,7 @@ def train_loop(run: Run) -> None:
         if run.logger:
             run.logger.log({
                 "step": done.step, "total_steps": plan.total, "epoch": epoch, "loss": loss,
-                "grad_norm": grad_norm, "grad_norm_clipped": min(grad_norm, max_norm), "lr": lr, **counts,
+                "grad_norm": grad_norm, "grad_norm_clipped": min(grad_norm, max_norm), "lr": lr, **counts, **metrics,
                 "seq_tokens": seq_tokens, "padded_tokens": padded_tokens, "tokens_seen": done.tokens_seen,
                 "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
                 "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": ratio, "skipped": not healthy,
@@ -253,27 +253,42 @@ def train_loop(run: Run) -> None:
 
 
 def _step_counts(objective: Objective, micro: list[dict], device: torch.device) -> tuple[dict[str, int], int, int]:
-    """(the objective's counts, real input tokens, tokens computed), each summed over the step's micro-batches
-    on every rank: one all-reduce."""
-    local = [sum(objective.counts(m)[u] for m in micro) for u in objective.units]
+    """(the objective's counts and the target tokens, real input tokens, tokens computed), each summed over the
+    step's micro-batches on every rank: one all-reduce."""
+    names = [*objective.units, *(("tokens",) if "tokens" not in objective.units else ())]
+    local = [sum((objective.counts(m) if u in objective.units else {"tokens": m["targets"]})[u] for m in micro)
+             for u in names]
     local += [sum(m["seq_tokens"] for m in micro), sum(m["padded_tokens"] for m in micro)]
     totals = [int(x) for x in dist.all_reduce_sum(torch.tensor(local, device=device)).tolist()]
-    return dict(zip(objective.units, totals)), totals[-2], totals[-1]
+    return dict(zip(names, totals)), totals[-2], totals[-1]
 
 
-def _forward_backward(run: Run, micro: list[dict], counts: dict[str, int]) -> float:
-    """Backpropagate every micro-batch's loss terms over the step's counts; returns the step's loss."""
-    units = run.objective.units
+def _forward_backward(run: Run, micro: list[dict], counts: dict[str, int]) -> tuple[float, dict[str, float]]:
+    """Backpropagate every micro-batch's loss terms over the step's counts; returns the step's loss and the
+    objective's metrics over the step."""
+    units, objective = run.objective.units, run.objective
     totals = torch.zeros(len(units), device=run.device, dtype=torch.float32)
+    metric_sums = torch.zeros(len(objective.metrics), device=run.device, dtype=torch.float64)
     run.net.train()
     for i, batch in enumerate(micro):
         with _gradient_sync(run.net, last=i == len(micro) - 1):
-            terms = run.objective.loss_terms(run.net, batch, run.device)
-            scaled = [terms[u] * (run.world.size / max(counts[u], 1)) for u in units]
+            result = objective.forward(run.net, batch, run.device)
+            scaled = [result.terms[u] * (run.world.size / max(counts[u], 1)) for u in units]
             sum(scaled[1:], scaled[0]).backward()
-        totals += torch.stack([terms[u].detach() for u in units])
+        totals += torch.stack([result.terms[u].detach() for u in units])
+        if objective.metrics:
+            metric_sums += torch.stack([result.metrics[m] for m in objective.metrics])
     totals = dist.all_reduce_sum(totals).tolist()
-    return sum(total / max(counts[u], 1) for u, total in zip(units, totals))
+    loss = sum(total / max(counts[u], 1) for u, total in zip(units, totals))
+    return loss, _per_unit(objective, metric_sums, counts)
+
+
+def _per_unit(objective: Objective, metric_sums: torch.Tensor, counts: dict[str, int]) -> dict[str, float]:
+    """Each metric's sum over the step (all ranks) divided by the step's count of its unit."""
+    if not objective.metrics:
+        return {}
+    sums = dist.all_reduce_sum(metric_sums).tolist()
+    return {m: total / max(counts[u], 1) for (m, u), total in zip(objective.metrics.items(), sums)}
 
 
 def _gradient_sync(net: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
@@ -310,10 +325,10 @@ def _evaluate(run: Run, step: int) -> None:
     if not run.eval_samples:
         return
     micro = run.recipe.eval.micro_batch_size or run.recipe.train.micro_batch_size
-    loss, counts = evaluate_loss(run.objective, run.net, run.eval_samples, run.recipe, micro,
-                                 run.tokenizer.pad_token_id, run.world, run.device)
+    result = evaluate_loss(run.objective, run.net, run.eval_samples, run.recipe, micro,
+                           run.tokenizer.pad_token_id, run.world, run.device)
     if run.logger:
-        run.logger.log({"step": step, "eval_loss": loss, **{f"eval_{u}": n for u, n in counts.items()}})
+        run.logger.log(result.record(step))
 
 
 def _save_checkpoint(run: Run, done: Progress, epoch: int) -> None:

@@ -29,8 +29,10 @@ ALLOWED = {
     "metrics": {"recipe", "rundir"},
     "checkpoint": {"dist", "recipe", "rundir"},
     "isolation": {"data"},  # runs packed rows through a model as training collates them
-    "model_with_loss": {"loss", "model", "recipe"},
-    "objective": {"model_with_loss"},
+    "logprobs": {"labels", "loss"},  # per-token log-probabilities through the fused head (preference objectives)
+    "preference": set(),  # the per-pair DPO/ORPO losses, pure functions
+    "model_with_loss": {"logprobs", "loss", "model", "recipe"},
+    "objective": {"model_with_loss", "preference", "recipe"},
     "parallel": {"dist", "model", "recipe"},
     "trained": {"model", "recipe", "rundir"},
     "evaluate": {"dist", "data", "loss", "model", "model_with_loss", "objective", "recipe", "trained"},

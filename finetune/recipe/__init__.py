@@ -6,7 +6,15 @@ finds a recipe by name and repos.py manages recipe repositories. Nothing here im
 validate` answers in well under a second.
 """
 
-from finetune.recipe.identity import HARMLESS_KEYS, features, flatten, recipe_hash, to_yaml, training_keys
+from finetune.recipe.identity import (
+    HARMLESS_KEYS,
+    default_training_keys,
+    features,
+    flatten,
+    recipe_hash,
+    to_yaml,
+    training_keys,
+)
 from finetune.recipe.loading import (
     apply_override,
     deep_merge,
@@ -22,10 +30,12 @@ from finetune.recipe.schema import (
     DataConfig,
     DatasetConfig,
     DistributedConfig,
+    DPOConfig,
     EvalConfig,
     LoggingConfig,
     LossConfig,
     ModelConfig,
+    ORPOConfig,
     Recipe,
     Section,
     TokenizerConfig,
@@ -42,8 +52,8 @@ from finetune.recipe.validation import (
 
 __all__ = [
     "DATASET_LISTS", "HARMLESS_KEYS", "LOCAL_SUFFIXES", "AdapterConfig", "CheckpointConfig", "DataConfig",
-    "DatasetConfig", "DistributedConfig", "EvalConfig", "LoggingConfig", "LossConfig", "ModelConfig", "Recipe",
+    "DatasetConfig", "DPOConfig", "DistributedConfig", "EvalConfig", "LoggingConfig", "LossConfig", "ModelConfig", "ORPOConfig", "Recipe",
     "Section", "TokenizerConfig", "TrainConfig", "apply_override", "cross_checks", "data_file_not_found",
-    "deep_merge", "features", "flatten", "load_raw", "load_recipe", "local_data_path", "missing_inputs",
+    "deep_merge", "default_training_keys", "features", "flatten", "load_raw", "load_recipe", "local_data_path", "missing_inputs",
     "parse_yaml", "recipe_hash", "resolve_recipe", "to_yaml", "training_keys", "validate",
 ]

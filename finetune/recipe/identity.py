@@ -43,9 +43,18 @@ HARMLESS_KEYS = ("logging", "eval", "eval_datasets", "checkpoint", "resume", "ou
 
 
 def training_keys(recipe: Recipe) -> dict[str, Any]:
-    """The flattened recipe minus harmless keys: what must match for a resume to continue the same run."""
+    """The flattened recipe minus harmless keys, and minus the settings of objectives it does not train: what
+    must match for a resume to continue the same run."""
+    unused = [f"{name}." for name in ("dpo", "orpo") if recipe.train.objective != name]
     flat = flatten(recipe.model_dump(mode="json"))
-    return {k: v for k, v in flat.items() if not any(k == h or k.startswith(h + ".") for h in HARMLESS_KEYS)}
+    return {k: v for k, v in flat.items() if not any(k == h or k.startswith(h + ".") for h in HARMLESS_KEYS)
+            and not k.startswith(tuple(unused))}
+
+
+def default_training_keys() -> dict[str, Any]:
+    """The training keys of a recipe left at every default: what a key that an older finetune did not have
+    yet counts as when its checkpoint is resumed."""
+    return training_keys(Recipe())
 
 
 def recipe_hash(recipe: Recipe) -> str:

@@ -75,8 +75,9 @@ class DatasetConfig(Section):
 
     path: str = Field(min_length=1)
     """A local .jsonl/.json/.parquet/.csv file, or a hub dataset name."""
-    format: Literal["alpaca", "chat", "completion"] = "chat"
-    """alpaca: instruction/input/output. chat: a messages list. completion: plain text."""
+    format: Literal["alpaca", "chat", "completion", "preference"] = "chat"
+    """alpaca: instruction/input/output. chat: a messages list. completion: plain text. preference: prompt, chosen
+    and rejected, as TRL lays them out (train.objective dpo or orpo)."""
     split: str = "train"
     """Split of a hub dataset."""
     name: str | None = None
@@ -123,8 +124,11 @@ class DataConfig(Section):
 class TrainConfig(Section):
     """The optimization: batch geometry, length of training, optimizer and learning-rate schedule."""
 
+    objective: Literal["sft", "dpo", "orpo"] = "sft"
+    """sft: supervised fine-tuning on target tokens. dpo / orpo: preference training on pairs (datasets with
+    format: preference; settings in the dpo: / orpo: sections)."""
     micro_batch_size: int = Field(4, gt=0)
-    """Rows per forward pass on one process."""
+    """Rows per forward pass on one process (padded preference data: pairs, each two rows)."""
     gradient_accumulation_steps: int = Field(8, gt=0)
     """Micro-batches per optimizer step on each process."""
     epochs: int | None = Field(1, gt=0)
@@ -168,6 +172,29 @@ class TrainConfig(Section):
             except re.error as e:
                 raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
         return patterns
+
+
+class DPOConfig(Section):
+    """Direct preference optimization (train.objective: dpo)."""
+
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL penalty: rewards are beta x (policy - reference) log-probabilities."""
+    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """sigmoid: -log sigmoid(beta x margin) (the DPO paper). ipo: (length-averaged margin - 1 / (2 beta))^2.
+    hinge: relu(1 - beta x margin)."""
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    """sigmoid only: conservative DPO, the assumed probability that a pair's preference is flipped."""
+    reference: str = "auto"
+    """The reference model: auto (the model as loaded, before training; with an adapter, the base with the adapter
+    off), or a path to another model with the same tokenizer. Its log-probabilities are computed once before
+    training and cached by content."""
+
+
+class ORPOConfig(Section):
+    """Odds-ratio preference optimization (train.objective: orpo): no reference model."""
+
+    beta: float = Field(0.1, gt=0)
+    """Weight of the odds-ratio term next to the chosen completions' cross-entropy."""
 
 
 class LossConfig(Section):
@@ -275,6 +302,10 @@ class Recipe(Section):
     """Batch geometry, steps, optimizer and learning rate."""
     loss: LossConfig = LossConfig()
     """Cross-entropy implementation and extra loss terms."""
+    dpo: DPOConfig = DPOConfig()
+    """Direct preference optimization settings (train.objective: dpo)."""
+    orpo: ORPOConfig = ORPOConfig()
+    """Odds-ratio preference optimization settings (train.objective: orpo)."""
     eval: EvalConfig = EvalConfig()
     """When to compute the eval loss."""
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -131,9 +131,30 @@ def cross_checks(recipe: Recipe) -> list[str]:
         cfg = getattr(recipe, section)
         if cfg.every_steps is not None and cfg.every_epochs is not None:
             problems.append(f"{section}.every_steps / {section}.every_epochs: give one of them, not both")
+    problems += _objective_checks(recipe)
     if t.trainable_parameters is not None and recipe.adapter.type != "none":
         problems.append("train.trainable_parameters: only for full fine-tuning (adapter.type: none); with an "
                         "adapter, choose what trains with adapter.target_modules and adapter.modules_to_save")
+    return problems
+
+
+def _objective_checks(recipe: Recipe) -> list[str]:
+    """Preference objectives train on preference data and nothing else, and the other way round."""
+    problems = []
+    preference = recipe.train.objective in ("dpo", "orpo")
+    for key in DATASET_LISTS:
+        for i, ds in enumerate(getattr(recipe, key)):
+            if preference and ds.format != "preference":
+                problems.append(f"{key}.{i}.format: train.objective {recipe.train.objective} trains on pairs; "
+                                f"use format: preference (prompt, chosen, rejected), not {ds.format}")
+            elif not preference and ds.format == "preference":
+                problems.append(f"{key}.{i}.format: preference data needs train.objective: dpo or orpo")
+            if ds.format == "preference" and ds.train_on_inputs:
+                problems.append(f"{key}.{i}.train_on_inputs: preference pairs score their completions only")
+    if preference and recipe.loss.z_loss:
+        problems.append(f"loss.z_loss: not with train.objective {recipe.train.objective} (it adds to token losses)")
+    if recipe.dpo.label_smoothing and recipe.dpo.loss != "sigmoid":
+        problems.append(f"dpo.label_smoothing: only for dpo.loss: sigmoid, not {recipe.dpo.loss}")
     return problems
 
 

@@ -1,0 +1,120 @@
+"""Per-token log-probabilities of the targets through the output layer, for objectives that score whole
+sequences (DPO, ORPO), without ever building the full [tokens x vocab] logits.
+
+The scheme of finetune/loss.py with one difference: there, the upstream gradient is one scalar, so the
+gradient can be formed during the forward; here, each token's upstream gradient depends on its whole sequence
+and pair (known only after the forward), so the forward keeps only each row's log-sum-exp and the backward
+recomputes each chunk's logits to form `g_t (onehot - softmax)` before the two GEMMs: one extra output-layer GEMM,
+the same memory (one chunk of logits). Liger-Kernel's fused cross-entropy does the same with reduction="none".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from finetune.errors import UserError
+from finetune.labels import IGNORE_INDEX
+from finetune.loss import acc_dtype, compute_dtype, liger_import, mm_f32, resolve_impl, shift_labels
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                   bias: torch.Tensor | None = None, *, impl: str = "chunked", chunk_size: int = 1024,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target) of every target token [N], their flat positions in [B*T] [N]).
+
+    hidden [B, T, H] (or [T, H]), weight [V, H], labels UNSHIFTED with IGNORE_INDEX where not scored: position t
+    scores labels[t + 1]. The log-probs carry gradients to hidden, weight and bias, in the accumulation dtype
+    (float32; float64 for float64 inputs). `impl` is resolved ('chunked' | 'torch' | 'liger')."""
+    targets = shift_labels(labels).reshape(-1)
+    keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    dtype = compute_dtype(hidden, weight)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep).to(dtype)
+    y = targets.index_select(0, keep)
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= weight.shape[0]):
+        raise UserError(f"labels contain token ids outside the model's vocabulary [0, {weight.shape[0]})")
+    w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+    if impl == "torch":
+        logits = F.linear(h, w, b).to(acc_dtype(dtype))
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return -F.cross_entropy(logits, y, reduction="none"), keep
+    if impl == "liger":
+        return -_liger_token_losses(h, w, b, y, softcap), keep
+    if impl != "chunked":
+        raise ValueError(f"impl must be resolved with resolve_impl() first; got {impl!r}")
+    return _ChunkedTokenLogprobs.apply(h, w, b, y, chunk_size, softcap), keep
+
+
+def _liger_token_losses(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor,
+                        softcap: float | None) -> torch.Tensor:
+    """Liger-Kernel 0.8.5's fused cross-entropy per token (reduction='none': it recomputes in backward)."""
+    if h.device.type != "cuda":
+        resolve_impl("liger", h.device)  # raises the UserError naming loss.impl
+    fn, why = liger_import()
+    if fn is None:
+        raise UserError(f"loss.impl: liger is selected but liger-kernel cannot be imported ({why})")
+    return fn(h, w, y, bias=b, ignore_index=IGNORE_INDEX, reduction="none", softcap=softcap)
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits of one chunk in the accumulation dtype, softcapped; tanh values for the chain rule or None)."""
+    logits = mm_f32(h, w.t(), acc_dtype(h.dtype))
+    if b is not None:
+        logits.add_(b)
+    if softcap is None:
+        return logits, None
+    t = logits.div_(softcap).tanh_()
+    return t * softcap, t
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log p(y_t) = x_t[y_t] - logsumexp(x_t) for target rows h [N, H], one chunk of rows at a time.
+
+    Forward saves h, w, b, y and each row's log-sum-exp; backward recomputes a chunk's logits, turns them into
+    d(sum_t g_t log p_t)/dx = g_t (onehot(y_t) - softmax(x_t)), and multiplies into the hidden and weight
+    gradients chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor,  # type: ignore[override]
+                chunk_size: int, softcap: float | None) -> torch.Tensor:
+        out = torch.empty(h.shape[0], dtype=acc_dtype(h.dtype), device=h.device)
+        lse = torch.empty_like(out)
+        for start in range(0, h.shape[0], chunk_size):
+            x, _ = _chunk_logits(h[start:start + chunk_size], w, b, softcap)
+            rows = slice(start, start + x.shape[0])
+            lse[rows] = torch.logsumexp(x, dim=1)
+            out[rows] = x.gather(1, y[rows].unsqueeze(1)).squeeze(1) - lse[rows]
+        ctx.save_for_backward(h, w, b, y, lse)
+        ctx.config = (chunk_size, softcap)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        h, w, b, y, lse = ctx.saved_tensors
+        chunk_size, softcap = ctx.config
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = acc_dtype(h.dtype)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
+        grad_b = torch.zeros(b.shape, dtype=acc, device=b.device) if need_b and b is not None else None
+        for start in range(0, h.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            x, t = _chunk_logits(h[rows], w, b, softcap)
+            g = x.sub_(lse[rows].unsqueeze(1)).exp_().neg_()  # -softmax, in place
+            g.scatter_add_(1, y[rows].unsqueeze(1), g.new_ones((g.shape[0], 1)))  # + onehot(y)
+            g.mul_(grad_out[rows].to(acc).unsqueeze(1))
+            if t is not None:
+                g.mul_(t.square_().neg_().add_(1.0))  # through the softcap: 1 - tanh^2
+            if grad_h is not None:
+                grad_h[rows] = mm_f32(g.to(h.dtype) if g.dtype != h.dtype else g, w, acc).to(h.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), h[rows].to(acc))
+            if grad_b is not None:
+                grad_b.add_(g.sum(dim=0))
+        return (grad_h, grad_w.to(w.dtype) if grad_w is not None else None,
+                grad_b.to(b.dtype) if grad_b is not None else None, None, None, None)
