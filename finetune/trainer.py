@@ -42,6 +42,7 @@ from finetune.objective import Objective, objective_for
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.parallel import gather_full_state, wrap_model
 from finetune.recipe import Recipe, features, to_yaml
+from finetune.reference import attach_reference_logps
 from finetune.rundir import (
     RunDir,
     check_disk_room,
@@ -135,8 +136,13 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     plan = StepPlan(prepared.train, recipe, world.size)
     checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
 
-    lm, net, n_params = _load_model(recipe, tokenizer, world, device, console, impl, plan,
-                                    checkpointing=checkpoint_every is not None)
+    lm, n_params = _load_model(recipe, tokenizer, world, device, console, impl, plan,
+                               checkpointing=checkpoint_every is not None)
+    if recipe.train.objective == "dpo":  # before wrapping: every rank runs the whole model for its share
+        attach_reference_logps(recipe, {"train": prepared.train, "eval": prepared.evals}, lm, tokenizer, impl,
+                               device, samples_key=prepared.samples_key, fresh_model=resume_from is None,
+                               say=console.print)
+    net = wrap_model(CausalLMWithLoss.for_recipe(lm, recipe.loss, impl), recipe, world, device)
     optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
     scheduler = build_scheduler(optimizer, plan.total, recipe.train)
     start = Progress()
@@ -162,9 +168,9 @@ def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: 
 
 
 def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch.device, console: Console,
-                impl: str, plan: StepPlan, *, checkpointing: bool) -> tuple[torch.nn.Module, torch.nn.Module, int]:
-    """(the model, the model with its loss as the trainer runs it, the number of parameters), checked: room on
-    disk for what the run will write, and packed documents isolated from each other."""
+                impl: str, plan: StepPlan, *, checkpointing: bool) -> tuple[torch.nn.Module, int]:
+    """(the model, its number of parameters), checked: room on disk for what the run will write, and packed
+    documents isolated from each other."""
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed,
                     trainable=recipe.train.trainable_parameters).to(device)
     trainable, total = count_parameters(lm)
@@ -177,8 +183,7 @@ def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
                   f"{plan.global_batch} rows")
-    net = wrap_model(CausalLMWithLoss.for_recipe(lm, recipe.loss, impl), recipe, world, device)
-    return lm, net, total
+    return lm, total
 
 
 def _open_run_dir(recipe: Recipe, out: RunDir, world: dist.World, console: Console, replaced: list[str],

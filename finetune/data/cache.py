@@ -195,9 +195,11 @@ def _to_arrays(samples: list[dict]) -> tuple[dict[str, np.ndarray], str]:
     ids = np.fromiter(itertools.chain.from_iterable(s["input_ids"] for s in samples), dtype=np.int32, count=total)
     labels = np.fromiter(itertools.chain.from_iterable(s["labels"] for s in samples), dtype=np.int32, count=total)
     trained = labels != IGNORE_INDEX
+    # Preference pairs: each sample's chosen and rejected lengths.
+    docs = {"docs": np.array([s["docs"] for s in samples], dtype=np.int64)} if samples and "docs" in samples[0] else {}
     if np.array_equal(labels[trained], ids[trained]):
-        return {"ids": ids, "labels": trained.astype(np.uint8), "offsets": offsets}, "mask"
-    return {"ids": ids, "labels": labels, "offsets": offsets}, "ids"
+        return {"ids": ids, "labels": trained.astype(np.uint8), "offsets": offsets, **docs}, "mask"
+    return {"ids": ids, "labels": labels, "offsets": offsets, **docs}, "ids"
 
 
 def save_entry(root: Path, key: str, inputs: dict[str, Any], splits: dict[str, tuple[list[dict], DataStats]],
@@ -275,6 +277,12 @@ def load_entry(entry: Path, key: str) -> dict[str, tuple[list[dict], DataStats]]
             # One tolist() per array, then slices: far faster than converting sample by sample.
             id_list, label_list, bounds = ids.tolist(), labels.tolist(), offsets.tolist()
             samples = [{"input_ids": id_list[a:b], "labels": label_list[a:b]} for a, b in zip(bounds, bounds[1:])]
+            if (entry / f"{split}.docs.npy").is_file():  # preference pairs
+                docs = np.load(entry / f"{split}.docs.npy", allow_pickle=False)
+                if docs.shape != (n, 2) or np.any(docs.sum(axis=1) != np.diff(offsets)):
+                    raise CacheError(f"the {split} pair lengths do not fit the samples")
+                for sample, pair in zip(samples, docs.tolist()):
+                    sample["docs"] = pair
             known = {f.name for f in fields(DataStats)}
             stats = DataStats(**{k: v for k, v in info["stats"].items() if k in known})
             out[split] = (samples, stats)

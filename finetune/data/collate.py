@@ -68,12 +68,48 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
 
     `targets` counts the tokens that carry a loss after the shift (what N_step sums). A filler micro-batch (see
     rank_micro_batches) is computed, so its tokens count as padded tokens, but it is no data: its seq_tokens are 0.
+    Preference pairs also get their documents numbered (`doc_index`, chosen 2i, rejected 2i+1; see pair_fields).
     """
+    filler = bool(rows and rows[0].get("filler"))
+    pairs = bool(rows) and ("pairs" in rows[0] or "docs" in rows[0])
+    if pairs and not data.packing:
+        rows = [doc for sample in rows for doc in split_pair(sample)]  # a pair is two padded rows
     batch = collate_packed(rows, pad_token_id) if data.packing else collate_padded(
         rows, pad_token_id, data.pad_to_multiple_of)
     batch["targets"] = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    if rows and rows[0].get("filler"):
+    if filler:
         batch["seq_tokens"] = 0
+    if pairs:
+        batch.update(pair_fields(rows, batch["labels"], data.packing, filler))
     return batch
 
 
+def split_pair(sample: dict) -> list[dict]:
+    """A preference sample's chosen and rejected sequences as two samples (its reference log-probabilities on
+    the first)."""
+    (n_chosen, _), ids, labels = sample["docs"], sample["input_ids"], sample["labels"]
+    chosen = {"input_ids": ids[:n_chosen], "labels": labels[:n_chosen], "ref_logps": sample.get("ref_logps")}
+    rejected = {"input_ids": ids[n_chosen:], "labels": labels[n_chosen:]}
+    return [{**chosen, "filler": sample.get("filler")}, {**rejected, "filler": sample.get("filler")}]
+
+
+def pair_fields(rows: Sequence[dict], labels: torch.Tensor, packed: bool, filler: bool) -> dict:
+    """doc_index [b, L] (each position's document in the micro-batch, -1 for padding; pair i's chosen document
+    is 2i, its rejected 2i+1), pairs (how many), chosen_tokens (targets in chosen documents, after the shift) and
+    ref_logps [pairs, 2] (the reference's log-probabilities, zeros until they are computed)."""
+    doc_index = torch.full(labels.shape, -1, dtype=torch.long)
+    lengths = [r["doc_lengths"] for r in rows] if packed else [[len(r["input_ids"])] for r in rows]
+    doc = 0
+    for i, row_docs in enumerate([] if filler else lengths):
+        start = 0
+        for length in row_docs:
+            doc_index[i, start:start + length] = doc
+            doc, start = doc + 1, start + length
+    refs = [ref for r in rows for ref in (r.get("pairs", []) if packed else [r.get("ref_logps")] if "ref_logps" in r
+                                          else [])] if not filler else []
+    scored = torch.zeros_like(labels, dtype=torch.bool)
+    scored[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position t scores label t + 1
+    chosen = scored & (doc_index >= 0) & (doc_index % 2 == 0)
+    return {"doc_index": doc_index, "pairs": doc // 2, "chosen_tokens": int(chosen.sum()),
+            "ref_logps": torch.tensor([ref if ref is not None else (0.0, 0.0) for ref in refs],
+                                      dtype=torch.float64).reshape(-1, 2)}

@@ -85,7 +85,7 @@ def pack_samples(
     rows = [_row(kept, members) for members in bins]
     tokens = sum(len(r["input_ids"]) for r in rows)
     stats = PackStats(samples=len(samples), rows=len(rows), tokens=tokens,
-                      target_tokens=sum(sum(1 for x in kept[k][1][1:] if x != IGNORE_INDEX) for k in range(len(kept))),
+                      target_tokens=sum(sum(1 for x in r["labels"] if x != IGNORE_INDEX) for r in rows),
                       truncated=counts["truncated"], dropped=counts["dropped"], capacity=len(rows) * max_seq_len,
                       input_tokens=counts["input_tokens"], truncated_tokens=counts["truncated_tokens"],
                       dropped_tokens=counts["dropped_tokens"])
@@ -94,11 +94,15 @@ def pack_samples(
     return rows, stats
 
 
-def _fit_samples(samples: Sequence[dict], max_seq_len: int,
-                 truncation: str) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
-    """The samples that go into rows, as (ids, labels), over-long ones truncated; and the counts of what was
-    truncated or dropped (empty samples, over-long ones in "drop" mode)."""
-    kept: list[tuple[list[int], list[int]]] = []
+# A sample as it goes into rows: (input_ids, labels, the sample itself for its other fields).
+Kept = tuple[list[int], list[int], dict]
+
+
+def _fit_samples(samples: Sequence[dict], max_seq_len: int, truncation: str) -> tuple[list[Kept], dict[str, int]]:
+    """The samples that go into rows, over-long ones truncated; and the counts of what was truncated or dropped
+    (empty samples, over-long ones in "drop" mode). A preference pair (a sample with "docs") is fitted to
+    max_seq_len when it is tokenized: it is never cut here, which would split it."""
+    kept: list[Kept] = []
     counts = dict.fromkeys(("input_tokens", "truncated", "dropped", "truncated_tokens", "dropped_tokens"), 0)
     for i, sample in enumerate(samples):
         ids, labels = list(sample["input_ids"]), list(sample["labels"])
@@ -113,6 +117,8 @@ def _fit_samples(samples: Sequence[dict], max_seq_len: int,
         if n == 0:
             counts["dropped"] += 1
             continue
+        if n > max_seq_len and "docs" in sample:
+            raise ValueError(f"sample {i}: a pair of {n} tokens does not fit max_seq_len {max_seq_len}")
         if n > max_seq_len:
             if truncation == "drop":
                 counts["dropped"] += 1
@@ -121,11 +127,11 @@ def _fit_samples(samples: Sequence[dict], max_seq_len: int,
             counts["truncated"] += 1
             counts["truncated_tokens"] += n - max_seq_len
             ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-        kept.append((ids, labels))
+        kept.append((ids, labels, sample))
     return kept, counts
 
 
-def _best_fit(kept: list[tuple[list[int], list[int]]], max_seq_len: int, rng: random.Random) -> list[list[int]]:
+def _best_fit(kept: list[Kept], max_seq_len: int, rng: random.Random) -> list[list[int]]:
     """Rows as lists of sample indices: longest first, each into the row where it fits tightest."""
     # Ties broken by a seeded permutation so equal-length samples regroup per epoch.
     tie = list(range(len(kept)))
@@ -151,16 +157,23 @@ def _best_fit(kept: list[tuple[list[int], list[int]]], max_seq_len: int, rng: ra
     return bins
 
 
-def _row(kept: list[tuple[list[int], list[int]]], members: list[int]) -> dict:
-    """One packed row of the given samples, in order: positions restart at 0 for each document."""
+def _row(kept: list[Kept], members: list[int]) -> dict:
+    """One packed row of the given samples, in order: positions restart at 0 for each document (a preference
+    pair is two: its chosen and its rejected sequence, side by side, and the row lists each pair's reference
+    log-probabilities under "pairs")."""
     row: dict = {"input_ids": [], "labels": [], "position_ids": [], "doc_lengths": []}
     for k in members:
-        ids, labels = kept[k]
-        row["input_ids"].extend(ids)
-        # First label of each document -> -100: with the loss's shift it is the target of the previous
-        # document's last token, which must not learn across the boundary.
-        row["labels"].append(IGNORE_INDEX)
-        row["labels"].extend(labels[1:])
-        row["position_ids"].extend(range(len(ids)))  # restart at 0: this is what marks the document boundary
-        row["doc_lengths"].append(len(ids))
+        ids, labels, sample = kept[k]
+        start = 0
+        for length in sample.get("docs", [len(ids)]):
+            row["input_ids"].extend(ids[start:start + length])
+            # First label of each document -> -100: with the loss's shift it is the target of the previous
+            # document's last token, which must not learn across the boundary.
+            row["labels"].append(IGNORE_INDEX)
+            row["labels"].extend(labels[start + 1:start + length])
+            row["position_ids"].extend(range(length))  # restart at 0: this is what marks the document boundary
+            row["doc_lengths"].append(length)
+            start += length
+        if "docs" in sample:
+            row.setdefault("pairs", []).append(sample.get("ref_logps"))
     return row

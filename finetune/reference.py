@@ -1,0 +1,158 @@
+"""The reference model's log-probabilities of every preference pair, computed once before training and cached.
+
+DPO compares the policy with a fixed reference. Its summed log-probabilities of each pair's chosen and rejected
+completion are constants of the run: computed in one no-grad pass before the first step (or read from the
+cache), they are independent of the batch split, of packing and of the number of ranks, which keeps the loss
+exact, and no second model stays in memory while training. The reference (dpo.reference):
+
+* auto without an adapter: the model as loaded, before any step (on a resume, loaded again);
+* auto with LoRA/QLoRA: the same model with its adapter switched off (its base);
+* a model path: that model, loaded for the pass and freed after it.
+
+Cached under <data cache root>/reference/<key>.npz, keyed by the samples' identity, the reference's weights (a
+fingerprint of every tensor), the numerics (dtype, attention, loss implementation) and the library versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from finetune import dist
+from finetune.data import collate, rank_micro_batches
+from finetune.data.cache import cache_root
+from finetune.model import load_model
+from finetune.model_with_loss import CausalLMWithLoss
+from finetune.objective import pair_logps
+from finetune.recipe import AdapterConfig, Recipe
+
+REFERENCE_VERSION = 1  # bump when what is computed here changes
+
+
+def attach_reference_logps(recipe: Recipe, splits: dict[str, list[dict]], lm: torch.nn.Module, tokenizer: Any,
+                           impl: str, device: torch.device, *, samples_key: str | None, fresh_model: bool,
+                           say: Any = print) -> None:
+    """Give every pair sample of every split its reference log-probabilities (sample["ref_logps"]).
+
+    `lm` is the policy as loaded; `fresh_model` says it has not trained yet (False on a resume, where the
+    reference for auto without an adapter is loaded again)."""
+    key = _cache_key(recipe, samples_key, lm)
+    file = cache_root(recipe) / "reference" / f"{key}.npz" if key else None
+    cached = _read(file, splits)
+    if cached is None:
+        with _reference(recipe, lm, tokenizer, device, fresh_model) as ref:
+            net = CausalLMWithLoss.for_recipe(ref, recipe.loss, impl).eval()
+            cached = {name: _compute(net, samples, recipe, tokenizer.pad_token_id, device)
+                      for name, samples in splits.items()}
+        if file is not None and dist.from_env().is_main:
+            _write(file, cached)
+        say(f"reference log-probabilities computed for {sum(len(v) for v in cached.values())} pairs"
+            + (f"; cached at {file}" if file else ""))
+    else:
+        say(f"reference log-probabilities reused from {file}")
+    for name, samples in splits.items():
+        for sample, ref in zip(samples, cached[name].tolist()):
+            sample["ref_logps"] = ref
+
+
+@contextlib.contextmanager
+def _reference(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, device: torch.device,
+               fresh_model: bool) -> Iterator[torch.nn.Module]:
+    path = recipe.dpo.reference
+    if path == "auto" and hasattr(lm, "disable_adapter"):
+        with lm.disable_adapter():
+            yield lm
+    elif path == "auto" and fresh_model:
+        yield lm
+    else:
+        cfg = recipe.model if path == "auto" else recipe.model.model_copy(
+            update={"path": path, "init": "pretrained", "gguf_file": None})
+        ref = load_model(cfg, AdapterConfig(), tokenizer, recipe.seed).to(device)
+        try:
+            yield ref
+        finally:
+            del ref
+
+
+def _compute(net: CausalLMWithLoss, samples: list[dict], recipe: Recipe, pad_id: int,
+             device: torch.device) -> np.ndarray:
+    """[n, 2] float64: each pair's summed log-probability of its chosen and rejected completion, dealt to ranks
+    like an eval and summed back (each rank fills its own rows)."""
+    world = dist.from_env()
+    out = torch.zeros(len(samples), 2, dtype=torch.float64, device=device)
+    data = recipe.data.model_copy(update={"packing": False})  # one layout for every recipe: pairs, padded
+    tagged = [{**s, "index": i} for i, s in enumerate(samples)]
+    micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
+    training = net.training
+    net.eval()
+    with torch.no_grad():
+        for rows in rank_micro_batches(tagged, micro, world.size, world.rank):
+            batch = collate(rows, data, pad_id)
+            p = pair_logps(net, batch, device)
+            if batch["pairs"]:
+                index = torch.tensor([r["index"] for r in rows], device=device)
+                out[index] = torch.stack([p.chosen, p.rejected], dim=1).double()
+    net.train(training)
+    return dist.all_reduce_sum(out).cpu().numpy()
+
+
+def _fingerprint(model: torch.nn.Module) -> str:
+    """A digest of the weights: every tensor's name, shape, dtype and a strided sample of its values."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            continue
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode() + sample)
+    return digest.hexdigest()
+
+
+def _cache_key(recipe: Recipe, samples_key: str | None, lm: torch.nn.Module) -> str | None:
+    """None when the samples have no identity (the data cache was not usable): then nothing is cached."""
+    if samples_key is None:
+        return None
+    import transformers
+
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    weights = _fingerprint(base) if recipe.dpo.reference == "auto" else recipe.dpo.reference
+    inputs = {"version": REFERENCE_VERSION, "samples": samples_key, "reference": weights,
+              "model": recipe.model.model_dump(mode="json"), "adapter_off": recipe.adapter.type,
+              "loss": recipe.loss.model_dump(mode="json"), "torch": torch.__version__,
+              "transformers": transformers.__version__}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _read(file: Path | None, splits: dict[str, list[dict]]) -> dict[str, np.ndarray] | None:
+    if file is None or not file.is_file():
+        return None
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            out = {name: data[name] for name in splits}
+    except (OSError, ValueError, KeyError):
+        return None  # unreadable or another layout: computed again
+    fits = all(out[name].shape == (len(samples), 2) for name, samples in splits.items())
+    return out if fits else None
+
+
+def _write(file: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Atomically (a temporary file renamed into place); a cache that cannot be written is skipped."""
+    tmp = None
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=file.parent)
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, **arrays)
+        os.replace(tmp, file)
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
