@@ -261,10 +261,22 @@ def _random_init_config(cfg: ModelConfig, tokenizer: Any) -> Any:
     if config.vocab_size < len(tokenizer):
         raise UserError(f"model.config.vocab_size {config.vocab_size} is smaller than the tokenizer's "
                         f"{len(tokenizer)} tokens")
-    config.pad_token_id = tokenizer.pad_token_id
-    config.eos_token_id = tokenizer.eos_token_id
-    config.bos_token_id = tokenizer.bos_token_id
+    _set_token_ids(config, tokenizer)
     return config
+
+
+def _set_token_ids(config: Any, tokenizer: Any) -> None:
+    """The tokenizer's pad, eos and bos ids on the config. A tokenizer without one (no bos, often) clears the
+    config's, except where the config's field takes only an int (CWM, ModernBERT-decoder): there it keeps its own."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(tokenizer, name)
+        try:
+            setattr(config, name, value)
+        except StrictDataclassError as e:
+            if value is not None:
+                raise UserError(f"model.config: the tokenizer's {name} {value}: {first_line(e)}") from None
 
 
 def _nf4_config(dtype: torch.dtype) -> Any:
