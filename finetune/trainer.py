@@ -25,7 +25,7 @@ from finetune.data import DataStats, StepPlan, collate, rank_micro_batches
 from finetune.data.cache import prepare
 from finetune.errors import UserError
 from finetune.evaluate import evaluate_loss
-from finetune.isolation import check_packing_isolation
+from finetune.isolation import check_packable, check_packing_isolation
 from finetune.loss import resolve_impl
 from finetune.metrics import (
     MetricsLogger,
@@ -164,6 +164,8 @@ def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch
     trainable, total = count_parameters(lm)
     if world.is_main:
         check_disk_room(Path(recipe.output_dir), lm, checkpointing=recipe.checkpoint.every_steps is not None)
+    if recipe.data.packing:
+        check_packable(lm, tokenizer.pad_token_id)
     if recipe.data.packing and recipe.data.packing_check:
         err = check_packing_isolation(lm, len(tokenizer))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
