@@ -43,8 +43,9 @@ def serves(model: torch.nn.Module) -> bool:
     """Whether our attention function can serve this model's architecture: every attention call receives 2D position_ids and the
     model stays causal without a mask, found by two 4-token forwards.
 
-    Most do (Llama, Qwen, Mistral, Gemma, Phi, ...; 68 architectures checked). A few do not (GPTBigCode, Llama4,
-    Persimmon: no position_ids; Doge: builds its own mask from ours): the caller keeps transformers' sdpa.
+    Most do (80 of the architectures in docs/models.md). A few do not (GPTBigCode, Llama4, Persimmon: no
+    position_ids; Doge: builds its own mask from ours; DeepSeek-V3.2, GLM-DSA and other indexer models read the
+    mask they do not get, and fail): the caller keeps transformers' sdpa.
     """
     seen: list[bool] = []
     token = _probe.set(seen)
@@ -59,6 +60,8 @@ def serves(model: torch.nn.Module) -> bool:
             # see later ones. Two rows that differ only in their last token must agree everywhere before it.
             rows = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 1]], device=device)
             logits = model(input_ids=rows, use_cache=False).logits.float()
+    except Exception:  # noqa: BLE001 - a model that cannot run without a mask under ours runs transformers' sdpa
+        return False
     finally:
         _probe.reset(token)
         model.train(training)

@@ -14,6 +14,7 @@ import torch
 from finetune import dist
 from finetune.data import build_samples, collate, eval_rows, rank_micro_batches
 from finetune.errors import UserError
+from finetune.isolation import check_packable
 from finetune.loss import resolve_impl
 from finetune.model import load_model, load_tokenizer
 from finetune.model_with_loss import CausalLMWithLoss
@@ -77,6 +78,8 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> EvalResult:
             raise UserError("the recipe has no eval data: set eval_datasets or data.val_fraction")
         if lm is None:
             lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+        if recipe.data.packing:
+            check_packable(lm, tokenizer.pad_token_id)
         lm = lm.to(device)
         impl = resolve_impl(recipe.loss.impl, device)
         net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl)

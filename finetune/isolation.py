@@ -9,8 +9,10 @@ wrapper around the model, so it is measured once before a packed run trains, on 
 What is measured: the same packed micro-batch is run twice, the second time with the tokens of the *first*
 document replaced. Shapes, positions and kernels are identical between the two runs, so any change in the
 logits of the other documents can only come from attention crossing a document (or a batch-row) boundary.
-When isolation holds the change is exactly 0 in every dtype we measured (masked keys contribute exact zeros);
-a leak moves logits by ~0.1 on tiny random models and by ~14 on SmolLM2-135M. Why not compare "packed" with
+When isolation holds the change is exactly 0 in every dtype we measured (masked keys contribute exact zeros),
+up to rounding in MoE models (default_tolerance); a leak of attention moves logits by ~0.1 on tiny random models
+and by ~14 on SmolLM2-135M. Layers that carry a state along the sequence can leak far less, so they are refused
+from the model's structure first (check_packable). Why not compare "packed" with
 "each document alone": the two use different shapes and kernels, whose noise in half precision is as large as
 a leak (docs/design.md, "Packing").
 """
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from finetune.architectures import packing_refusal
 from finetune.data.collate import collate_packed
 from finetune.errors import UserError
 
-__all__ = ["check_packing_isolation", "default_tolerance"]
+__all__ = ["check_packable", "check_packing_isolation", "default_tolerance"]
 
 # Two short documents of different lengths; a fixed generator so the check is reproducible.
 _DOC_LENGTHS = (7, 11)
@@ -30,26 +33,36 @@ _SEED = 1234
 _PAD_ID = 0
 
 
-def default_tolerance(dtype: torch.dtype, device: torch.device | None = None) -> float:
-    """Largest cross-document logit change that still counts as isolated, by compute dtype.
+def check_packable(model: torch.nn.Module, pad_token_id: int | None) -> None:
+    """Refuse packing for a model whose structure lets packed documents see each other whatever the dtype and
+    the device (layers carrying a state along the sequence, attention transformers does not isolate), or whose
+    padding trains to NaN. Runs whether or not data.packing_check is on: no measurement can make these right."""
+    why = packing_refusal(model, pad_token_id)
+    if why:
+        raise UserError(why)
 
-    With isolation the measured change is exactly 0 (same kernels, masked keys contribute exact
-    zeros), so the tolerance only has to absorb kernels that are not bit-reproducible run to run
-    (e.g. split-K or atomics on some GPUs), which cost a few units in the last place of O(1-10)
-    activations: fp32 ~1e-6..1e-5 -> 1e-4; bf16/fp16 (8/11-bit mantissas, and fp32 with TF32
-    matmuls on CUDA, 10 bits) ~1e-2 -> 5e-2. A leak is far above either: >= 0.12 on tiny random
-    Llama/Qwen2 models and ~14 on SmolLM2-135M in every dtype.
+
+def default_tolerance(dtype: torch.dtype, device: torch.device | None = None) -> float:
+    """Largest cross-document logit change that still counts as isolated, by compute dtype and device.
+
+    With isolation the measured change is exactly 0: the two runs have the same shapes and kernels, and masked
+    keys contribute exact zeros (fp32, CPU, every architecture of docs/models.md), except for rounding where an
+    MoE expert's matmul gets another number of rows because the other document routes differently (FlexOlmo:
+    7.5e-8, and 0.0 in float64). A tolerance absorbs that and kernels that are not bit-reproducible run to run,
+    a few units in the last place of O(1-30) logits:
+      - fp32 on a CPU: 1e-5, a few ulps of a logit of 20. Leaks of short convolutions at random init are as
+        small as 1e-4 (LFM2-MoE: 9.7e-5), which the former 1e-4 let through;
+      - fp32 on CUDA: 1e-4 (atomics in scatter/index_add kernels, e.g. MoE expert sums, reorder additions);
+      - bf16/fp16, and fp32 with TF32 matmuls on CUDA (8-11 bit mantissas): 5e-2.
+    A leak of attention is far above all of them: >= 0.12 on tiny random Llama/Qwen2 models and ~14 on
+    SmolLM2-135M in every dtype. Leaks that are small at any size, those of layers that carry a state along the
+    sequence, are refused from the model's structure before this check runs (architectures.packing_refusal).
     """
     if dtype in (torch.bfloat16, torch.float16):
         return 5e-2
-    if (
-        dtype == torch.float32
-        and device is not None
-        and device.type == "cuda"
-        and torch.backends.cuda.matmul.allow_tf32
-    ):
-        return 5e-2
-    return 1e-4
+    if device is not None and device.type == "cuda":
+        return 5e-2 if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else 1e-4
+    return 1e-5
 
 
 def _input_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from finetune import attention
+from finetune import architectures, attention
 from finetune.errors import UserError, first_line
 from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
 
@@ -118,6 +118,7 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
         _keep_4bit_trainable(model)
     else:
         model = _plain_model(cfg, tokenizer, seed)
+    _check_fused_loss(model, tokenizer)
     _document_attention(model, cfg)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
@@ -146,6 +147,18 @@ def freeze_except(model: torch.nn.Module, patterns: list[str]) -> None:
                         f"model; its parameters are named like {sample}, ...")
     for param in model.parameters():
         param.requires_grad_(any(c.match(n) for c in compiled for n in names[id(param)]))
+
+
+def _check_fused_loss(model: torch.nn.Module, tokenizer: Any) -> None:
+    """Refuse, at load, a model whose own loss the fused loss would not compute (finetune/architectures.py)."""
+    why = architectures.loss_refusal(model.config)
+    if why:
+        raise UserError(why)
+    _, head = output_layer(model)
+    vocab = architectures.head_spec(model.config, head.weight.shape[0]).vocab
+    if vocab is not None and vocab < len(tokenizer):
+        raise UserError(f"model.config.unpadded_vocab_size {vocab} is smaller than the tokenizer's {len(tokenizer)} "
+                        "tokens: the model has no logits for the others. Use a tokenizer of at most that many tokens")
 
 
 def _keep_4bit_trainable(model: torch.nn.Module) -> None:
@@ -283,10 +296,22 @@ def _random_init_config(cfg: ModelConfig, tokenizer: Any) -> Any:
     if config.vocab_size < len(tokenizer):
         raise UserError(f"model.config.vocab_size {config.vocab_size} is smaller than the tokenizer's "
                         f"{len(tokenizer)} tokens")
-    config.pad_token_id = tokenizer.pad_token_id
-    config.eos_token_id = tokenizer.eos_token_id
-    config.bos_token_id = tokenizer.bos_token_id
+    _set_token_ids(config, tokenizer)
     return config
+
+
+def _set_token_ids(config: Any, tokenizer: Any) -> None:
+    """The tokenizer's pad, eos and bos ids on the config. A tokenizer without one (no bos, often) clears the
+    config's, except where the config's field takes only an int (CWM, ModernBERT-decoder): there it keeps its own."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(tokenizer, name)
+        try:
+            setattr(config, name, value)
+        except StrictDataclassError as e:
+            if value is not None:
+                raise UserError(f"model.config: the tokenizer's {name} {value}: {first_line(e)}") from None
 
 
 def _nf4_config(dtype: torch.dtype) -> Any:
@@ -306,9 +331,11 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
     # With tied embeddings, a trained copy of lm_head (or embed_tokens) must stay one tensor with the other:
     # else the two drift apart, the merged model silently becomes untied and the weight is stored twice.
     tie = bool(adapter.modules_to_save) and bool(getattr(model.config, "tie_word_embeddings", False))
+    # all-linear: PEFT's every nn.Linear but the output layer, less those a LoRA would not act on correctly.
+    exclude = architectures.lora_exclusions(model) if adapter.target_modules == "all-linear" else []
     config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
-                        target_modules=adapter.target_modules, modules_to_save=adapter.modules_to_save,
-                        ensure_weight_tying=tie, task_type="CAUSAL_LM")
+                        target_modules=adapter.target_modules, exclude_modules=exclude or None,
+                        modules_to_save=adapter.modules_to_save, ensure_weight_tying=tie, task_type="CAUSAL_LM")
     try:
         with quiet_peft():
             peft_model = get_peft_model(model, config)
@@ -350,6 +377,8 @@ def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder, head = base.get_decoder(), base.get_output_embeddings()
+    if decoder is base:  # Llama4ForCausalLM: its get_decoder() finds no `language_model`; the backbone is .model
+        decoder = getattr(base, "model", None)
     if decoder is None or head is None:
         raise UserError(f"{type(base).__name__} has no separate decoder/output layer; the fused loss needs both")
     return decoder, head

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from finetune.architectures import head_spec
 from finetune.logprobs import token_logprobs
 from finetune.loss import linear_cross_entropy
 from finetune.model import output_layer
@@ -24,8 +25,10 @@ class CausalLMWithLoss(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module, impl: str, chunk_size: int, z_loss: float, softcap: float | None):
         super().__init__()
         self.lm, self.impl, self.chunk_size, self.z_loss = lm, impl, chunk_size, z_loss
-        # Models that soft-cap their logits (Gemma 2) must keep doing so inside the fused loss.
-        self.softcap = softcap or getattr(lm.config, "final_logit_softcapping", None)
+        # What the model's own head does to its logits (a scale, a soft-cap, a vocabulary slice), done here too:
+        # else the run would train other logits than the model's (finetune/architectures.py).
+        self.head = head_spec(lm.config, output_layer(lm)[1].weight.shape[0])
+        self.softcap = softcap or self.head.softcap
 
     @classmethod
     def for_recipe(cls, lm: torch.nn.Module, loss: LossConfig, impl: str) -> CausalLMWithLoss:
@@ -41,11 +44,11 @@ class CausalLMWithLoss(torch.nn.Module):
         # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).last_hidden_state
-        bias = getattr(head, "bias", None)
+        hidden, weight, bias = self.head.apply(hidden, head.weight, getattr(head, "bias", None))
         if per_token:
-            return token_logprobs(hidden, head.weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
+            return token_logprobs(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
                                   softcap=self.softcap)
-        return linear_cross_entropy(hidden, head.weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
+        return linear_cross_entropy(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
                                     z_loss=self.z_loss, softcap=self.softcap)
 
 

@@ -25,7 +25,7 @@ from finetune.data import DataStats, StepPlan, collate, rank_micro_batches
 from finetune.data.cache import prepare
 from finetune.errors import UserError
 from finetune.evaluate import evaluate_loss
-from finetune.isolation import check_packing_isolation
+from finetune.isolation import check_packable, check_packing_isolation
 from finetune.loss import resolve_impl
 from finetune.metrics import (
     MetricsLogger,
@@ -176,6 +176,8 @@ def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch
     trainable, total = count_parameters(lm)
     if world.is_main:
         check_disk_room(Path(recipe.output_dir), lm, checkpointing=checkpointing)
+    if recipe.data.packing:
+        check_packable(lm, tokenizer.pad_token_id)
     if recipe.data.packing and recipe.data.packing_check:
         err = check_packing_isolation(lm, len(tokenizer))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
@@ -206,6 +208,7 @@ def train_loop(run: Run) -> None:
     if done.step == 0 and recipe.eval.at_start:
         _evaluate(run, 0)
     clock, bad_streak = Stopwatch(), 0
+    depth_width = _depth_width(run.lm)
     for step in range(done.step, plan.total):
         clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
         epoch, step_rows = plan.step(step)
@@ -233,8 +236,8 @@ def train_loop(run: Run) -> None:
         seconds = clock.lap()
         done = Progress(step + 1, done.tokens_seen + seq_tokens, done.samples_seen + sum(
             len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows))
-        step_mfu = mfu(seq_tokens / seconds / world.size, run.n_params, run.lm.config.num_hidden_layers,
-                       run.lm.config.hidden_size, recipe.data.max_seq_len or 2048, run.device)
+        step_mfu = mfu(seq_tokens / seconds / world.size, run.n_params, *depth_width,
+                       recipe.data.max_seq_len or 2048, run.device) if all(depth_width) else None
         if run.logger:
             run.logger.log({
                 "step": done.step, "total_steps": plan.total, "epoch": epoch, "loss": loss,
@@ -255,6 +258,12 @@ def train_loop(run: Run) -> None:
             _save_checkpoint(run, done, epoch)
     _evaluate(run, plan.total)
     _save_final(run)
+
+
+def _depth_width(lm: torch.nn.Module) -> tuple[int | None, int | None]:
+    """(layers, hidden size) of the text model, for MFU; None where a config has no such figure (BLT's parts)."""
+    text = lm.config.get_text_config()
+    return getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
 
 
 def _step_counts(objective: Objective, micro: list[dict], device: torch.device) -> tuple[dict[str, int], int, int]:

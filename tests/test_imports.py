@@ -1,8 +1,8 @@
 """The import direction of docs/design.md ("Layout"), checked by parsing every module's imports with ast.
 
-recipe -> data -> model -> loss -> trainer -> metrics. Leaves (errors, labels, versions, recipe, dist, attention)
-import nothing from the package but `errors` (recipe: versions); data, model, loss, optim, metrics and checkpoint
-never import each other; only cli imports the trainer, and lazily.
+recipe -> data -> model -> loss -> trainer -> metrics. Leaves (errors, labels, versions, recipe, dist, attention,
+architectures) import nothing from the package but `errors` (recipe: versions); data, model, loss, optim, metrics
+and checkpoint never import each other; only cli imports the trainer, and lazily.
 """
 
 import ast
@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention"}
+LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention", "architectures"}
 SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
 # What each module may import from the package (beyond `errors`, which everything may import). A package (recipe,
 # data, metrics) is one module here: its files may import each other.
@@ -22,21 +22,23 @@ ALLOWED = {
     "dist": set(),
     "attention": set(),  # transformers' attention extension point, registered by model
     "data": {"recipe", "labels"},
-    "model": {"attention", "recipe"},
+    "model": {"architectures", "attention", "recipe"},
     "loss": {"labels"},
     "optim": {"recipe"},
     "rundir": {"recipe"},  # the run directory's layout and readers
     "metrics": {"recipe", "rundir"},
     "checkpoint": {"dist", "recipe", "rundir"},
-    "isolation": {"data"},  # runs packed rows through a model as training collates them
+    "architectures": set(),  # per-model_type knowledge: output heads, what is refused, LoRA exclusions
+    "isolation": {"architectures", "data"},  # runs packed rows through a model as training collates them
     "logprobs": {"labels", "loss"},  # per-token log-probabilities through the fused head (preference objectives)
     "preference": set(),  # the per-pair DPO/ORPO losses, pure functions
-    "model_with_loss": {"logprobs", "loss", "model", "recipe"},
+    "model_with_loss": {"architectures", "logprobs", "loss", "model", "recipe"},
     "objective": {"model_with_loss", "preference", "recipe"},
     "parallel": {"dist", "model", "recipe"},
     "reference": {"data", "dist", "model", "model_with_loss", "objective", "recipe"},
     "trained": {"model", "recipe", "rundir"},
-    "evaluate": {"dist", "data", "loss", "model", "model_with_loss", "objective", "recipe", "trained"},
+    "evaluate": {"dist", "data", "isolation", "loss", "model", "model_with_loss", "objective", "recipe",
+                 "trained"},
     "trainer": {"checkpoint", "data", "dist", "evaluate", "isolation", "loss", "metrics", "model", "model_with_loss",
                 "objective", "optim", "parallel", "recipe", "reference", "rundir", "versions"},
     "cli": {"checkpoint", "compare", "data", "evaluate", "generate", "merge", "model", "plot", "recipe", "rundir",
