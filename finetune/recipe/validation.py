@@ -125,6 +125,31 @@ def cross_checks(recipe: Recipe) -> list[str]:
         problems.append("model.dtype: qlora computes in float32 or bfloat16; float16 is not supported")
     if m.gguf_file and m.init == "random":
         problems.append("model.gguf_file: only meaningful with init: pretrained")
+    return problems + _chat_checks(recipe)
+
+
+# apply_chat_template's own arguments, which finetune sets itself: a template variable must not shadow them.
+_TEMPLATE_ARGUMENTS = ("conversation", "messages", "chat_template", "add_generation_prompt", "continue_final_message",
+                       "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _chat_checks(recipe: Recipe) -> list[str]:
+    """tokenizer.chat_template_kwargs and each dataset's roles_to_train."""
+    problems = [f"tokenizer.chat_template_kwargs.{key}: an argument finetune sets itself, not a template variable"
+                for key in recipe.tokenizer.chat_template_kwargs if key in _TEMPLATE_ARGUMENTS]
+    for key in DATASET_LISTS:
+        for i, ds in enumerate(getattr(recipe, key)):
+            roles = ds.roles_to_train
+            if len(set(roles)) != len(roles):
+                problems.append(f"{key}.{i}.roles_to_train: {roles} names a role twice")
+            if roles == ["assistant"]:
+                continue
+            if ds.format == "completion":
+                problems.append(f"{key}.{i}.roles_to_train: format completion has no roles (every token is trained)")
+            elif ds.train_on_inputs:
+                problems.append(f"{key}.{i}.roles_to_train: train_on_inputs: true trains every role; drop one of "
+                                "the two keys")
     return problems
 
 
