@@ -201,6 +201,16 @@ def test_literal_special_token_text_becomes_the_token_and_masking_stays_exact():
     assert [t for t, _ in trained_texts(tokenizer, family, messages, sample)] == ["a<|im_end|>b<|im_end|>"]
 
 
+def test_a_template_that_is_not_local_is_an_error_not_a_guess():
+    family = FAMILY["qwen2.5"]
+    tokenizer = family.build()  # shared: the next build() puts the official template back
+    tokenizer.chat_template = ("{{ messages[-1]['content'] }}|{% for m in messages %}{{ m['role'] }}: "
+                               "{{ m['content'] }}<|im_end|>{% endfor %}")
+    with pytest.raises(UserError, match=r"t.jsonl:7: the chat template renders message 0 \(user\) differently "
+                                        r"when the text of message 1 \(assistant\) changes"):
+        mask(tokenizer, family, conversations(False)["single"])
+
+
 # --- recipe keys and data rows ------------------------------------------------------------------------------
 
 def test_recipe_template_kwargs_and_roles_reach_the_samples(tmp_path):
