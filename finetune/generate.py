@@ -2,16 +2,16 @@
 
 RUN_DIR is a run directory (its final/ holds a full model, or a LoRA adapter that goes on the run's base,
 rebuilt as `finetune merge` rebuilds it), or any HF model directory (e.g. RUN_DIR/merged). The conversation is
-rendered with the tokenizer's chat template, saved with the run, so the model sees prompts formatted exactly
-as in training. Tokens stream to stdout as they are produced. Generation uses the KV cache: it is inference on
+rendered with the tokenizer's chat template, saved with the run, and the run's tokenizer.chat_template_kwargs,
+so the model sees prompts formatted exactly as in training. Tokens stream to stdout as they are produced. Generation uses the KV cache: it is inference on
 one sequence, where the packed-document problem that makes training turn the cache off does not arise.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -36,6 +36,8 @@ class GenerationOptions:
     """A system message put before the conversation."""
     min_new_tokens: int = 0
     """Generate at least this many tokens before the model may stop."""
+    template_kwargs: Mapping[str, Any] | None = None
+    """Chat template variables; None: those the run was trained with (its tokenizer.chat_template_kwargs)."""
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Completion:
 
 def generate(run_dir: str, prompt: str, options: GenerationOptions) -> str:
     """Answer one user message, streaming the reply to stdout; returns the reply."""
-    model, tokenizer = load_for_inference(run_dir)
+    model, tokenizer, options = _load_with_options(run_dir, options)
     torch.manual_seed(options.seed)
     messages = _with_system([{"role": "user", "content": prompt}], options.system)
     return complete(model, tokenizer, messages, options).text
@@ -59,7 +61,7 @@ def generate(run_dir: str, prompt: str, options: GenerationOptions) -> str:
 def chat(run_dir: str, options: GenerationOptions) -> None:
     """A REPL: one user message per line from stdin, replies streamed, the conversation kept, until EOF or
     /exit (/reset starts over)."""
-    model, tokenizer = load_for_inference(run_dir)
+    model, tokenizer, options = _load_with_options(run_dir, options)
     torch.manual_seed(options.seed)
     interactive = sys.stdin.isatty()
     if interactive:
@@ -86,12 +88,13 @@ def chat_session(model: Any, tokenizer: Any, options: GenerationOptions, lines: 
     return history
 
 
-def render_prompt(tokenizer: Any, messages: list[dict]) -> str:
+def render_prompt(tokenizer: Any, messages: list[dict], template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The conversation rendered by the chat template, ending with the assistant's header (generation prompt)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the model's tokenizer has no chat template; train with tokenizer.chat_template set, "
                         "or add chat_template.jinja to the model directory")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **dict(template_kwargs or {}))
 
 
 def complete(model: Any, tokenizer: Any, messages: list[dict], options: GenerationOptions,
@@ -99,7 +102,7 @@ def complete(model: Any, tokenizer: Any, messages: list[dict], options: Generati
     """Generate the assistant's reply to `messages`; tokens stream to `stream` (None: silent)."""
     from transformers import GenerationConfig, TextStreamer
 
-    prompt = render_prompt(tokenizer, messages)
+    prompt = render_prompt(tokenizer, messages, options.template_kwargs)
     # The template writes the special tokens itself: adding them again would double the bos.
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(_device(model))
     max_new = _room(model, ids.shape[1], options.max_new_tokens)
@@ -119,11 +122,26 @@ def complete(model: Any, tokenizer: Any, messages: list[dict], options: Generati
     return Completion(tokenizer.decode(new, skip_special_tokens=True).strip(), prompt, int(new.numel()))
 
 
+def _load_with_options(run_dir: str, options: GenerationOptions) -> tuple[Any, Any, GenerationOptions]:
+    """load_for_inference, and the options with the run's chat template kwargs unless they give their own."""
+    model, tokenizer, template_kwargs = _load(run_dir)
+    if options.template_kwargs is None:
+        options = replace(options, template_kwargs=template_kwargs)
+    return model, tokenizer, options
+
+
 def load_for_inference(run_dir: str) -> tuple[Any, Any]:
     """(model in eval mode on the best device, tokenizer) from a run directory, its final/, or an HF model
     directory."""
+    model, tokenizer, _ = _load(run_dir)
+    return model, tokenizer
+
+
+def _load(run_dir: str) -> tuple[Any, Any, dict[str, Any]]:
+    """load_for_inference's model and tokenizer, and the chat template kwargs of the run ({} for a model dir)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    template_kwargs: dict[str, Any] = {}
     path = Path(run_dir).expanduser()
     if has_adapter(path) and is_run(path.parent):
         path = path.parent  # RUN/final holding an adapter: its base comes from the run's recipe
@@ -133,6 +151,7 @@ def load_for_inference(run_dir: str) -> tuple[Any, Any]:
             print("note: QLoRA adapter applied to the base loaded unquantized (as `finetune merge` does)",
                   file=sys.stderr)
         model, tokenizer = load_trained(path, recipe)
+        template_kwargs = dict(recipe.tokenizer.chat_template_kwargs)
     elif (path / "config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         model = _load_hf(AutoModelForCausalLM, path, "auto")
@@ -140,7 +159,7 @@ def load_for_inference(run_dir: str) -> tuple[Any, Any]:
         raise UserError(f"{run_dir}: neither a run directory (recipe.yaml + final/) nor an HF model directory "
                         "(config.json)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), tokenizer, template_kwargs
 
 
 def _load_hf(auto: Any, path: Path, dtype: str) -> Any:
@@ -181,7 +200,8 @@ def _fit_context(model: Any, tokenizer: Any, messages: list[dict], options: Gene
     messages = list(messages)
     first = 1 if messages and messages[0]["role"] == "system" else 0
     while len(messages) - first > 1:
-        n = len(tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"])
+        prompt = render_prompt(tokenizer, messages, options.template_kwargs)
+        n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         if n + min(options.max_new_tokens, 64) <= limit:
             break
         del messages[first]

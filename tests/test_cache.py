@@ -122,6 +122,8 @@ CHANGES = {
     "format": _set("datasets", "format", "alpaca"),
     "messages_field": _set("datasets", "messages_field", "conversation"),
     "train_on_inputs": _set("datasets", "train_on_inputs", True),
+    "roles_to_train": _set("datasets", "roles_to_train", ["user", "assistant"]),
+    "chat template kwargs": _set("tokenizer", "chat_template_kwargs", {"enable_thinking": False}),
     "max_rows": _set("datasets", "max_rows", 10),
     "eval format option": _set("eval_datasets", "train_on_inputs", True),
     "max_seq_len": _set("data", "max_seq_len", 64),

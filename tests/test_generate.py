@@ -55,6 +55,24 @@ def test_prompt_goes_through_the_chat_template_and_tokens_come_out(loaded):
     assert result.new_tokens == 6 and result.text
 
 
+def test_chat_template_kwargs_reach_the_prompt(loaded, monkeypatch):
+    import copy
+
+    from finetune import generate as generate_module
+
+    model, tokenizer = loaded
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = "{{ greeting | default('none') }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "user", "content": QUESTION}]
+    assert render_prompt(tokenizer, messages) == f"none:{QUESTION}"
+    options = GenerationOptions(max_new_tokens=1, template_kwargs={"greeting": "hey"})
+    assert complete(model, tokenizer, messages, options, stream=None).prompt == f"hey:{QUESTION}"
+    # generate/chat take the run's tokenizer.chat_template_kwargs unless the options give their own.
+    monkeypatch.setattr(generate_module, "_load", lambda run_dir: (model, tokenizer, {"greeting": "run"}))
+    assert generate_module._load_with_options("RUN", GenerationOptions())[2].template_kwargs == {"greeting": "run"}
+    assert generate_module._load_with_options("RUN", options)[2].template_kwargs == {"greeting": "hey"}
+
+
 def test_generate_streams_the_reply_and_greedy_is_deterministic(run_dir, capsys):
     options = GenerationOptions(max_new_tokens=8, min_new_tokens=8)
     first = generate(str(run_dir), QUESTION, options)

@@ -1,5 +1,8 @@
 """Turn raw rows into examples: a list of chat messages (alpaca, chat) or a plain text (completion).
 
+Which messages are trained is decided here, once per message: a message's own `train: true|false` wins,
+otherwise its role is trained when it is in the dataset's `roles_to_train` (default: assistant only). With
+`train_on_inputs: true` every token is trained, except the turns of messages marked `train: false`.
 Every check names the row's origin (file:line). Nothing here knows about tokenizers.
 """
 
@@ -11,6 +14,12 @@ from typing import Any
 from finetune.data.sources import BadRow, RawRow
 
 ROLES = ("system", "user", "assistant")
+DEFAULT_ROLES_TO_TRAIN = ("assistant",)
+# Message fields kept besides role and content: an assistant turn's reasoning, under the names chat templates read
+# (Qwen3, DeepSeek: reasoning_content; gpt-oss: thinking). Other fields are ignored, except other tools' names for
+# the per-message flag, which are errors (ignoring them would train what the data says not to).
+REASONING_FIELDS = ("reasoning_content", "thinking")
+_MISNAMED_FLAGS = ("training", "weight")
 
 
 @dataclass(frozen=True)
@@ -21,17 +30,21 @@ class Example:
     messages: tuple[dict[str, str], ...] = ()
     text: str | None = None
     train_on_inputs: bool = False
+    trained: tuple[bool, ...] = ()
+    """Per message: is its turn trained? Empty: the assistant turns are (an Example built without formats.py)."""
 
 
 def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_field: str = "text",
-               train_on_inputs: bool = False) -> Example:
+               train_on_inputs: bool = False, roles_to_train: tuple[str, ...] = DEFAULT_ROLES_TO_TRAIN) -> Example:
     """Convert one raw row; raise BadRow (a UserError) naming the row's origin when it does not fit the format."""
     if row.error:
         raise BadRow(f"{row.origin}: {row.error}")
+    flags: tuple[bool | None, ...]
     if fmt == "chat":
-        messages = _chat_messages(row, messages_field)
+        messages, flags = _chat_messages(row, messages_field)
     elif fmt == "alpaca":
         messages = _alpaca_messages(row)
+        flags = (None,) * len(messages)
     elif fmt == "completion":
         text = row.data.get(text_field)
         if not isinstance(text, str) or not text:
@@ -40,10 +53,26 @@ def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_
         return Example(row.origin, text=text, train_on_inputs=True)
     else:
         raise ValueError(f"unknown format {fmt!r}")  # the schema only admits the three above
-    return Example(row.origin, messages=messages, train_on_inputs=train_on_inputs)
+    trained = _trained(row.origin, messages, flags, train_on_inputs, roles_to_train)
+    return Example(row.origin, messages=messages, train_on_inputs=train_on_inputs, trained=trained)
 
 
-def _chat_messages(row: RawRow, field: str) -> tuple[dict[str, str], ...]:
+def _trained(origin: str, messages: tuple[dict[str, str], ...], flags: tuple[bool | None, ...],
+             train_on_inputs: bool, roles_to_train: tuple[str, ...]) -> tuple[bool, ...]:
+    """Per message: its own `train` flag, else its role in roles_to_train (train_on_inputs: every message)."""
+    by_role = tuple(flag if flag is not None else m["role"] in roles_to_train for m, flag in zip(messages, flags))
+    if not any(by_role):
+        if not any(m["role"] == "assistant" for m in messages):
+            raise BadRow(f"{origin}: no assistant turn, so nothing to train on")
+        if not train_on_inputs:
+            raise BadRow(f"{origin}: no message is trained (roles_to_train: {', '.join(roles_to_train)}; a "
+                         "message marked train: false is not), so nothing to train on")
+    if train_on_inputs:
+        return tuple(flag if flag is not None else True for flag in flags)
+    return by_role
+
+
+def _chat_messages(row: RawRow, field: str) -> tuple[tuple[dict[str, str], ...], tuple[bool | None, ...]]:
     raw = row.data.get(field)
     if raw is None:
         raise BadRow(f"{row.origin}: missing field {field!r}{_fields_hint(row.data)}")
@@ -51,7 +80,7 @@ def _chat_messages(row: RawRow, field: str) -> tuple[dict[str, str], ...]:
         raise BadRow(f"{row.origin}: {field!r} must be a list of {{role, content}}, got {type(raw).__name__}")
     if not raw:
         raise BadRow(f"{row.origin}: empty conversation")
-    messages = []
+    messages, flags = [], []
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
             raise BadRow(f"{row.origin}: message {i} is not an object")
@@ -64,10 +93,32 @@ def _chat_messages(row: RawRow, field: str) -> tuple[dict[str, str], ...]:
             raise BadRow(f"{row.origin}: message {i} has unknown role {role!r}; allowed: {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise BadRow(f"{row.origin}: message {i} ({role}) needs a string 'content'")
-        messages.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRow(f"{row.origin}: no assistant turn, so nothing to train on")
-    return tuple(messages)
+        messages.append({"role": role, "content": content, **_reasoning(row.origin, i, message)})
+        flags.append(_train_flag(row.origin, i, message))
+    return tuple(messages), tuple(flags)
+
+
+def _train_flag(origin: str, i: int, message: dict[str, Any]) -> bool | None:
+    """A message's own `train: true|false` (None: absent, its role decides)."""
+    for name in _MISNAMED_FLAGS:
+        if name in message:
+            raise BadRow(f"{origin}: message {i} has {name!r}; the per-message flag is train: true|false")
+    flag = message.get("train")
+    if flag is not None and not isinstance(flag, bool):
+        raise BadRow(f"{origin}: message {i} has train: {flag!r}; it must be true or false")
+    return flag
+
+
+def _reasoning(origin: str, i: int, message: dict[str, Any]) -> dict[str, str]:
+    """The message's reasoning fields, which only an assistant message may carry, as strings."""
+    found = {k: message[k] for k in REASONING_FIELDS if message.get(k) is not None}
+    for key, value in found.items():
+        if message.get("role") != "assistant":
+            raise BadRow(f"{origin}: message {i} ({message.get('role')}) has {key!r}; only assistant messages "
+                         "carry reasoning")
+        if not isinstance(value, str):
+            raise BadRow(f"{origin}: message {i} (assistant) has a {key!r} that is not a string")
+    return found
 
 
 def _alpaca_messages(row: RawRow) -> tuple[dict[str, str], ...]:

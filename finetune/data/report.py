@@ -50,6 +50,24 @@ def _print_stats(console: Any, p: Prepared) -> None:
     console.print(table)
     for example in p.train_stats.bad_row_examples + p.eval_stats.bad_row_examples:
         console.print(f"  bad row: {example}", markup=False, highlight=False)
+    for line in template_notes(p.train_stats) + template_notes(p.eval_stats, "eval: "):
+        console.print(f"  note: {line}", markup=False, highlight=False)
+
+
+def template_notes(stats: DataStats, prefix: str = "") -> list[str]:
+    """One line per thing the chat template did that a user should know of (none when nothing happened)."""
+    lines = []
+    if stats.turns_text_changed:
+        lines.append(f"{prefix}{stats.turns_text_changed:,} trained turns are rendered with text of theirs left out "
+                     "or changed by the chat template (e.g. reasoning it drops from earlier turns); only what is "
+                     "rendered is trained (docs/chat-templates.md)")
+    if stats.turns_not_rendered:
+        lines.append(f"{prefix}{stats.turns_not_rendered:,} trained messages are not rendered by the chat template "
+                     "at all (e.g. Mistral Nemo drops the system prompt unless a user message comes last)")
+    if stats.rows_with_special_token_text:
+        lines.append(f"{prefix}{stats.rows_with_special_token_text:,} rows have message text that spells a special "
+                     "token (e.g. <|im_end|>): it is tokenized as that token, as at inference")
+    return lines
 
 
 def _nice_step(span: int, bins: int) -> int:

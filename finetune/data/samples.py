@@ -9,7 +9,8 @@ import multiprocessing
 import os
 import random
 import sys
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -39,7 +40,8 @@ def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
                 stats.rows_read += 1
                 try:
                     examples.append(to_example(row, cfg.format, messages_field=cfg.messages_field,
-                                               text_field=cfg.text_field, train_on_inputs=cfg.train_on_inputs))
+                                               text_field=cfg.text_field, train_on_inputs=cfg.train_on_inputs,
+                                               roles_to_train=tuple(cfg.roles_to_train)))
                     taken += 1
                 except BadRow as e:
                     stats.bad_row(e, on_bad_row)
@@ -56,23 +58,26 @@ PARALLEL_MIN_EXAMPLES = 256
 
 
 def tokenize_examples(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                      on_bad_row: str = "error") -> list[dict]:
-    """Tokenize, then truncate or drop samples longer than max_seq_len (counted in stats).
+                      on_bad_row: str = "error", template_kwargs: Mapping[str, Any] | None = None) -> list[dict]:
+    """Tokenize (chat templates rendered with `template_kwargs`), then truncate or drop samples longer than
+    max_seq_len (counted in stats).
 
     With `data.num_proc > 1` the examples are tokenized by that many worker processes, in contiguous chunks
     whose results are put back in order: the samples and the stats are exactly those of one serial pass.
     """
+    kwargs = dict(template_kwargs or {})
     if data.num_proc > 1 and len(examples) >= PARALLEL_MIN_EXAMPLES:
-        return _tokenize_parallel(examples, tokenizer, data, stats, on_bad_row)
-    return _tokenize_serial(examples, tokenizer, data, stats, on_bad_row)
+        return _tokenize_parallel(examples, tokenizer, data, stats, on_bad_row, kwargs)
+    return _tokenize_serial(examples, tokenizer, data, stats, on_bad_row, kwargs)
 
 
 def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                     on_bad_row: str) -> list[dict]:
+                     on_bad_row: str, template_kwargs: dict[str, Any]) -> list[dict]:
     samples = []
+    notes: Counter[str] = Counter()
     for example in examples:
         try:
-            sample = tokenize_example(example, tokenizer)
+            sample = tokenize_example(example, tokenizer, template_kwargs, notes)
         except BadRow as e:
             stats.bad_row(e, on_bad_row)
             continue
@@ -93,6 +98,7 @@ def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConf
         stats.tokens += len(sample["input_ids"])
         stats.target_tokens += sum(1 for x in sample["labels"][1:] if x != IGNORE_INDEX)
         samples.append(sample)
+    stats.add_notes(notes)
     return samples
 
 
@@ -108,13 +114,14 @@ def _init_worker(tokenizer: Any) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _tokenize_chunk(examples: Sequence[Example], data: DataConfig, on_bad_row: str) -> tuple[list[dict], DataStats]:
+def _tokenize_chunk(examples: Sequence[Example], data: DataConfig, on_bad_row: str,
+                    template_kwargs: dict[str, Any]) -> tuple[list[dict], DataStats]:
     stats = DataStats()
-    return _tokenize_serial(examples, _WORKER_TOKENIZER, data, stats, on_bad_row), stats
+    return _tokenize_serial(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs), stats
 
 
 def _tokenize_parallel(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                       on_bad_row: str) -> list[dict]:
+                       on_bad_row: str, template_kwargs: dict[str, Any]) -> list[dict]:
     # A few chunks per worker evens out chunks of unequal cost (long conversations cluster in files).
     size = -(-len(examples) // (data.num_proc * 4))
     chunks = [examples[i: i + size] for i in range(0, len(examples), size)]
@@ -131,7 +138,7 @@ def _tokenize_parallel(examples: Sequence[Example], tokenizer: Any, data: DataCo
     try:
         # map yields in chunk order, so the first bad row raised is the one a serial pass would raise.
         for part, part_stats in pool.map(_tokenize_chunk, chunks, itertools.repeat(data),
-                                         itertools.repeat(on_bad_row)):
+                                         itertools.repeat(on_bad_row), itertools.repeat(template_kwargs)):
             samples.extend(part)
             stats.add(part_stats)
     finally:
@@ -155,8 +162,9 @@ def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict
         held = set(order[:n_val])
         eval_examples = [e for i, e in enumerate(train_examples) if i in held]
         train_examples = [e for i, e in enumerate(train_examples) if i not in held]
-    train = tokenize_examples(train_examples, tokenizer, recipe.data, train_stats, on_bad)
-    evals = tokenize_examples(eval_examples, tokenizer, recipe.data, eval_stats, on_bad)
+    kwargs = recipe.tokenizer.chat_template_kwargs
+    train = tokenize_examples(train_examples, tokenizer, recipe.data, train_stats, on_bad, kwargs)
+    evals = tokenize_examples(eval_examples, tokenizer, recipe.data, eval_stats, on_bad, kwargs)
     paths = ", ".join(d.path for d in recipe.datasets)
     if not train:
         raise UserError(f"datasets: no training samples in {paths}: {train_stats.rows_read} rows read, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from finetune.data.sources import BadRow
@@ -33,6 +34,15 @@ class DataStats:
     input_tokens: int = 0  # tokens of every tokenized sample, before truncation
     truncated_tokens: int = 0  # cut off the end of truncated samples
     dropped_tokens: int = 0  # in samples dropped as too long (truncation: drop)
+    # What chat templates did (tokenize.py's notes), so that `finetune preprocess` can say so:
+    turns_text_changed: int = 0  # trained turns whose text the template changed beyond whitespace (reasoning dropped)
+    turns_not_rendered: int = 0  # trained messages the template did not render at all
+    rows_with_special_token_text: int = 0  # rows whose message text spells a special token (it becomes that token)
+
+    def add_notes(self, notes: Mapping[str, int]) -> None:
+        """Add tokenize.py's per-example notes (keys: the counters above)."""
+        for name, count in notes.items():
+            setattr(self, name, getattr(self, name) + count)
 
     def add(self, other: DataStats) -> None:
         """Add another part's counts (parallel tokenization): the same totals as one serial pass."""

@@ -1,30 +1,52 @@
 """Examples -> token ids and labels, with -100 on every token that is not trained.
 
-Chat examples are rendered once with the tokenizer's chat template; the character spans of assistant turns
-are found by rendering each conversation prefix, then mapped to tokens through the tokenizer's offsets.
-A turn's span runs from after the assistant header (the generation prompt) to the end of the turn, minus
-trailing whitespace: for ChatML that is the content plus `<|im_end|>`, not the newline the template writes
-between turns (the model stops at `<|im_end|>`; what follows it is the template's, not the answer's).
-`train_on_inputs: true` trains every token (but the first, which nothing predicts).
-That works with any template whose rendering of a conversation prefix is a prefix of the whole rendering,
-and it is checked: a template that rewrites earlier turns is reported, not silently mis-masked.
+A chat example is rendered once with the tokenizer's chat template (and the recipe's
+tokenizer.chat_template_kwargs) and that text is tokenized. chat_spans.py finds the character span of every
+trained message in it; a token is trained when its first character lies in one. For an assistant turn the span
+is what follows the assistant header up to and including the end-of-turn marker (ChatML: the content plus
+`<|im_end|>`, not the newline the template writes between turns: the model stops at `<|im_end|>`). Which
+messages are trained was decided by formats.py (roles_to_train, per-message `train` flags).
+`train_on_inputs: true` trains every token (but the first, which nothing predicts), except the turns of
+messages marked `train: false`.
+
+Text in a message that spells one of the tokenizer's added tokens (`<|im_end|>` typed into a user message)
+becomes that token, as it does when the same text is rendered and tokenized at inference (transformers splits
+added tokens out of any text); masking stays exact by character. Such rows are counted (`notes`), so
+`finetune preprocess` can say how many there are.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
+from finetune.data.chat_spans import (
+    REASONING_FIELDS,
+    ChatLayout,
+    TemplateNotLocal,
+    added_tokens,
+    chat_layout,
+    trained_tokens,
+)
 from finetune.data.formats import Example
 from finetune.data.sources import BadRow
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
+# The `notes` a chat example can add to (DataStats counters of the same names).
+NOTE_SPECIAL_TEXT = "rows_with_special_token_text"
+NOTE_UNRENDERED = "turns_not_rendered"
+NOTE_ALTERED = "turns_text_changed"
 
-def tokenize_example(example: Example, tokenizer: Any) -> dict[str, list[int]]:
+
+def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None,
+                     notes: Counter[str] | None = None) -> dict[str, list[int]]:
     """Token ids and labels (unshifted) for one example.
 
     The first token's label is always IGNORE_INDEX: nothing predicts it, and a packed row then never trains
-    one document's last token to predict the next document's first.
+    one document's last token to predict the next document's first. `notes`, when given, counts what the
+    template did to the example's trained turns (NOTE_* keys).
     """
     if example.text is not None:
         ids = tokenizer(example.text, add_special_tokens=True)["input_ids"]
@@ -33,61 +55,47 @@ def tokenize_example(example: Example, tokenizer: Any) -> dict[str, list[int]]:
             ids = [*ids, tokenizer.eos_token_id]
         labels = list(ids)
     else:
-        ids, labels = _tokenize_chat(example, tokenizer)
+        ids, labels = _tokenize_chat(example, tokenizer, template_kwargs, notes if notes is not None else Counter())
     if labels:
         labels[0] = IGNORE_INDEX
     return {"input_ids": ids, "labels": labels}
 
 
-def _tokenize_chat(example: Example, tokenizer: Any) -> tuple[list[int], list[int]]:
+def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
+                   notes: Counter[str]) -> tuple[list[int], list[int]]:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template; set tokenizer.chat_template in the recipe "
                         "(or use format: completion)")
     messages = list(example.messages)
-    full = _render(tokenizer, messages, example)
-    if example.train_on_inputs:
-        ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-        return ids, list(ids)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start_text = _render(tokenizer, messages[:i], example, generation_prompt=True)
-        end_text = _render(tokenizer, messages[: i + 1], example)
-        if not (full.startswith(end_text) and end_text.startswith(start_text)):
-            raise UserError(
-                f"{example.origin}: the chat template renders a conversation prefix differently from the whole "
-                "conversation, so assistant turns cannot be located for label masking. Use a template whose "
-                "earlier turns do not change (tokenizer.chat_template), or set train_on_inputs: true."
-            )
-        spans.append((len(start_text), len(end_text.rstrip())))
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"]
-    labels = [IGNORE_INDEX] * len(ids)
-    span_index = 0
-    for t, (start, _end) in enumerate(encoded["offset_mapping"]):
-        while span_index < len(spans) and start >= spans[span_index][1]:
-            span_index += 1
-        if span_index < len(spans) and spans[span_index][0] <= start < spans[span_index][1]:
-            labels[t] = ids[t]
+    trained = example.trained or tuple(m["role"] == "assistant" for m in messages)
+    # train_on_inputs trains everything; only messages marked train: false need locating, to be masked.
+    wanted = [i for i, t in enumerate(trained) if t != example.train_on_inputs]
+    try:
+        layout = chat_layout(tokenizer, messages, wanted, template_kwargs)
+    except TemplateNotLocal as e:
+        raise UserError(f"{example.origin}: {e}") from None
+    except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
+        raise BadRow(f"{example.origin}: the chat template refused this conversation: {e}") from None
+    encoded = tokenizer(layout.text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    in_spans = trained_tokens(encoded["offset_mapping"], layout.turns)
+    labels = [t if flag != example.train_on_inputs else IGNORE_INDEX for t, flag in zip(ids, in_spans)]
+    _take_notes(notes, tokenizer, messages, layout, example.train_on_inputs)
     return ids, labels
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], example: Example, generation_prompt: bool = False) -> str:
-    if not messages:
-        if not generation_prompt:
-            return ""
-        # The header before an opening assistant turn. transformers refuses to render an empty conversation,
-        # so take what the generation prompt adds after a probe turn. If even that fails, the only cost is
-        # that this header gets trained.
-        probe = [{"role": "user", "content": "x"}]
-        try:
-            plain = tokenizer.apply_chat_template(probe, tokenize=False)
-            prompted = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-        except Exception:
-            return ""
-        return prompted[len(plain):] if prompted.startswith(plain) else ""
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
-        raise BadRow(f"{example.origin}: the chat template refused this conversation: {e}") from None
+def _take_notes(notes: Counter[str], tokenizer: Any, messages: list[dict[str, str]], layout: ChatLayout,
+                train_on_inputs: bool) -> None:
+    """Count what the template did to the trained turns, and text that spells a special token."""
+    notes[NOTE_UNRENDERED] += len(layout.unrendered)
+    if not train_on_inputs:
+        for turn in layout.turns:
+            message = messages[turn.message_index]
+            rendered = layout.text[turn.start:turn.end]
+            texts = [message["content"], *(message.get(k) or "" for k in REASONING_FIELDS)]
+            if any(t.strip() and t.strip() not in rendered for t in texts):
+                notes[NOTE_ALTERED] += 1  # e.g. reasoning the template drops from earlier turns (Qwen3, R1)
+    _, specials = added_tokens(tokenizer)
+    texts = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
+    if any(s in t for s in specials for t in texts):
+        notes[NOTE_SPECIAL_TEXT] += 1

@@ -51,6 +51,10 @@ class TokenizerConfig(Section):
     """Tokenizer directory or hub id; defaults to model.path."""
     chat_template: str | None = None
     """A Jinja chat template (string) replacing the tokenizer's own."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template, passed when training data is rendered and again by `finetune
+    generate`/`chat` on this run, e.g. {enable_thinking: false} (Qwen3: no reasoning; its empty think block is then
+    part of the prompt, not trained) or {date_string: 26 Jul 2024} (Llama 3.2: a fixed date instead of today's)."""
 
 
 class AdapterConfig(Section):
@@ -87,7 +91,13 @@ class DatasetConfig(Section):
     text_field: str = "text"
     """completion: the field holding the text."""
     train_on_inputs: bool = False
-    """Also train on prompts (user/system turns, alpaca instruction). Default: only the answers."""
+    """Also train on prompts (user/system turns, alpaca instruction, template headers): every token but those of
+    messages marked `train: false`. Default: only the answers."""
+    roles_to_train: list[Literal["system", "user", "assistant"]] = Field(default_factory=lambda: ["assistant"],
+                                                                         min_length=1)
+    """chat, alpaca: the roles whose turns are trained (a turn: its content and the end-of-turn token after it;
+    assistant turns also what the template writes between the assistant header and the content). A message's own
+    `train: true|false` field wins over its role. docs/chat-templates.md shows what is trained per model family."""
     max_rows: int | None = Field(None, gt=0)
     """Use only the first N rows."""
 

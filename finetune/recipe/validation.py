@@ -135,7 +135,7 @@ def cross_checks(recipe: Recipe) -> list[str]:
     if t.trainable_parameters is not None and recipe.adapter.type != "none":
         problems.append("train.trainable_parameters: only for full fine-tuning (adapter.type: none); with an "
                         "adapter, choose what trains with adapter.target_modules and adapter.modules_to_save")
-    return problems
+    return problems + _chat_checks(recipe)
 
 
 def _objective_checks(recipe: Recipe) -> list[str]:
@@ -155,6 +155,33 @@ def _objective_checks(recipe: Recipe) -> list[str]:
         problems.append(f"loss.z_loss: not with train.objective {recipe.train.objective} (it adds to token losses)")
     if recipe.dpo.label_smoothing and recipe.dpo.loss != "sigmoid":
         problems.append(f"dpo.label_smoothing: only for dpo.loss: sigmoid, not {recipe.dpo.loss}")
+    return problems
+
+
+# apply_chat_template's own arguments, which finetune sets itself: a template variable must not shadow them.
+_TEMPLATE_ARGUMENTS = ("conversation", "messages", "chat_template", "add_generation_prompt", "continue_final_message",
+                       "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _chat_checks(recipe: Recipe) -> list[str]:
+    """tokenizer.chat_template_kwargs and each dataset's roles_to_train."""
+    problems = [f"tokenizer.chat_template_kwargs.{key}: an argument finetune sets itself, not a template variable"
+                for key in recipe.tokenizer.chat_template_kwargs if key in _TEMPLATE_ARGUMENTS]
+    for key in DATASET_LISTS:
+        for i, ds in enumerate(getattr(recipe, key)):
+            roles = ds.roles_to_train
+            if len(set(roles)) != len(roles):
+                problems.append(f"{key}.{i}.roles_to_train: {roles} names a role twice")
+            if roles == ["assistant"]:
+                continue
+            if ds.format == "completion":
+                problems.append(f"{key}.{i}.roles_to_train: format completion has no roles (every token is trained)")
+            elif ds.format == "preference":
+                problems.append(f"{key}.{i}.roles_to_train: format preference scores its completions' assistant turns")
+            elif ds.train_on_inputs:
+                problems.append(f"{key}.{i}.roles_to_train: train_on_inputs: true trains every role; drop one of "
+                                "the two keys")
     return problems
 
 
