@@ -242,7 +242,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     result = verify(recipe, world_size=args.world, reference_micro_batch=args.reference_micro_batch)
     table = Table(title=f"first step: {result.rows} rows, {result.micro_batches} micro-batches, "
-                        f"{result.targets} target tokens")
+                        f"{result.targets} {'target tokens' if result.unit == 'tokens' else result.unit.replace('_', ' ')}")
     table.add_column("parameter group")
     table.add_column("configured vs one batch", justify="right")
     table.add_column("naive mean-of-means vs one batch", justify="right")

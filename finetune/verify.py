@@ -20,8 +20,10 @@ import torch
 from finetune.data import build_samples, collate, epoch_rows, rank_micro_batches
 from finetune.loss import resolve_impl
 from finetune.model import load_model, load_tokenizer
-from finetune.model_with_loss import CausalLMWithLoss, model_inputs
+from finetune.model_with_loss import CausalLMWithLoss
+from finetune.objective import objective_for
 from finetune.recipe import Recipe
+from finetune.reference import attach_reference_logps
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
@@ -35,6 +37,8 @@ class VerifyResult:
     rows: int
     micro_batches: int
     targets: int
+    unit: str = "tokens"
+    """What `targets` counts: target tokens (SFT), pairs (DPO), chosen tokens (ORPO)."""
 
     @property
     def configured_max(self) -> float:
@@ -59,7 +63,12 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
                     trainable=recipe.train.trainable_parameters).to(device)
     # Dropout would make the three passes differ for reasons unrelated to accumulation.
     lm.eval()
-    net = CausalLMWithLoss.for_recipe(lm, recipe.loss, resolve_impl(recipe.loss.impl, device))
+    impl = resolve_impl(recipe.loss.impl, device)
+    if recipe.train.objective == "dpo":
+        attach_reference_logps(recipe, {"train": samples}, lm, tokenizer, impl, device, samples_key=None,
+                               fresh_model=True, say=lambda message: None)
+    net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl)
+    objective = objective_for(recipe)
     t = recipe.train
     step_rows = epoch_rows(samples, recipe.data, recipe.seed, 0)[: t.micro_batch_size * t.gradient_accumulation_steps
                                                                   * world_size]
@@ -69,14 +78,15 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
                   for rows in rank_micro_batches(step_rows, t.micro_batch_size, world_size, rank)]
     size = reference_micro_batch or len(step_rows)
     reference = [collate(step_rows[i: i + size], recipe.data, pad) for i in range(0, len(step_rows), size)]
-    n_step = sum(b["targets"] for b in configured)
+    totals = {u: sum(objective.counts(b)[u] for b in configured) for u in objective.units}
 
     def gradients(batches: list[dict], naive: bool) -> dict[str, torch.Tensor]:
         lm.zero_grad(set_to_none=True)
         for batch in batches:
-            loss_sum, n = net(**model_inputs(batch, device))
-            scale = 1.0 / (max(int(n), 1) * len(batches)) if naive else 1.0 / max(n_step, 1)
-            (loss_sum * scale).backward()
+            terms = objective.forward(net, batch, device).terms
+            # naive: each micro-batch's own mean, divided by the number of micro-batches (what many trainers do)
+            counts = {u: objective.counts(batch)[u] * len(batches) for u in terms} if naive else totals
+            sum(terms[u] / max(counts[u], 1) for u in objective.units).backward()
         return {name: p.grad.detach().clone() for name, p in lm.named_parameters() if p.grad is not None}
 
     ref = gradients(reference, naive=False)
@@ -90,7 +100,8 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
         key = _group_of(name)
         groups[key] = (max(groups[key][0], c), max(groups[key][1], n))
     dtype = next(lm.parameters()).dtype
-    return VerifyResult(dict(groups), TOLERANCE.get(dtype, 1e-5), len(step_rows), len(configured), n_step)
+    return VerifyResult(dict(groups), TOLERANCE.get(dtype, 1e-5), len(step_rows), len(configured),
+                        totals[objective.units[0]], objective.units[0])
 
 
 def _group_of(name: str) -> str:

@@ -47,7 +47,7 @@ ALLOWED = {
     "generate": {"rundir", "trained"},
     "plot": {"metrics", "rundir"},
     "compare": {"recipe", "rundir"},
-    "verify": {"data", "loss", "model", "model_with_loss", "recipe"},
+    "verify": {"data", "loss", "model", "model_with_loss", "objective", "recipe", "reference"},
     "__main__": {"cli"},
     "__init__": set(),
 }

@@ -85,10 +85,10 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
 
 
 def split_pair(sample: dict) -> list[dict]:
-    """A preference sample's chosen and rejected sequences as two samples (its reference log-probabilities on
-    the first)."""
+    """A preference sample's chosen and rejected sequences as two samples (the first keeps the pair, whose
+    reference log-probabilities are read when it is collated)."""
     (n_chosen, _), ids, labels = sample["docs"], sample["input_ids"], sample["labels"]
-    chosen = {"input_ids": ids[:n_chosen], "labels": labels[:n_chosen], "ref_logps": sample.get("ref_logps")}
+    chosen = {"input_ids": ids[:n_chosen], "labels": labels[:n_chosen], "pair": sample}
     rejected = {"input_ids": ids[n_chosen:], "labels": labels[n_chosen:]}
     return [{**chosen, "filler": sample.get("filler")}, {**rejected, "filler": sample.get("filler")}]
 
@@ -105,8 +105,8 @@ def pair_fields(rows: Sequence[dict], labels: torch.Tensor, packed: bool, filler
         for length in row_docs:
             doc_index[i, start:start + length] = doc
             doc, start = doc + 1, start + length
-    refs = [ref for r in rows for ref in (r.get("pairs", []) if packed else [r.get("ref_logps")] if "ref_logps" in r
-                                          else [])] if not filler else []
+    pairs = [pair for r in rows for pair in r.get("pairs", [])] if packed else [r["pair"] for r in rows if "pair" in r]
+    refs = [] if filler else [pair.get("ref_logps") for pair in pairs]
     scored = torch.zeros_like(labels, dtype=torch.bool)
     scored[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position t scores label t + 1
     chosen = scored & (doc_index >= 0) & (doc_index % 2 == 0)

@@ -159,8 +159,8 @@ def _best_fit(kept: list[Kept], max_seq_len: int, rng: random.Random) -> list[li
 
 def _row(kept: list[Kept], members: list[int]) -> dict:
     """One packed row of the given samples, in order: positions restart at 0 for each document (a preference
-    pair is two: its chosen and its rejected sequence, side by side, and the row lists each pair's reference
-    log-probabilities under "pairs")."""
+    pair is two: its chosen and its rejected sequence, side by side, and the row lists its pair samples under
+    "pairs")."""
     row: dict = {"input_ids": [], "labels": [], "position_ids": [], "doc_lengths": []}
     for k in members:
         ids, labels, sample = kept[k]
@@ -174,6 +174,6 @@ def _row(kept: list[Kept], members: list[int]) -> dict:
             row["position_ids"].extend(range(length))  # restart at 0: this is what marks the document boundary
             row["doc_lengths"].append(length)
             start += length
-        if "docs" in sample:
-            row.setdefault("pairs", []).append(sample.get("ref_logps"))
+        if "docs" in sample:  # the sample itself: its reference log-probabilities may be attached later
+            row.setdefault("pairs", []).append(sample)
     return row

@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from finetune.data.formats import Example, to_example
+from finetune.data.pairs import PairExample, fit_pair, pair_sample, to_pair, tokenize_pair
 from finetune.data.sources import BadRow, read_rows
 from finetune.data.stats import DataStats
 from finetune.data.tokenize import tokenize_example
@@ -39,9 +40,9 @@ def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
                     break
                 stats.rows_read += 1
                 try:
-                    examples.append(to_example(row, cfg.format, messages_field=cfg.messages_field,
-                                               text_field=cfg.text_field, train_on_inputs=cfg.train_on_inputs,
-                                               roles_to_train=tuple(cfg.roles_to_train)))
+                    examples.append(to_pair(row) if cfg.format == "preference" else to_example(
+                        row, cfg.format, messages_field=cfg.messages_field, text_field=cfg.text_field,
+                        train_on_inputs=cfg.train_on_inputs, roles_to_train=tuple(cfg.roles_to_train)))
                     taken += 1
                 except BadRow as e:
                     stats.bad_row(e, on_bad_row)
@@ -77,9 +78,17 @@ def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConf
     notes: Counter[str] = Counter()
     for example in examples:
         try:
-            sample = tokenize_example(example, tokenizer, template_kwargs, notes)
+            if isinstance(example, PairExample):
+                sides = tokenize_pair(example, tokenizer, template_kwargs, notes)
+            else:
+                sample = tokenize_example(example, tokenizer, template_kwargs, notes)
         except BadRow as e:
             stats.bad_row(e, on_bad_row)
+            continue
+        if isinstance(example, PairExample):
+            sample = _fitted_pair(*sides, data, stats)
+            if sample is not None:
+                samples.append(sample)
             continue
         n = len(sample["input_ids"])
         stats.input_tokens += n
@@ -100,6 +109,26 @@ def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConf
         samples.append(sample)
     stats.add_notes(notes)
     return samples
+
+
+def _fitted_pair(chosen: dict, rejected: dict, data: DataConfig, stats: DataStats) -> dict | None:
+    """A pair within data.max_seq_len (cut from its longer completion, or dropped per data.truncation), counted."""
+    n = len(chosen["input_ids"]) + len(rejected["input_ids"])
+    stats.input_tokens += n
+    fitted = fit_pair(chosen, rejected, data.max_seq_len)
+    if fitted is None or (fitted[2] and data.truncation == "drop"):
+        stats.dropped_too_long += 1
+        stats.dropped_tokens += n
+        return None
+    chosen, rejected, cut = fitted
+    if cut:
+        stats.truncated += 1
+        stats.truncated_tokens += cut
+    sample = pair_sample(chosen, rejected)
+    stats.samples += 1
+    stats.tokens += len(sample["input_ids"])
+    stats.target_tokens += sum(1 for side in (chosen, rejected) for x in side["labels"][1:] if x != IGNORE_INDEX)
+    return sample
 
 
 _WORKER_TOKENIZER: Any = None  # set once per worker process by _init_worker

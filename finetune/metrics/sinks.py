@@ -81,8 +81,12 @@ class ConsoleSink:
 
     def write(self, record: dict[str, Any]) -> None:
         if is_eval(record):
-            self.console.print(f"eval  step {record['step']:>5}  eval_loss {record['eval_loss']:.4f}  "
-                               f"({record.get('eval_tokens', '?')} tokens)")
+            counted = "pairs" if "eval_pairs" in record else "tokens"
+            line = (f"eval  step {record['step']:>5}  eval_loss {record['eval_loss']:.4f}  "
+                    f"({record.get(f'eval_{counted}', '?')} {counted})")
+            if "eval_reward_accuracy" in record:
+                line += f"  reward_accuracy {record['eval_reward_accuracy']:.3f}"
+            self.console.print(line)
             return
         self.window.append(record)
         if self.progress is not None:
@@ -102,16 +106,19 @@ class ConsoleSink:
 
 
 def window_loss(records: list[dict[str, Any]]) -> float:
-    """Token-weighted mean loss of several steps: sum(loss_i * tokens_i) / sum(tokens_i).
+    """Token-weighted mean loss of several steps: sum(loss_i * tokens_i) / sum(tokens_i) (pair-weighted for
+    preference objectives, whose loss is per pair).
 
     Each step's loss is already a mean over its own target tokens, so weighting by those counts gives the mean
     over every target token of the window, the same quantity one step logs. A plain mean of the step losses
-    would overweight steps with few targets.
+    would overweight steps with few targets. (ORPO's loss has a per-token and a per-pair part: weighting by
+    pairs makes its window mean close, not exact.)
     """
-    tokens = sum(number(r, "tokens") for r in records)
-    if not tokens:
+    unit = "pairs" if "pairs" in records[-1] else "tokens"
+    weight = sum(number(r, unit) for r in records)
+    if not weight:
         return float("nan")
-    return sum(number(r, "loss") * number(r, "tokens") for r in records) / tokens
+    return sum(number(r, "loss") * number(r, unit) for r in records) / weight
 
 
 def format_window(records: list[dict[str, Any]]) -> str:
@@ -125,6 +132,8 @@ def format_window(records: list[dict[str, Any]]) -> str:
         line += f"  upd {number(last, 'update_ratio'):.1e}"
     if isinstance(last.get("mfu"), (int, float)):
         line += f"  mfu {100 * last['mfu']:.1f}%"
+    if "reward_accuracy" in last:
+        line += f"  reward_accuracy {number(last, 'reward_accuracy'):.3f}  margin {number(last, 'reward_margin'):.3f}"
     skipped = sum(1 for r in records if r.get("skipped"))
     if skipped:
         line += f"  ({skipped} skipped)"

@@ -1,0 +1,138 @@
+"""Preference rows -> pairs of tokenized conversations sharing a prompt (format: preference, TRL's layout).
+
+A row is `prompt` (a string, or a list of chat messages) with `chosen` and `rejected` (a string, or a list of
+assistant messages), or the implicit-prompt form: `chosen` and `rejected` are two whole conversations, and the
+prompt is their longest common prefix of messages. Each side is rendered with the chat template as one
+conversation (prompt + completion), and only the completion's assistant turns are scored, by the same masking
+as SFT data (finetune/data/tokenize.py).
+
+A pair is one sample of two documents (chosen, then rejected), {"input_ids", "labels", "docs": [n_chosen,
+n_rejected]}, and it stays whole: it is never split across rows, micro-batches or ranks, and data.max_seq_len
+bounds the pair (both sequences together), so a packed row always holds whole pairs and packing on or off
+scores the same tokens. Too long a pair loses tokens from the end of its longer completion first
+(data.truncation: truncate), never its prompt, or is dropped (drop); a pair left without a scored token on
+either side is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.data.formats import ROLES, Example
+from finetune.data.sources import BadRow, RawRow
+from finetune.data.tokenize import tokenize_example
+from finetune.labels import IGNORE_INDEX
+
+Messages = tuple[dict[str, str], ...]
+
+
+@dataclass(frozen=True)
+class PairExample:
+    """A preference row as messages: the shared prompt and the two completions."""
+
+    origin: str
+    prompt: Messages
+    chosen: Messages
+    rejected: Messages
+
+    def side(self, completion: Messages) -> Example:
+        """One side as a chat example whose scored turns are the completion's assistant turns."""
+        trained = (False,) * len(self.prompt) + tuple(m["role"] == "assistant" for m in completion)
+        return Example(self.origin, messages=self.prompt + completion, trained=trained)
+
+
+def to_pair(row: RawRow) -> PairExample:
+    """Convert one preference row; BadRow naming the row's origin when it does not fit the format."""
+    if row.error:
+        raise BadRow(f"{row.origin}: {row.error}")
+    data = row.data
+    for key in ("chosen", "rejected"):
+        if key not in data:
+            raise BadRow(f"{row.origin}: preference rows need 'chosen' and 'rejected' (fields present: "
+                         f"{', '.join(sorted(data)) or 'none'})")
+    if "prompt" in data:
+        prompt = _messages(row.origin, "prompt", data["prompt"], default_role="user")
+        if prompt and prompt[-1]["role"] == "assistant":
+            raise BadRow(f"{row.origin}: the prompt ends with an assistant message; the completions answer it")
+        chosen = _messages(row.origin, "chosen", data["chosen"], default_role="assistant")
+        rejected = _messages(row.origin, "rejected", data["rejected"], default_role="assistant")
+    else:
+        prompt, chosen, rejected = _implicit_prompt(row.origin, data["chosen"], data["rejected"])
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        if not completion or completion[0]["role"] != "assistant":
+            raise BadRow(f"{row.origin}: '{name}' must start with an assistant message")
+    if chosen == rejected:
+        raise BadRow(f"{row.origin}: 'chosen' and 'rejected' are the same; a pair must differ")
+    return PairExample(row.origin, prompt, chosen, rejected)
+
+
+def _messages(origin: str, key: str, value: Any, default_role: str) -> Messages:
+    if isinstance(value, str):
+        return ({"role": default_role, "content": value},)
+    if not isinstance(value, list) or not value:
+        raise BadRow(f"{origin}: '{key}' must be a string or a non-empty list of messages, got "
+                     f"{type(value).__name__}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise BadRow(f"{origin}: '{key}' message {i} needs a role ({', '.join(ROLES)}) and a string content")
+        out.append({"role": m["role"], "content": m["content"]})
+    return tuple(out)
+
+
+def _implicit_prompt(origin: str, chosen: Any, rejected: Any) -> tuple[Messages, Messages, Messages]:
+    """The longest common prefix of two conversations, taken as their prompt (messages compared whole)."""
+    if not isinstance(chosen, list) or not isinstance(rejected, list):
+        raise BadRow(f"{origin}: without 'prompt', 'chosen' and 'rejected' must be whole conversations (lists of "
+                     "messages) sharing their prompt; for plain strings, give 'prompt'")
+    c = _messages(origin, "chosen", chosen, "assistant")
+    r = _messages(origin, "rejected", rejected, "assistant")
+    shared = 0
+    while shared < min(len(c), len(r)) and c[shared] == r[shared]:
+        shared += 1
+    while shared and c[shared - 1]["role"] == "assistant":  # the prompt ends before an assistant turn
+        shared -= 1
+    if not shared:
+        raise BadRow(f"{origin}: 'chosen' and 'rejected' share no prompt (their first messages differ)")
+    return c[:shared], c[shared:], r[shared:]
+
+
+def tokenize_pair(pair: PairExample, tokenizer: Any, template_kwargs: Any = None,
+                  notes: Any = None) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Each side as one tokenized conversation, its completion's assistant turns scored."""
+    return (tokenize_example(pair.side(pair.chosen), tokenizer, template_kwargs, notes),
+            tokenize_example(pair.side(pair.rejected), tokenizer, template_kwargs, notes))
+
+
+def pair_sample(chosen: dict[str, list[int]], rejected: dict[str, list[int]]) -> dict:
+    """The sample of a pair: one unit of two documents, chosen then rejected."""
+    return {"input_ids": chosen["input_ids"] + rejected["input_ids"], "labels": chosen["labels"] + rejected["labels"],
+            "docs": [len(chosen["input_ids"]), len(rejected["input_ids"])]}
+
+
+def fit_pair(chosen: dict[str, list[int]], rejected: dict[str, list[int]],
+             max_seq_len: int | None) -> tuple[dict[str, list[int]], dict[str, list[int]], int] | None:
+    """(chosen, rejected, tokens cut) within max_seq_len together, cut from the end of the longer completion
+    first and never into a prompt nor a side's last scored token; None when they cannot fit so."""
+    lengths = [len(chosen["input_ids"]), len(rejected["input_ids"])]
+    keep = [_last_kept(side) for side in (chosen, rejected)]
+    if None in keep:
+        return None  # a side with nothing scored (truncated away by the template, or empty)
+    excess = sum(lengths) - max_seq_len if max_seq_len else 0
+    cut = 0
+    while excess > 0:
+        side = 0 if lengths[0] - keep[0] >= lengths[1] - keep[1] else 1
+        if lengths[side] <= keep[side]:
+            return None
+        lengths[side] -= 1
+        excess, cut = excess - 1, cut + 1
+    sides = [{k: v[:n] for k, v in s.items()} for s, n in zip((chosen, rejected), lengths)]
+    return sides[0], sides[1], cut
+
+
+def _last_kept(side: dict[str, list[int]]) -> int | None:
+    """The fewest tokens a side can keep: up to and including its first scored token."""
+    labels = side["labels"]
+    first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+    return None if first is None else first + 1

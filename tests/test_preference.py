@@ -1,0 +1,130 @@
+"""Preference training (train.objective dpo and orpo): the per-pair formulas on hand-computed values, exact
+accumulation on the user's own first step (finetune verify), and real runs through the CLI."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from helpers import QUICKSTART, ROOT, TINY, eval_lines, run_cli, train_lines
+
+from finetune.preference import dpo_losses, orpo_log_odds, orpo_ratio_losses
+from finetune.recipe import load_recipe
+
+DATA = ROOT / "examples" / "data"
+PREF = [f"datasets.0.path={DATA / 'quickstart_pref_train.jsonl'}", "datasets.0.format=preference",
+        f"eval_datasets.0.path={DATA / 'quickstart_pref_eval.jsonl'}", "eval_datasets.0.format=preference"]
+
+
+def _t(*values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+# beta 0.1; policy chosen -10, rejected -12; reference -11 both; 4 and 8 completion tokens: margin D = 2.
+@pytest.mark.parametrize(("kind", "smoothing", "expected"), [
+    ("sigmoid", 0.0, math.log1p(math.exp(-0.2))),  # -log sigmoid(0.2) = 0.5981388693815918
+    ("sigmoid", 0.1, 0.6181388693815918),  # conservative DPO
+    ("hinge", 0.0, 0.8),
+    ("ipo", 0.0, (0.25 + 0.125 - 5.0) ** 2),  # ((1/4) - (-1/8) - 1/(2 x 0.1))^2 = 21.390625
+])
+def test_dpo_losses_on_hand_computed_values(kind, smoothing, expected):
+    loss = dpo_losses(_t(-10), _t(-12), _t(-11), _t(-11), _t(4), _t(8), beta=0.1, kind=kind,
+                      label_smoothing=smoothing)
+    assert float(loss) == pytest.approx(expected, rel=1e-12)
+
+
+def test_at_the_reference_the_losses_are_known_constants():
+    same = _t(-7.5, -3.0)
+    for kind, value in (("sigmoid", math.log(2)), ("hinge", 1.0), ("ipo", 1 / (4 * 0.1 ** 2))):
+        losses = dpo_losses(same, same, same, same, _t(3, 4), _t(3, 4), beta=0.1, kind=kind)
+        assert torch.allclose(losses, torch.full_like(losses, value))
+
+
+def test_orpo_on_hand_computed_values():
+    log_odds = orpo_log_odds(_t(-10.0), _t(-12.0), _t(4), _t(8))  # mean log-probs -2.5 and -1.5
+    assert float(log_odds) == pytest.approx(-1.1668319751834157, rel=1e-12)
+    assert float(orpo_ratio_losses(log_odds)) == pytest.approx(1.4378904510435508, rel=1e-12)
+    certain = orpo_log_odds(_t(0.0), _t(-1.0), _t(3), _t(3))  # p = 1 rounds to a finite log odds
+    assert torch.isfinite(certain).all()
+
+
+def _recipe(*extra):
+    return load_recipe(QUICKSTART, [*TINY, *PREF, "datasets.0.max_rows=96", "eval_datasets.0.max_rows=16",
+                                    "data.packing_check=false", *extra])
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+@pytest.mark.parametrize("packing", [True, False])
+def test_gradient_accumulation_and_ranks_are_exact(objective, packing):
+    """The first step's gradient, split 2 ranks x 2 micro-batches x 3 rows, equals one batch of all its rows
+    within verify's float32 tolerance (1e-5 relative); each micro-batch's own mean divided by their number (the
+    naive scheme) does not."""
+    from finetune.verify import verify
+
+    recipe = _recipe(f"train.objective={objective}", f"data.packing={packing}", "train.micro_batch_size=3",
+                     "train.gradient_accumulation_steps=2", "dpo.loss=sigmoid")
+    result = verify(recipe, world_size=2)
+    assert result.unit == ("pairs" if objective == "dpo" else "chosen_tokens") and result.targets > 0
+    assert result.passed and result.tolerance == 1e-5, result.groups
+    if objective == "dpo" and not packing:
+        # Padded, every micro-batch holds 3 pairs: then (and only then) the naive mean of means is exact too.
+        assert result.naive_max < 1e-5
+    else:  # packed rows hold varying numbers of pairs, and ORPO's cross-entropy is per token: the check has power
+        assert result.naive_max > 1e-3, result.groups
+
+
+@pytest.mark.parametrize("loss", ["ipo", "hinge"])
+def test_other_dpo_losses_are_exact_too(loss):
+    from finetune.verify import verify
+
+    recipe = _recipe("train.objective=dpo", f"dpo.loss={loss}", "train.micro_batch_size=2",
+                     "train.gradient_accumulation_steps=3")
+    assert verify(recipe, world_size=1).passed
+
+
+def test_dpo_run_starts_at_log_2_learns_and_reuses_its_reference(tmp_path):
+    args = ["train", str(QUICKSTART), *TINY, *PREF, "train.objective=dpo", "datasets.0.max_rows=200",
+            "eval_datasets.0.max_rows=40", "train.max_steps=8", "train.warmup_steps=0", "train.lr=3e-3",
+            "eval.at_start=true"]
+    r = run_cli(*args, f"output_dir={tmp_path / 'a'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    computed = re.search(r"reference log-probabilities computed for (\d+) pairs", r.stdout)
+    assert computed and 200 < int(computed.group(1)) <= 240  # pairs too long for max_seq_len 256 are dropped
+    steps, evals = train_lines(tmp_path / "a"), eval_lines(tmp_path / "a")
+    # The policy is the reference before the first update: every pair loss is log 2, every reward 0.
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(steps[0]["reward_margin"]) < 1e-5 and steps[0]["pairs"] > 0
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6) and 30 < evals[0]["eval_pairs"] <= 40
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] and evals[-1]["eval_reward_margin"] > 0
+    again = run_cli(*args, f"output_dir={tmp_path / 'b'}")
+    assert again.returncode == 0 and "reference log-probabilities reused from" in again.stdout
+    assert train_lines(tmp_path / "b")[-1]["loss"] == steps[-1]["loss"]
+
+
+def test_lora_dpo_uses_the_base_as_reference_and_orpo_needs_none(tmp_path):
+    lora = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'lora'}", *TINY, *PREF, "train.objective=dpo",
+                   "adapter.type=lora", "datasets.0.max_rows=64", "eval_datasets.0.max_rows=8", "train.max_steps=2")
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    assert train_lines(tmp_path / "lora")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    orpo = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'orpo'}", *TINY, *PREF, "train.objective=orpo",
+                   "datasets.0.max_rows=64", "eval_datasets.0.max_rows=8", "train.max_steps=3", "train.lr=3e-3")
+    assert orpo.returncode == 0, orpo.stderr[-3000:]
+    assert "reference log-probabilities" not in orpo.stdout
+    lines = train_lines(tmp_path / "orpo")
+    assert {"nll_loss", "or_loss", "log_odds", "chosen_tokens", "pairs"} <= set(lines[0])
+    # The loss is the chosen tokens' cross-entropy plus beta x the odds-ratio term, both over the step.
+    assert lines[0]["loss"] == pytest.approx(lines[0]["nll_loss"] + 0.1 * lines[0]["or_loss"], rel=1e-6)
+
+
+def test_preference_recipes_are_checked(write_recipe):
+    from finetune.errors import UserError
+
+    for extra, message in ((["train.objective=dpo", "datasets.0.format=chat"], "use format: preference"),
+                           ([*PREF], "preference data needs train.objective: dpo or orpo"),
+                           ([*PREF, "train.objective=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"],
+                            "only for dpo.loss: sigmoid"),
+                           ([*PREF, "train.objective=orpo", "loss.z_loss=0.1"], "loss.z_loss: not with")):
+        with pytest.raises(UserError, match=message):
+            load_recipe(QUICKSTART, extra)
