@@ -58,7 +58,7 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> tuple[float, dict[s
         if not eval_samples:
             raise UserError("the recipe has no eval data: set eval_datasets or data.val_fraction")
         if lm is None:
-            lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+            lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device)
         lm = lm.to(device)
         impl = resolve_impl(recipe.loss.impl, device)
         net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl)

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import torch
 
+from finetune.dist import default_device
 from finetune.errors import UserError
 from finetune.rundir import finished_run, is_run
 from finetune.trained import has_adapter, load_trained
@@ -139,8 +140,7 @@ def load_for_inference(run_dir: str) -> tuple[Any, Any]:
     else:
         raise UserError(f"{run_dir}: neither a run directory (recipe.yaml + final/) nor an HF model directory "
                         "(config.json)")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), tokenizer
+    return model.to(default_device()).eval(), tokenizer
 
 
 def _load_hf(auto: Any, path: Path, dtype: str) -> Any:

@@ -160,7 +160,7 @@ def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch
                 impl: str, plan: StepPlan) -> tuple[torch.nn.Module, torch.nn.Module, int]:
     """(the model, the model with its loss as the trainer runs it, the number of parameters), checked: room on
     disk for what the run will write, and packed documents isolated from each other."""
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed).to(device)
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device).to(device)
     trainable, total = count_parameters(lm)
     if world.is_main:
         check_disk_room(Path(recipe.output_dir), lm, checkpointing=recipe.checkpoint.every_steps is not None)
@@ -231,7 +231,7 @@ def train_loop(run: Run) -> None:
                 "seq_tokens": seq_tokens, "padded_tokens": padded_tokens, "tokens_seen": done.tokens_seen,
                 "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
                 "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": ratio, "skipped": not healthy,
-                "peak_memory_mb": peak_memory_mb(), "elapsed_s": clock.elapsed,
+                "peak_memory_mb": peak_memory_mb(run.device), "elapsed_s": clock.elapsed,
                 **({"mfu": step_mfu} if step_mfu is not None else {}),
             })
         if bad_streak >= recipe.train.max_bad_steps:  # after logging, so the metrics show the bad steps
