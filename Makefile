@@ -22,7 +22,7 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check finetune tests benchmarks scripts
-	$(PY) -m pytest -q
+	FINETUNE_TEST_ENV=require $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check finetune tests benchmarks scripts
