@@ -11,6 +11,9 @@ import torch
 import yaml
 from helpers import QUICKSTART, TINY, eval_lines, final_weights, rel_diff, run_cli, train_lines
 
+from finetune.dist import default_device
+from finetune.loss import resolve_impl
+
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
@@ -42,7 +45,13 @@ def test_quickstart_run_directory_has_every_file(quick_run):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (final / name).is_file(), name
     assert "packing isolation check passed" in result.stdout
-    assert "loss: chunked; attention: finetune_sdpa_varlen;" in result.stdout  # what auto picked, on a CPU
+    # What auto picked: chunked on a CPU; on a GPU, Liger where liger-kernel imports (a CPU-only expectation here
+    # failed on a CUDA machine).
+    device = default_device()
+    assert f"loss: {resolve_impl('auto', device)}; attention: finetune_sdpa_varlen;" in result.stdout
+    assert f"device: {device};" in result.stdout
+    if device.type == "cpu":
+        assert "loss: chunked; attention: finetune_sdpa_varlen;" in result.stdout
 
 
 def test_eval_of_the_run_directory_reproduces_its_final_eval(quick_run):
