@@ -2,6 +2,9 @@
 
 Tiny random-init Llama models from the quickstart recipe, trained in-process (no subprocess: importing torch,
 transformers and peft costs more than the training here). Logit comparisons are fp32 <= 1e-5.
+
+Device-aware: a QLoRA base is quantized onto DEVICE (the GPU on a CUDA machine, as training does), and inputs go
+to the device of the model they are fed to (on a CUDA machine these tests once fed CPU batches to GPU models).
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs
 from helpers import QUICKSTART, TINY
 
 from finetune.data import build_samples, collate, epoch_rows
+from finetune.dist import default_device
 from finetune.errors import UserError
 from finetune.model import load_base, load_model, load_tokenizer, resolve_path, save_final
 from finetune.model_with_loss import CausalLMWithLoss
@@ -23,6 +28,10 @@ from finetune.recipe import load_recipe
 # Fewer rows than the quickstart's 3000 (tokenizing them would dominate), no packing check (tested elsewhere).
 FAST = [*TINY, "datasets.0.max_rows=48", "eval_datasets.0.max_rows=8", "data.packing_check=false",
         "train.micro_batch_size=2", "train.gradient_accumulation_steps=1", "train.warmup_steps=0"]
+
+
+# Where a QLoRA base goes (and where `finetune generate` puts a model): the GPU on a CUDA machine.
+DEVICE = default_device()
 
 
 def _recipe(*overrides: str):
@@ -39,8 +48,18 @@ def data():
     return tokenizer, collate(rows, recipe.data, tokenizer.pad_token_id)
 
 
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _on(model, batch: dict) -> dict:
+    """The batch's tensors on the model's device."""
+    return {k: v.to(_device(model)) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def _steps(lm, batch, recipe, n: int) -> list[float]:
     """n optimizer steps on one batch through the trainer's path (fused chunked loss, build_optimizer)."""
+    batch = _on(lm, batch)
     net = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)
     optimizer = build_optimizer(lm.named_parameters(), recipe.train)
     net.train()
@@ -57,6 +76,7 @@ def _steps(lm, batch, recipe, n: int) -> list[float]:
 
 def _assert_fused_loss_is_the_models(lm, batch) -> None:
     """Our fused chunked loss through the (adapted) model equals the model's own loss on the batch (1e-5)."""
+    batch = _on(lm, batch)
     lm.eval()
     with torch.no_grad():
         loss_sum, n = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)(
@@ -66,9 +86,11 @@ def _assert_fused_loss_is_the_models(lm, batch) -> None:
 
 
 def _logits(model, batch) -> torch.Tensor:
+    """The model's logits on the batch, computed on the model's device, returned on the CPU."""
+    batch = _on(model, batch)
     model.eval()
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits
+        return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits.cpu()
 
 
 def _base_state(model) -> dict[str, torch.Tensor]:
@@ -140,11 +162,11 @@ def test_lora_on_the_output_layer_is_refused(data):
 def test_qlora_quantizes_the_base_and_the_loss_falls(data):
     """4-bit NF4 linear layers (on CPU), an unquantized output layer for the fused loss, gradient checkpointing,
     and training that lowers the loss."""
-    import bitsandbytes as bnb
-
+    bnb = needs("bitsandbytes")
     tokenizer, batch = data
     recipe = _recipe("adapter.type=qlora", "adapter.r=8", "train.lr=1e-2", "model.gradient_checkpointing=true")
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, DEVICE)
+    assert _device(lm).type == DEVICE.type  # quantized straight onto the training device
     base = lm.get_base_model()
     assert isinstance(base.model.layers[0].mlp.down_proj.base_layer, bnb.nn.Linear4bit)
     head = base.get_output_embeddings()
@@ -157,6 +179,7 @@ def test_qlora_quantizes_the_base_and_the_loss_falls(data):
 
 
 def test_full_fine_tune_with_gradient_checkpointing_and_adamw_8bit(data):
+    needs("bitsandbytes")  # AdamW8bit
     tokenizer, batch = data
     recipe = _recipe("model.gradient_checkpointing=true", "train.optimizer=adamw_8bit", "train.lr=1e-2")
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
@@ -202,7 +225,8 @@ def test_merge_equals_base_plus_adapter(lora_run, data):
         {p.name for p in merged_dir.iterdir()}
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     assert merged.config.use_cache
-    adapted, _ = load_for_inference(str(out))  # base rebuilt from the recipe + final/ adapter
+    adapted, _ = load_for_inference(str(out))  # base rebuilt from the recipe + final/ adapter, on DEVICE
+    merged.to(_device(adapted))  # both on one device: the same kernels, so the 1e-5 compares the merge alone
     assert (_logits(merged, batch) - _logits(adapted, batch)).abs().max() <= 1e-5
     # The adapter did something: the merged model is not the bare base.
     base = load_base(recipe.model, load_tokenizer(recipe.tokenizer, recipe.model), recipe.seed)
@@ -298,6 +322,7 @@ def test_gguf_model_loads_plain_saves_and_adapts(data, tmp_path):
     copy reloads identically, and LoRA/QLoRA on it."""
     from transformers import AutoModelForCausalLM
 
+    needs("gguf")  # transformers' GGUF loader and our writer
     tokenizer, batch = data
     source = load_model(_recipe().model, _recipe().adapter, tokenizer, 0).eval()
     _write_llama_gguf(source, tmp_path / "tiny.gguf")
@@ -312,7 +337,7 @@ def test_gguf_model_loads_plain_saves_and_adapts(data, tmp_path):
     for kind in ("lora", "qlora"):
         adapted = _recipe(f"model.path={tmp_path / 'tiny.gguf'}", "model.init=pretrained", "model.config=null",
                           f"adapter.type={kind}")
-        peft_model = load_model(adapted.model, adapted.adapter, tokenizer, adapted.seed)
+        peft_model = load_model(adapted.model, adapted.adapter, tokenizer, adapted.seed, DEVICE)
         assert _steps(peft_model, batch, adapted, 1)[0] > 0
 
 
@@ -320,9 +345,11 @@ def test_qlora_gradients_survive_an_eval_forward(data):
     """An eval-mode forward (the packing isolation check, a periodic eval) must not change the training math.
     On a CPU with AVX512-BF16, bitsandbytes would repack the 4-bit weights for inference on it, one way, and the
     adapter's gradients afterwards were 0.79 (relative) off. Where the CPU lacks it, this holds trivially."""
+    needs("bitsandbytes")
     tokenizer, batch = data
+    batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     recipe = _recipe("adapter.type=qlora", "adapter.r=8")
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, DEVICE)
 
     def grads() -> torch.Tensor:
         lm.train()
