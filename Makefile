@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install quickstart test lint bench clean
+.PHONY: install quickstart test test-gpu lint bench clean
 
 # Reinstall when the dependency list changes. constraints.txt pins torch so that no package pulls a CUDA build.
 $(STAMP): pyproject.toml constraints.txt
@@ -22,7 +22,15 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check finetune tests benchmarks scripts
-	$(PY) -m pytest -q
+	FINETUNE_TEST_ENV=require $(PY) -m pytest -q
+
+# On a CUDA machine: the whole suite with the gpu tests, bf16 LoRA and QLoRA CLI runs, the GPU benchmark (smoke);
+# one verdict, exit 1 on failure or without CUDA. No install step: a GPU machine brings its own environment
+# (../shared/gpu/README.md); .venv's python when there is one, else python3. STAGES=suite or STAGES=lora,qlora,bench
+# runs a part (a GPU machine may limit one command's time).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu:
+	$(GPU_PY) scripts/test_gpu.py $(if $(STAGES),--only $(STAGES))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check finetune tests benchmarks scripts

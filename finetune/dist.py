@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from finetune.errors import UserError
+
 
 @dataclass(frozen=True)
 class World:
@@ -36,9 +38,50 @@ def from_env() -> World:
                  int(os.environ.get("LOCAL_RANK", 0)))
 
 
+# Where ranks compute: auto (a GPU per rank when CUDA is there, else the CPU), cpu or cuda. `cpu` runs every rank
+# on the CPU with gloo on a CUDA machine too (tests, debugging, more ranks than GPUs); `finetune train` and
+# torchrun workers read it from the environment.
+DEVICE_ENV = "FINETUNE_DEVICE"
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def device_setting() -> str:
+    """FINETUNE_DEVICE, lower-cased; unset or empty is auto. Anything else is a UserError naming the choices."""
+    value = os.environ.get(DEVICE_ENV, "").strip().lower() or "auto"
+    if value not in DEVICE_CHOICES:
+        raise UserError(f"{DEVICE_ENV}={os.environ[DEVICE_ENV]!r}: choose one of {', '.join(DEVICE_CHOICES)} "
+                        "(auto: a GPU per rank when CUDA is available, else the CPU)")
+    return value
+
+
+def choose_device(world: World, setting: str | None = None, cuda_count: int | None = None) -> torch.device:
+    """This rank's device under FINETUNE_DEVICE (`setting` and `cuda_count` default to the environment's).
+
+    auto and cuda give rank LOCAL_RANK the GPU of that index, so a machine needs one GPU per rank: two ranks on
+    one GPU would both need it under NCCL, which refuses that. Such a start is a UserError that says what to do.
+    """
+    setting = device_setting() if setting is None else setting
+    count = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if cuda_count is None else cuda_count
+    if setting == "cpu" or (setting == "auto" and count == 0):
+        return torch.device("cpu")
+    if count == 0:
+        raise UserError(f"{DEVICE_ENV}=cuda, but torch sees no CUDA device (torch {torch.__version__}, built for "
+                        f"CUDA {torch.version.cuda}); unset it to run on the CPU")
+    if world.local_rank >= count:
+        raise UserError(f"local rank {world.local_rank} needs GPU {world.local_rank}, but this machine has {count} "
+                        f"visible: start at most {count} process(es) per machine (torchrun --nproc_per_node / "
+                        f"--nproc), or set {DEVICE_ENV}=cpu to run every rank on the CPU with gloo")
+    return torch.device("cuda", world.local_rank)
+
+
+def default_device() -> torch.device:
+    """The device of a command that runs in one process (verify, generate): choose_device of this process."""
+    return choose_device(from_env())
+
+
 def init(world: World, timeout_s: float = 600.0) -> torch.device:
-    """Start the process group (nccl on CUDA, gloo on CPU) and return this rank's device."""
-    device = torch.device("cuda", world.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    """Start the process group (nccl on CUDA, gloo on the CPU) and return this rank's device (choose_device)."""
+    device = choose_device(world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world.distributed and not dist.is_initialized():
@@ -78,8 +121,6 @@ def wait_for_main(what: str) -> None:
         else:
             dist.barrier()  # nccl: bounded by the process group's timeout, set from WAIT_FOR_MAIN_S at init
     except RuntimeError as e:
-        from finetune.errors import UserError
-
         raise UserError(f"rank {dist.get_rank()} gave up waiting for {what} after {WAIT_FOR_MAIN_S:.0f} s "
                         f"({e}); set FINETUNE_DIST_WAIT_S to wait longer, or run `finetune preprocess` first") from None
 

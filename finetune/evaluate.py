@@ -77,7 +77,7 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> EvalResult:
         if not eval_samples:
             raise UserError("the recipe has no eval data: set eval_datasets or data.val_fraction")
         if lm is None:
-            lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+            lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device)
         if recipe.data.packing:
             check_packable(lm, tokenizer.pad_token_id)
         lm = lm.to(device)

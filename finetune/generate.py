@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import torch
 
+from finetune.dist import default_device
 from finetune.errors import UserError
 from finetune.rundir import finished_run, is_run
 from finetune.trained import has_adapter, load_trained
@@ -158,8 +159,7 @@ def _load(run_dir: str) -> tuple[Any, Any, dict[str, Any]]:
     else:
         raise UserError(f"{run_dir}: neither a run directory (recipe.yaml + final/) nor an HF model directory "
                         "(config.json)")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), tokenizer, template_kwargs
+    return model.to(default_device()).eval(), tokenizer, template_kwargs
 
 
 def _load_hf(auto: Any, path: Path, dtype: str) -> Any:

@@ -109,12 +109,12 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
 
 
 def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: int,
-               trainable: list[str] | None = None) -> torch.nn.Module:
-    """The causal LM, on the CPU (a QLoRA base on the current GPU when there is one), in the recipe's dtype,
-    with its adapter applied (if any); with `trainable` (train.trainable_parameters), only the parameters whose
-    name matches one of those patterns train."""
+               device: torch.device | None = None, trainable: list[str] | None = None) -> torch.nn.Module:
+    """The causal LM in the recipe's dtype, with its adapter applied (if any). On the CPU (the caller moves it
+    to `device`), except a QLoRA base, quantized straight onto `device` when that is a GPU. With `trainable`
+    (train.trainable_parameters), only the parameters whose name matches one of those patterns train."""
     if adapter.type == "qlora":
-        model = _load_quantized(cfg, tokenizer, seed)
+        model = _load_quantized(cfg, tokenizer, seed, device or torch.device("cpu"))
         _keep_4bit_trainable(model)
     else:
         model = _plain_model(cfg, tokenizer, seed)
@@ -241,7 +241,7 @@ def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, An
     return plain
 
 
-def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
+def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.device) -> torch.nn.Module:
     """The base with its linear layers in 4-bit NF4. Embeddings, norms and the output layer stay in the recipe's
     dtype (bitsandbytes keeps the output layer unquantized), which the fused loss needs: it multiplies by the
     output layer's weight itself."""
@@ -249,10 +249,10 @@ def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Mod
 
     dtype = DTYPES[cfg.dtype]
     kwargs: dict[str, Any] = {"dtype": dtype, "quantization_config": _nf4_config(dtype), **_common_kwargs(cfg)}
-    if torch.cuda.is_available():
-        # Quantize straight onto the GPU that trains (dist.init has selected it): fast, and the whole 16-bit
-        # model never has to sit there. Without a GPU, bitsandbytes (>= 0.49) quantizes and computes on the CPU.
-        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    if device.type == "cuda":
+        # Quantize straight onto the GPU that trains: fast, and the whole 16-bit model never has to sit there.
+        # On the CPU (no GPU, or FINETUNE_DEVICE=cpu), bitsandbytes (>= 0.49) quantizes and computes there.
+        kwargs["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
     path, gguf = _gguf_location(cfg)
     if cfg.init == "pretrained" and not gguf:
         try:

@@ -171,7 +171,7 @@ def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch
                 impl: str, plan: StepPlan, *, checkpointing: bool) -> tuple[torch.nn.Module, int]:
     """(the model, its number of parameters), checked: room on disk for what the run will write, and packed
     documents isolated from each other."""
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed,
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device,
                     trainable=recipe.train.trainable_parameters).to(device)
     trainable, total = count_parameters(lm)
     if world.is_main:
@@ -245,7 +245,7 @@ def train_loop(run: Run) -> None:
                 "seq_tokens": seq_tokens, "padded_tokens": padded_tokens, "tokens_seen": done.tokens_seen,
                 "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
                 "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": ratio, "skipped": not healthy,
-                "peak_memory_mb": peak_memory_mb(), "elapsed_s": clock.elapsed,
+                "peak_memory_mb": peak_memory_mb(run.device), "elapsed_s": clock.elapsed,
                 **({"mfu": step_mfu} if step_mfu is not None else {}),
             })
         if bad_streak >= recipe.train.max_bad_steps:  # after logging, so the metrics show the bad steps

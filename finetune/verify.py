@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.data import build_samples, collate, epoch_rows, rank_micro_batches
+from finetune.dist import default_device
 from finetune.loss import resolve_impl
 from finetune.model import load_model, load_tokenizer
 from finetune.model_with_loss import CausalLMWithLoss
@@ -56,10 +57,10 @@ class VerifyResult:
 def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | None = None) -> VerifyResult:
     """Gradients of the first optimizer step: configured vs reference vs naive (one process, W simulated)."""
     torch.manual_seed(recipe.seed)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = default_device()
     tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
     samples, _, _, _ = build_samples(recipe, tokenizer)
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed,
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device,
                     trainable=recipe.train.trainable_parameters).to(device)
     # Dropout would make the three passes differ for reasons unrelated to accumulation.
     lm.eval()

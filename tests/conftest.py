@@ -52,6 +52,76 @@ def tiny_recipe(output_dir: str | Path, data: str | Path = "train.jsonl", fmt: s
     }
 
 
+# --- the environment a test assumes ------------------------------------------------------------------------
+# CI (`make test`) runs in the tested environment: the pins of finetune/versions.py, torch in its tested range,
+# bitsandbytes and the dev extras installed, liger-kernel and flash-attn absent. Tests that read that environment
+# itself (not a faked one) are marked `pinned_env` and skip elsewhere (a GPU machine with torch 2.11 and
+# liger-kernel, say), naming each difference; an optional package a test needs is asked for with `needs()`, which
+# skips where it is missing. With FINETUNE_TEST_ENV=require (`make test` sets it) neither skips: in CI a
+# difference is a failure, never a silent skip.
+STRICT_ENV = "FINETUNE_TEST_ENV"
+
+
+def strict_env() -> bool:
+    return os.environ.get(STRICT_ENV, "").strip().lower() == "require"
+
+
+def pinned_env_differences() -> list[str]:
+    """How this environment differs from the tested one, one phrase per library; empty when it is the same."""
+    from finetune import versions  # light: metadata only, no torch
+
+    out = []
+    for package in ("torch", "transformers", "peft", "bitsandbytes"):
+        wanted, installed = versions.wanted_spec(package), versions.installed_version(package)
+        if versions.compare_version(package, wanted, installed) is not None:
+            out.append(f"{package} {installed or 'missing'} (tested {wanted})")
+    for package in ("liger-kernel", "flash-attn"):
+        if (installed := versions.installed_version(package)) is not None:
+            out.append(f"{package} {installed} installed (the tested environment has none)")
+    return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marked = [item for item in items if item.get_closest_marker("pinned_env")]
+    differences = pinned_env_differences() if marked else []
+    if not differences or strict_env():
+        return
+    skip = pytest.mark.skip(reason="assumes the tested environment; here: " + "; ".join(differences))
+    for item in marked:
+        item.add_marker(skip)
+
+
+def needs(module: str, distribution: str | None = None, minimum: str | None = None) -> Any:
+    """Import an optional module a test needs; skip the test where it is missing or older than `minimum` (a
+    version of `distribution`, default the module's name), or fail there under FINETUNE_TEST_ENV=require."""
+    import importlib
+
+    from finetune import versions
+
+    try:
+        found = importlib.import_module(module)
+    except ImportError as e:
+        if strict_env():
+            raise
+        pytest.skip(f"{module} is not installed here ({e})")
+    installed = versions.installed_version(distribution or module)
+    if minimum and not (installed and versions.satisfies(installed, f">={minimum}")):
+        if strict_env():
+            pytest.fail(f"{distribution or module} {installed} is older than the {minimum} this test needs")
+        pytest.skip(f"{distribution or module} {installed} is older than the {minimum} this test needs")
+    return found
+
+
+def python_path(*first: Path | str, without: Path | None = None) -> str:
+    """A PYTHONPATH for a child process: `first`, then this process's PYTHONPATH (on a GPU machine the libraries
+    may live only there, e.g. /tmp/site), less `without` (e.g. the checkout, when a test must import an installed
+    copy of finetune instead)."""
+    inherited = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+    if without is not None:
+        inherited = [e for e in inherited if Path(e).resolve() != Path(without).resolve()]
+    return os.pathsep.join(dict.fromkeys([*map(str, first), *inherited]))
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

@@ -2,6 +2,9 @@
 
 Tiny random-init Llama models from the quickstart recipe, trained in-process (no subprocess: importing torch,
 transformers and peft costs more than the training here). Logit comparisons are fp32 <= 1e-5.
+
+Device-aware: a QLoRA base is quantized onto DEVICE (the GPU on a CUDA machine, as training does), and inputs go
+to the device of the model they are fed to (on a CUDA machine these tests once fed CPU batches to GPU models).
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs
 from helpers import QUICKSTART, TINY
 
 from finetune.data import build_samples, collate, epoch_rows
+from finetune.dist import default_device
 from finetune.errors import UserError
 from finetune.model import load_base, load_model, load_tokenizer, resolve_path, save_final
 from finetune.model_with_loss import CausalLMWithLoss
@@ -23,6 +28,10 @@ from finetune.recipe import load_recipe
 # Fewer rows than the quickstart's 3000 (tokenizing them would dominate), no packing check (tested elsewhere).
 FAST = [*TINY, "datasets.0.max_rows=48", "eval_datasets.0.max_rows=8", "data.packing_check=false",
         "train.micro_batch_size=2", "train.gradient_accumulation_steps=1", "train.warmup_steps=0"]
+
+
+# Where a QLoRA base goes (and where `finetune generate` puts a model): the GPU on a CUDA machine.
+DEVICE = default_device()
 
 
 def _recipe(*overrides: str):
@@ -39,8 +48,18 @@ def data():
     return tokenizer, collate(rows, recipe.data, tokenizer.pad_token_id)
 
 
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _on(model, batch: dict) -> dict:
+    """The batch's tensors on the model's device."""
+    return {k: v.to(_device(model)) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def _steps(lm, batch, recipe, n: int) -> list[float]:
     """n optimizer steps on one batch through the trainer's path (fused chunked loss, build_optimizer)."""
+    batch = _on(lm, batch)
     net = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)
     optimizer = build_optimizer(lm.named_parameters(), recipe.train)
     net.train()
@@ -57,6 +76,7 @@ def _steps(lm, batch, recipe, n: int) -> list[float]:
 
 def _assert_fused_loss_is_the_models(lm, batch) -> None:
     """Our fused chunked loss through the (adapted) model equals the model's own loss on the batch (1e-5)."""
+    batch = _on(lm, batch)
     lm.eval()
     with torch.no_grad():
         loss_sum, n = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)(
@@ -66,9 +86,11 @@ def _assert_fused_loss_is_the_models(lm, batch) -> None:
 
 
 def _logits(model, batch) -> torch.Tensor:
+    """The model's logits on the batch, computed on the model's device, returned on the CPU."""
+    batch = _on(model, batch)
     model.eval()
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits
+        return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits.cpu()
 
 
 def _base_state(model) -> dict[str, torch.Tensor]:
@@ -140,11 +162,11 @@ def test_lora_on_the_output_layer_is_refused(data):
 def test_qlora_quantizes_the_base_and_the_loss_falls(data):
     """4-bit NF4 linear layers (on CPU), an unquantized output layer for the fused loss, gradient checkpointing,
     and training that lowers the loss."""
-    import bitsandbytes as bnb
-
+    bnb = needs("bitsandbytes")
     tokenizer, batch = data
     recipe = _recipe("adapter.type=qlora", "adapter.r=8", "train.lr=1e-2", "model.gradient_checkpointing=true")
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, DEVICE)
+    assert _device(lm).type == DEVICE.type  # quantized straight onto the training device
     base = lm.get_base_model()
     assert isinstance(base.model.layers[0].mlp.down_proj.base_layer, bnb.nn.Linear4bit)
     head = base.get_output_embeddings()
@@ -157,6 +179,7 @@ def test_qlora_quantizes_the_base_and_the_loss_falls(data):
 
 
 def test_full_fine_tune_with_gradient_checkpointing_and_adamw_8bit(data):
+    needs("bitsandbytes")  # AdamW8bit
     tokenizer, batch = data
     recipe = _recipe("model.gradient_checkpointing=true", "train.optimizer=adamw_8bit", "train.lr=1e-2")
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
@@ -202,7 +225,8 @@ def test_merge_equals_base_plus_adapter(lora_run, data):
         {p.name for p in merged_dir.iterdir()}
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     assert merged.config.use_cache
-    adapted, _ = load_for_inference(str(out))  # base rebuilt from the recipe + final/ adapter
+    adapted, _ = load_for_inference(str(out))  # base rebuilt from the recipe + final/ adapter, on DEVICE
+    merged.to(_device(adapted))  # both on one device: the same kernels, so the 1e-5 compares the merge alone
     assert (_logits(merged, batch) - _logits(adapted, batch)).abs().max() <= 1e-5
     # The adapter did something: the merged model is not the bare base.
     base = load_base(recipe.model, load_tokenizer(recipe.tokenizer, recipe.model), recipe.seed)
@@ -298,6 +322,7 @@ def test_gguf_model_loads_plain_saves_and_adapts(data, tmp_path):
     copy reloads identically, and LoRA/QLoRA on it."""
     from transformers import AutoModelForCausalLM
 
+    needs("gguf")  # transformers' GGUF loader and our writer
     tokenizer, batch = data
     source = load_model(_recipe().model, _recipe().adapter, tokenizer, 0).eval()
     _write_llama_gguf(source, tmp_path / "tiny.gguf")
@@ -312,7 +337,7 @@ def test_gguf_model_loads_plain_saves_and_adapts(data, tmp_path):
     for kind in ("lora", "qlora"):
         adapted = _recipe(f"model.path={tmp_path / 'tiny.gguf'}", "model.init=pretrained", "model.config=null",
                           f"adapter.type={kind}")
-        peft_model = load_model(adapted.model, adapted.adapter, tokenizer, adapted.seed)
+        peft_model = load_model(adapted.model, adapted.adapter, tokenizer, adapted.seed, DEVICE)
         assert _steps(peft_model, batch, adapted, 1)[0] > 0
 
 
@@ -320,9 +345,11 @@ def test_qlora_gradients_survive_an_eval_forward(data):
     """An eval-mode forward (the packing isolation check, a periodic eval) must not change the training math.
     On a CPU with AVX512-BF16, bitsandbytes would repack the 4-bit weights for inference on it, one way, and the
     adapter's gradients afterwards were 0.79 (relative) off. Where the CPU lacks it, this holds trivially."""
+    needs("bitsandbytes")
     tokenizer, batch = data
+    batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     recipe = _recipe("adapter.type=qlora", "adapter.r=8")
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, DEVICE)
 
     def grads() -> torch.Tensor:
         lm.train()
@@ -342,3 +369,102 @@ def test_qlora_gradients_survive_an_eval_forward(data):
     # load_model itself runs an eval forward (the attention probe): so check the cause too, not only the effect.
     states = [m.weight.quant_state for m in lm.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
     assert states and not any(getattr(q, "packing_format_for_cpu", False) for q in states)
+
+
+# --- QLoRA in bf16 on each device (the CUDA variants run where there is a GPU: `make test-gpu`) -------------------
+
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def _dequantized_reference(qlora, tokenizer):
+    """A plain float32 LoRA model on the CPU holding exactly the QLoRA model's weights: every 4-bit weight
+    dequantized, every other weight (adapter included) copied."""
+    import bitsandbytes.functional as bnbf
+
+    recipe = _recipe("adapter.type=lora", "adapter.r=8", "model.dtype=float32")
+    ref = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed)
+    own = dict(ref.named_parameters())
+    for name, p in qlora.named_parameters():
+        value = bnbf.dequantize_4bit(p.data, p.quant_state) if type(p).__name__ == "Params4bit" else p.data
+        own[name].data.copy_(value.float().cpu().reshape(own[name].shape))
+    return ref
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_bf16_adapter_gradients_equal_a_dequantized_fp32_reference(data, device):
+    """QLoRA in bf16 (NF4 base, bf16 compute, the device's training loss) gives the adapter the gradients of plain
+    float32 math on the dequantized weights, within bf16 tolerance (relative Frobenius <= 3e-2 per tensor)."""
+    needs("bitsandbytes")
+    from finetune.loss import resolve_impl
+
+    tokenizer, batch = data
+    recipe = _recipe("adapter.type=qlora", "adapter.r=8", "model.dtype=bfloat16")
+    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, torch.device(device))
+    gen = torch.Generator().manual_seed(0)
+    for name, p in lm.named_parameters():  # lora_B starts at 0 (so A's gradient would be 0): give both values
+        if "lora_" in name:
+            p.data.copy_(torch.randn(p.shape, generator=gen).mul(0.05).to(p.device, p.dtype))
+    ref = _dequantized_reference(lm, tokenizer)
+
+    def lora_grads(model, impl: str) -> dict[str, torch.Tensor]:
+        model.train()
+        b = _on(model, batch)
+        loss_sum, count = CausalLMWithLoss(model, impl, 64, 0.0, None)(
+            input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"])
+        (loss_sum / count).backward()
+        return {n: p.grad.float().cpu() for n, p in model.named_parameters() if "lora_" in n}
+
+    got = lora_grads(lm, resolve_impl("auto", torch.device(device)))
+    want = lora_grads(ref, "torch")
+    assert set(got) == set(want) and len(want) > 0
+    errors = {n: float((got[n] - want[n]).norm() / want[n].norm()) for n in want}
+    assert max(errors.values()) <= 3e-2, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_bf16_run_merges_into_base_plus_adapter(data, tmp_path, monkeypatch, device):
+    """A QLoRA run trained in bf16 on the device, then `finetune merge`: every merged weight is base + scale x B @ A
+    within bf16 rounding, every other weight is the base's, and the merged model computes what the base with the
+    adapter computes."""
+    needs("bitsandbytes")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from finetune.generate import load_for_inference
+    from finetune.merge import merge_run
+    from finetune.trainer import train
+
+    tokenizer, batch = data
+    monkeypatch.setenv("FINETUNE_DEVICE", device)
+    recipe = _recipe(f"output_dir={tmp_path / 'run'}", "adapter.type=qlora", "adapter.r=8", "model.dtype=bfloat16",
+                     "train.max_steps=3", "train.lr=1e-2")
+    out = train(recipe)
+    merged = AutoModelForCausalLM.from_pretrained(merge_run(str(out), None))
+    base = load_base(recipe.model, tokenizer, recipe.seed)
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    scale = recipe.adapter.alpha / recipe.adapter.r
+    merged_w, base_w = merged.state_dict(), base.state_dict()
+    adapted = set()
+    for key, a in adapter.items():
+        if ".lora_A." not in key:
+            continue
+        name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        delta = scale * adapter[key.replace(".lora_A.", ".lora_B.")].float() @ a.float()
+        expected = base_w[name].float() + delta
+        # bf16 keeps 8 significant bits: the delta and the sum are each rounded once (<= 2^-8 relative each).
+        bound = 2.0 ** -7 * (expected.abs() + delta.abs()) + 1e-6
+        assert bool(((merged_w[name].float() - expected).abs() <= bound).all()), name
+        assert float(delta.abs().max()) > 0, f"{name}: the adapter did not train"
+        adapted.add(name)
+    assert adapted
+    for name in set(base_w) - adapted:
+        assert torch.equal(merged_w[name], base_w[name]), name
+    with_adapter, _ = load_for_inference(str(out))
+    merged.to(_device(with_adapter))
+    a, b = _logits(merged, batch).float(), _logits(with_adapter, batch).float()
+    base_logits = _logits(base.to(_device(with_adapter)), batch).float()
+    # Measured on a CPU: merged vs base + adapter 0.008 (bf16 noise), base alone vs base + adapter 0.88, of 0.65.
+    assert float((a - b).abs().max()) <= 5e-2 * float(b.abs().max()), float((a - b).abs().max())
+    assert float((a - base_logits).abs().max()) > 5e-2 * float(b.abs().max())  # the adapter changed the model

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import QUICKSTART_YAML, REPO_ROOT, TOKENIZER_DIR
+from conftest import QUICKSTART_YAML, REPO_ROOT, TOKENIZER_DIR, python_path
 
 from finetune.recipe import deep_merge
 
@@ -365,9 +365,11 @@ class PlainCli:
 
     def run(self, args: list[str], cwd: Path) -> Result:
         start = time.perf_counter()
+        # The checkout first, then the inherited PYTHONPATH: where the libraries live only there (a GPU machine's
+        # /tmp/site), replacing it made every case an ImportError (exit 1).
         done = subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd, capture_output=True, text=True,
                               timeout=CASE_TIMEOUT_S, env={**os.environ, **CLI_ENV,
-                                                           "PYTHONPATH": str(REPO_ROOT)})
+                                                           "PYTHONPATH": python_path(REPO_ROOT)})
         return Result(done.returncode, done.stdout, done.stderr, time.perf_counter() - start)
 
     def close(self) -> None:

@@ -3,6 +3,10 @@
 micro 2 x accum 2 x 2 ranks must give the same logged losses, grad norms and final weights as one process
 with micro 8 x accum 1 (relative <= 1e-5, float32). A short last step leaves rank 1 with only a filler
 micro-batch (zero target tokens) and must not hang. Killing one rank ends the run within seconds.
+
+Every run here sets FINETUNE_DEVICE (which the CLI honours): `cpu` puts every rank and the one-process reference
+on the CPU with gloo, on a CUDA machine too (two ranks cannot share one GPU under NCCL). The equality test also
+runs with `cuda` (a GPU per rank, NCCL) where the machine has at least 2 GPUs.
 """
 
 from __future__ import annotations
@@ -19,33 +23,51 @@ from helpers import QUICKSTART, ROOT, TINY, eval_lines, final_weights, rel_diff,
 
 pytestmark = pytest.mark.dist
 
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               _cuda_count() < 2, reason="the CUDA variant needs at least 2 GPUs (one per rank)")])]
+
+
+def _env(device: str, **extra: str) -> dict[str, str]:
+    return {**os.environ, "FINETUNE_DEVICE": device, **extra}
+
 # 10 padded rows: with a global batch of 8, step 2 has 2 rows -> rank 0 one micro-batch, rank 1 a filler.
 SHORT = [*TINY, "datasets.0.max_rows=10", "data.packing=false", "train.max_steps=null", "train.epochs=1"]
 # A LoRA adapter (the frozen base is not trained; under FSDP it is sharded with the adapter), packed, 3 steps.
 LORA = [*TINY, "train.max_steps=3", "adapter.type=lora", "train.lr=1e-2"]
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300, device: str = "cpu") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "finetune", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=_env(device, OMP_NUM_THREADS="1"))
 
 
-def single(*args: str) -> subprocess.CompletedProcess:
+def single(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=_env(device))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, Path]:
-    """One process, micro 8 x accum 1: packed 3 steps, the padded short-last-step run, and LoRA."""
-    out = {}
+@pytest.fixture(scope="module", params=DEVICES)
+def reference(request, tmp_path_factory) -> dict[str, Path | str]:
+    """One process, micro 8 x accum 1: packed 3 steps, the padded short-last-step run, and LoRA; `device`: where
+    they ran (and where the ranks compared with them run)."""
+    device = request.param
+    out: dict[str, Path | str] = {"device": device}
     for name, extra in (("packed", [*TINY, "train.max_steps=3"]), ("short", SHORT), ("lora", LORA)):
-        run_dir = tmp_path_factory.mktemp(f"ref-{name}")
+        run_dir = tmp_path_factory.mktemp(f"ref-{device}-{name}")
         r = single("train", str(QUICKSTART), f"output_dir={run_dir}", *extra, "train.micro_batch_size=8",
-                   "train.gradient_accumulation_steps=1")
+                   "train.gradient_accumulation_steps=1", device=device)
         assert r.returncode == 0, r.stderr[-3000:]
+        assert f"device: {device}" in r.stdout, r.stdout[-2000:]
         out[name] = run_dir
     return out
 
@@ -69,10 +91,15 @@ def test_two_ranks_equal_one_process(tmp_path, reference, strategy, case):
     extra = {"packed": [*TINY, "train.max_steps=3"], "short": SHORT, "lora": LORA}[case]
     args = ["train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *extra, "train.micro_batch_size=2",
             "train.gradient_accumulation_steps=2", f"distributed.strategy={strategy}"]
+    device = reference["device"]
     # One case goes through `finetune train --nproc 2`, which execs torchrun itself.
-    r = single(*args, "--nproc", "2") if (strategy, case) == ("ddp", "short") else torchrun(*args)
+    if (strategy, case) == ("ddp", "short"):
+        r = single(*args, "--nproc", "2", device=device)
+    else:
+        r = torchrun(*args, device=device)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "world size 2" in r.stdout
+    assert f"device: {device}" in r.stdout  # rank 0's log: cpu, or cuda:0
     assert_same_training(tmp_path / "run", reference[case])
 
 
@@ -146,7 +173,7 @@ def test_killing_one_rank_ends_the_run_quickly(tmp_path):
            "train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "train.max_steps=100000",
            "train.epochs=null"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                            env=_env("cpu", OMP_NUM_THREADS="1"), start_new_session=True)
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + 180

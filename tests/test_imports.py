@@ -44,10 +44,10 @@ ALLOWED = {
     "cli": {"checkpoint", "compare", "data", "evaluate", "generate", "merge", "model", "plot", "recipe", "rundir",
             "trainer", "verify", "versions", "__init__"},
     "merge": {"model", "rundir", "trained"},
-    "generate": {"rundir", "trained"},
+    "generate": {"dist", "rundir", "trained"},  # dist: the device (FINETUNE_DEVICE)
     "plot": {"metrics", "rundir"},
     "compare": {"recipe", "rundir"},
-    "verify": {"data", "loss", "model", "model_with_loss", "objective", "recipe", "reference"},
+    "verify": {"data", "dist", "loss", "model", "model_with_loss", "objective", "recipe", "reference"},
     "__main__": {"cli"},
     "__init__": set(),
 }

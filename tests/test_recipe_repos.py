@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, needs, python_path
 
 from finetune.cli import load_recipe_arg, main
 from finetune.errors import UserError
@@ -340,7 +340,7 @@ def test_real_cli_validates_a_repository_recipe_by_name_without_importing_torch(
             rc = main(["validate", "team/sft", "requires={torch: '>=2', finetune: '>=0.1'}"])
         print(json.dumps({"rc": rc, "out": out.getvalue(), "torch": "torch" in sys.modules}))
     """)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path(REPO_ROOT)}  # keeps an inherited PYTHONPATH's libraries
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path / "cwd", capture_output=True, text=True,
                           env=env, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -443,6 +443,7 @@ def test_an_installed_wheel_finds_the_shipped_examples(tmp_path):
     """Build the wheel, install it away from the checkout, run a shipped recipe by name: paths resolve inside it."""
     if "finetune.examples" not in _pyproject()["tool"]["setuptools"].get("package-dir", {}):
         pytest.skip("pyproject.toml does not map examples/ into the package (finetune.examples) yet")
+    needs("setuptools", minimum="77")  # the build backend of pyproject.toml, used without build isolation
     # Build from a copy: an in-tree build would leave build/ and *.egg-info in the checkout.
     source, wheels, site = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -458,7 +459,9 @@ def test_an_installed_wheel_finds_the_shipped_examples(tmp_path):
     done = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    # The installed copy first; the inherited PYTHONPATH after it for the libraries (on a GPU machine they live only
+    # there), less the checkout, so `finetune` can only come from the wheel.
+    env = {**os.environ, "PYTHONPATH": python_path(site, without=REPO_ROOT)}
     done = subprocess.run([sys.executable, "-m", "finetune", "validate", "quickstart"], cwd=tmp_path / "cwd",
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr

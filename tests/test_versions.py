@@ -20,6 +20,23 @@ else:  # the project supports 3.10, where tomllib is the third-party tomli
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The tested environment as our own lookup would report it: what CI installs (`make install`), with the optional
+# packages it leaves out (liger-kernel, flash-attn, wandb, mlflow) absent.
+TESTED = {"torch": versions.TORCH_TESTED, **{p: versions.PINNED[p] for p in ("transformers", "peft", "bitsandbytes")},
+          "tensorboard": "2.20.0", "gguf": "0.17.1", "tokenizers": "0.22.1", "safetensors": "0.6.2"}
+
+
+@pytest.fixture(params=[pytest.param("installed", marks=pytest.mark.pinned_env), "tested"])
+def environment(request, monkeypatch) -> str:
+    """`installed`: the tests read this machine's packages (the tested environment in CI; skipped where it differs,
+    e.g. torch 2.11 and liger-kernel on a GPU machine). `tested`: the same tests against the tested environment
+    faked through versions.installed_version, so the rules are checked on every machine."""
+    if request.param == "tested":
+        real = versions.installed_version
+        monkeypatch.setattr(versions, "installed_version",
+                            lambda p: real(p) if p == "finetune" else TESTED.get(p))
+    return request.param
+
 
 def _requirements() -> dict[str, str]:
     """Every requirement string in pyproject (dependencies and extras), keyed by package name."""
@@ -63,7 +80,7 @@ def test_feature_packages_have_extras():
         assert package in names, f"extra {extra!r} does not provide {package}"
 
 
-def test_core_versions_pass_here():
+def test_core_versions_pass_here(environment):
     assert versions.check_versions(versions.CORE) == []
     assert versions.enforce(versions.CORE, allow_unpinned=False) == []
 
@@ -102,7 +119,7 @@ def test_faked_mismatch_gives_pip_line():
     assert versions.pip_line("torch") == "pip install 'torch>=2.13,<2.14'"
 
 
-def test_enforce_raises_and_allow_returns_warnings(monkeypatch):
+def test_enforce_raises_and_allow_returns_warnings(monkeypatch, environment):
     monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
     # Fake an installed transformers at another version (our own lookup, not the library).
     real = versions.installed_version
@@ -122,9 +139,9 @@ def test_enforce_raises_and_allow_returns_warnings(monkeypatch):
     assert versions.enforce(versions.CORE, allow_unpinned=False) == warnings
 
 
-def test_enforce_missing_package_raises_even_when_allowed(monkeypatch):
+def test_enforce_missing_package_raises_even_when_allowed(monkeypatch, environment):
     monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
-    # liger-kernel is not installed in the test environment.
+    # liger-kernel is not installed in the tested environment.
     assert versions.installed_version("liger-kernel") is None
     for allow in (False, True):
         with pytest.raises(UserError) as err:
@@ -136,7 +153,7 @@ def test_enforce_missing_package_raises_even_when_allowed(monkeypatch):
     assert "--allow-unpinned" in message  # explains that the flag does not cover missing packages
 
 
-def test_require_packages(monkeypatch):
+def test_require_packages(monkeypatch, environment):
     with pytest.raises(UserError) as err:
         versions.require_packages(["liger", "bnb"])
     message = str(err.value)
@@ -159,7 +176,7 @@ def test_packages_for():
     ]
 
 
-def test_snapshot_is_json_and_complete():
+def test_snapshot_is_json_and_complete(environment):
     data = json.loads(json.dumps(versions.snapshot(["w1"])))
     for key in (
         "python",
@@ -176,7 +193,7 @@ def test_snapshot_is_json_and_complete():
     assert {"device", "count", "cuda_version", "bf16"} <= set(data["device_info"])
 
 
-def test_env_table_renders():
+def test_env_table_renders(environment):
     from rich.console import Console
 
     console = Console(width=200, record=True, color_system=None)
@@ -224,6 +241,7 @@ def test_the_docs_state_the_pinned_versions():
     assert f"| torch | {versions.TORCH_TESTED} " in docker
 
 
+@pytest.mark.pinned_env  # a subprocess reads the installed packages: flash-attn must be absent, as in CI
 def test_env_piped_keeps_each_pip_line_whole():
     # `finetune env | cat` (or into a file or an issue report): the fix commands must stay copyable.
     result = subprocess.run([sys.executable, "-m", "finetune", "env"], capture_output=True, text=True, timeout=120)

@@ -81,12 +81,14 @@ def mfu(tokens_per_s: float, n_params: int, n_layers: int, hidden: int, seq_len:
 
 
 
-def peak_memory_mb() -> float:
-    """Peak CUDA memory when on a GPU, else the process's peak resident set size."""
+def peak_memory_mb(device: torch.device | None = None) -> float:
+    """Peak CUDA memory of `device` when it is a GPU (default: whenever CUDA is available), else the process's
+    peak resident set size (a run on the CPU of a CUDA machine, FINETUNE_DEVICE=cpu, is measured on the CPU)."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
+    on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
+    if on_gpu:
+        return torch.cuda.max_memory_allocated(device) / 2**20
     try:
         import resource
 
