@@ -247,8 +247,9 @@ def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int
     """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
     may change; so may the paths of the data and tokenizer when their content (samples_key) has not."""
     # A key the checkpoint's finetune did not have yet counts as its default (it could not have been set).
-    saved = {**default_training_keys(), **state.get("training_keys", {})}
-    now = training_keys(recipe)
+    saved, now = dict(state.get("training_keys", {})), training_keys(recipe)
+    defaults = default_training_keys()
+    saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
     same_content = samples_key is not None and state.get("samples_key") == samples_key
     changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
                if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS

@@ -77,3 +77,17 @@ def test_resume_check_allows_a_new_split_and_refuses_a_changed_training(tmp_path
         checkpoint.check_resume_recipe(recipe, state, 4, "abc")
     with pytest.raises(UserError, match="training data or tokenizer content"):
         checkpoint.check_resume_recipe(recipe, state, 2, "other")
+
+
+def test_a_key_the_checkpoint_predates_counts_as_its_default(tmp_path):
+    """A checkpoint written before train.warmup_ratio existed resumes under a recipe that leaves it at its default,
+    and is refused under one that sets it."""
+    raw = tiny_recipe(tmp_path / "run", tmp_path / "train.jsonl")
+    recipe = validate(raw)
+    state = checkpoint.trainer_state(recipe, step=3, epoch=0, samples_key="abc", global_batch=2, world_size=1,
+                                     tokens_seen=0, samples_seen=0)
+    del state["training_keys"]["train.warmup_ratio"]
+    checkpoint.check_resume_recipe(recipe, state, 2, "abc")
+    with pytest.raises(UserError, match=r"train\.warmup_ratio: None -> 0\.1"):
+        checkpoint.check_resume_recipe(validate({**raw, "train": {**raw["train"], "warmup_ratio": 0.1}}), state, 2,
+                                       "abc")
