@@ -5,6 +5,9 @@ Both average gradients over ranks, which is why the trainer scales each micro-ba
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from finetune.dist import World, is_sharded
@@ -46,6 +49,30 @@ def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(sub, torch.nn.ModuleList) and len(sub) and "DecoderLayer" in type(sub[0]).__name__:
             layers.extend(sub)
     return layers
+
+
+@contextlib.contextmanager
+def gradient_sync(net: torch.nn.Module, last: bool) -> Iterator[None]:
+    """Run one micro-batch's forward and backward, reducing its gradients over ranks only when it is the step's
+    `last`: the earlier micro-batches accumulate locally and the last one's reduction carries their sum.
+
+    DDP: `no_sync()` on the earlier ones. FSDP2 has no `no_sync`: `set_requires_gradient_sync(False)` keeps each
+    layer's unsharded gradient (accumulated in the reduce dtype, float32) instead of reduce-scattering it, at the
+    cost of that memory until the last micro-batch. One process: nothing to reduce.
+    """
+    if last:
+        yield
+    elif hasattr(net, "no_sync"):
+        with net.no_sync():
+            yield
+    elif hasattr(net, "set_requires_gradient_sync"):
+        net.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            net.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def gather_full_state(net: torch.nn.Module, lm: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -11,7 +11,6 @@ whose gradient is applied. What a micro-batch's loss and counts are is the objec
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from finetune.model import count_parameters, load_model, load_tokenizer, save_fi
 from finetune.model_with_loss import CausalLMWithLoss
 from finetune.objective import Objective, objective_for
 from finetune.optim import build_optimizer, build_scheduler
-from finetune.parallel import gather_full_state, wrap_model
+from finetune.parallel import gather_full_state, gradient_sync, wrap_model
 from finetune.recipe import Recipe, features, to_yaml
 from finetune.reference import attach_reference_logps
 from finetune.rundir import (
@@ -285,7 +284,7 @@ def _forward_backward(run: Run, micro: list[dict], counts: dict[str, int]) -> tu
     metric_sums = torch.zeros(len(objective.metrics), device=run.device, dtype=torch.float64)
     run.net.train()
     for i, batch in enumerate(micro):
-        with _gradient_sync(run.net, last=i == len(micro) - 1):
+        with gradient_sync(run.net, last=i == len(micro) - 1):
             result = objective.forward(run.net, batch, run.device)
             scaled = [result.terms[u] * (run.world.size / max(counts[u], 1)) for u in units]
             sum(scaled[1:], scaled[0]).backward()
@@ -303,11 +302,6 @@ def _per_unit(objective: Objective, metric_sums: torch.Tensor, counts: dict[str,
         return {}
     sums = dist.all_reduce_sum(metric_sums).tolist()
     return {m: total / max(counts[u], 1) for (m, u), total in zip(objective.metrics.items(), sums)}
-
-
-def _gradient_sync(net: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """DDP: synchronize gradients only on the step's last micro-batch."""
-    return contextlib.nullcontext() if last or not hasattr(net, "no_sync") else net.no_sync()
 
 
 def _clip_gradients(run: Run) -> tuple[float, float]:

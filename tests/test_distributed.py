@@ -11,6 +11,7 @@ runs with `cuda` (a GPU per rank, NCCL) where the machine has at least 2 GPUs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -218,3 +219,32 @@ def _rank_pid(root_pid: int, rank: int) -> int:
         if worker_rank == rank:
             return pid
     raise AssertionError(f"no worker with RANK={rank} under pid {root_pid}")
+
+
+def _reductions(tmp_path: Path, strategy: str, micro: int, accumulation: int) -> dict[str, int]:
+    """Collective calls counted by the profiler over a one-step run of 2 ranks (tests/comm_count_worker.py)."""
+    run_dir = tmp_path / f"{strategy}-{micro}x{accumulation}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "comm_count_worker.py"), str(QUICKSTART), f"output_dir={run_dir}", *TINY,
+           "train.max_steps=1", f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accumulation}",
+           f"distributed.strategy={strategy}", "data.packing_check=false"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=_env("cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    line = next(x for x in reversed(r.stdout.splitlines()) if x.startswith("{"))
+    return json.loads(line)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_accumulating_micro_batches_adds_no_gradient_communication(tmp_path, strategy):
+    """One step of 8 rows on 2 ranks: as 1 micro-batch of 4 per rank or as 4 micro-batches of 1, the ranks exchange
+    gradients the same number of times (once per FSDP2 shard group, once per DDP bucket): the earlier micro-batches
+    accumulate locally (DDP no_sync, FSDP2 set_requires_gradient_sync(False)). Without that, FSDP2 reduce-scatters
+    every layer after every micro-batch (4x here)."""
+    once, split = _reductions(tmp_path, strategy, 4, 1), _reductions(tmp_path, strategy, 1, 4)
+    if strategy == "fsdp":
+        assert once["reduce_scatter"] > 0
+        assert split["reduce_scatter"] == once["reduce_scatter"], (once, split)
+    else:
+        assert once["reduce_scatter"] == split["reduce_scatter"] == 0
+    assert split["all_reduce"] == once["all_reduce"], (once, split)

@@ -1,0 +1,27 @@
+"""A torchrun worker for tests/test_distributed.py: `finetune train ARGS` under the torch profiler, then rank 0
+prints how many gradient reductions ran, as one JSON line: {"reduce_scatter": n, "all_reduce": n}.
+
+The profiler records every c10d collective by name on gloo too (`c10d::_reduce_scatter_base_` is FSDP2's
+gradient reduce-scatter; `gloo:all_reduce` counts DDP's gradient buckets and the trainer's own per-step
+all-reduces). Not collected by pytest (no test_ prefix).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+
+from torch.profiler import ProfilerActivity, profile
+
+from finetune import dist
+from finetune.cli import main
+
+if __name__ == "__main__":
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        code = main(["train", *sys.argv[1:]])
+    names = Counter(event.name for event in prof.events())
+    if dist.from_env().is_main:
+        print(json.dumps({"reduce_scatter": names["c10d::_reduce_scatter_base_"],
+                          "all_reduce": names["gloo:all_reduce"], "exit": code}))
+    sys.exit(code)
