@@ -1,5 +1,5 @@
 """Attention one document at a time for packed rows, on any device: what flash-attn's varlen kernels do on
-CUDA, built from torch's scaled_dot_product_attention.
+CUDA, from torch's own kernels.
 
 Why: with `sdpa` or `eager`, transformers isolates packed documents with a block-diagonal [S, S] mask, so a
 packed row pays attention over all of max_seq_len (on a CPU, sdpa has no variable-length kernel and computes
@@ -7,11 +7,15 @@ every masked score). Attending within each document costs the sum of the squared
 less than the padded batch's rows x longest-sample squared, so packing keeps its padding saving.
 
 How: `register()` adds ATTN_NAME to transformers' AttentionInterface and AttentionMaskInterface, the library's
-extension points for custom attention (nothing of transformers is replaced). The document boundaries come from
-`position_ids`, which transformers hands every attention call: a document starts wherever a position does not
-follow the previous one (the rule of transformers' own `find_packed_sequence_indices`). Isolation is therefore
-structural: a document's queries only ever see its own keys, with the cache on or off. Batches with a padding
-mask, or with a cache prefix (generation), go to transformers' own sdpa path unchanged.
+extension points for custom attention (nothing of transformers is replaced). The document boundaries come, once
+per micro-batch, from `packed_kwargs`: `cu_seq_lens_q/k` and `max_length_q/k`, transformers' own names for
+precomputed variable-length boundaries, built on the CPU from the collated position_ids and passed to the model
+call, which hands them to every attention layer (finetune/packed_kernels.py runs them: torch's varlen_attn or
+flex_attention on CUDA, sdpa per document on a CPU). Without them (a caller that passes only position_ids, the
+start-up probe) the boundaries are read from `position_ids` in each call: a document starts wherever a position
+does not follow the previous one (the rule of transformers' own `find_packed_sequence_indices`). Isolation is
+structural either way: a document's queries only ever see its own keys, with the cache on or off. Batches with a
+padding mask, or with a cache prefix (generation), go to transformers' own sdpa path unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from finetune import packed_kernels
+from finetune.packed_kernels import Documents, document_spans, packed_kwargs
+
+__all__ = ["ATTN_NAME", "Documents", "document_spans", "is_ours", "model_kwargs", "packed_kwargs", "register", "serves",
+           "sdpa_varlen_attention", "sdpa_varlen_mask"]
 
 # The name a model's config carries in `attn_implementation` when our function computes its attention.
 ATTN_NAME = "finetune_sdpa_varlen"
@@ -33,6 +43,18 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_NAME, sdpa_varlen_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_varlen_mask)
+
+
+def is_ours(model: torch.nn.Module) -> bool:
+    """Whether the model's attention is ours, the one attention implementation given packed_kwargs (the others
+    find the documents themselves, and some models refuse keywords they do not know)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME
+
+
+def model_kwargs(model: torch.nn.Module, position_ids: torch.Tensor, device: torch.device | None = None) -> dict:
+    """The keyword arguments of a call of `model` on packed rows with these (CPU) position_ids: packed_kwargs where
+    the model's attention is ours, else none."""
+    return packed_kwargs(position_ids, device) if is_ours(model) else {}
 
 
 # Set by serves() while it probes a model: each attention call appends whether usable position_ids reached it.
@@ -67,18 +89,6 @@ def serves(model: torch.nn.Module) -> bool:
         model.train(training)
     causal = torch.allclose(logits[0, :3], logits[1, :3], rtol=1e-3, atol=1e-3)
     return bool(seen) and all(seen) and causal
-
-
-def document_spans(position_ids: torch.Tensor, batch_size: int) -> list[list[tuple[int, int]]]:
-    """[(start, end), ...] of the documents of each row: a document starts where a position does not follow
-    the previous one (0 after 57, or 0 after 0)."""
-    position_ids = position_ids.expand(batch_size, -1)
-    length = position_ids.shape[1]
-    restarts = (position_ids[:, 1:] != position_ids[:, :-1] + 1).nonzero().tolist()
-    starts: list[list[int]] = [[0] for _ in range(batch_size)]
-    for row, col in restarts:
-        starts[row].append(col + 1)
-    return [list(zip(s, [*s[1:], length])) for s in starts]
 
 
 def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -120,13 +130,21 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"{ATTN_NAME} does not support {unsupported}; set model.attn_implementation: eager")
+    docs = Documents.of(kwargs.get("cu_seq_lens_q"), batch, q_length)
+    if docs is not None:
+        kernel = packed_kernels.kernel_for(query, dropout, sliding_window, docs)
+        if kernel == "varlen":
+            return packed_kernels.varlen(query, key, value, docs, scaling, sliding_window), None
+        if kernel == "flex":
+            return packed_kernels.flex(query, key, value, docs, scaling, sliding_window), None
+    spans = docs.spans if docs is not None else document_spans(position_ids, batch)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     rows = []
-    for row, spans in enumerate(document_spans(position_ids, batch)):
+    for row, row_spans in enumerate(spans):
         pieces = []
-        for start, end in spans:
+        for start, end in row_spans:
             q, k, v = (t[row:row + 1, :, start:end] for t in (query, key, value))
             window = _window_mask(end - start, sliding_window, query.device)
             pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=window, dropout_p=dropout,

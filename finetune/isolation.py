@@ -22,10 +22,12 @@ from __future__ import annotations
 import torch
 
 from finetune.architectures import packing_refusal
+from finetune.attention import is_ours, model_kwargs
 from finetune.data.collate import collate_packed
 from finetune.errors import UserError
+from finetune.packed_kernels import describe
 
-__all__ = ["check_packable", "check_packing_isolation", "default_tolerance"]
+__all__ = ["check_packable", "check_packing_isolation", "default_tolerance", "is_ours", "packed_attention"]
 
 # Two short documents of different lengths; a fixed generator so the check is reproducible.
 _DOC_LENGTHS = (7, 11)
@@ -65,6 +67,14 @@ def default_tolerance(dtype: torch.dtype, device: torch.device | None = None) ->
     return 1e-5
 
 
+def packed_attention(model: torch.nn.Module, device: torch.device) -> str:
+    """The kernel our attention runs packed rows of this model with on `device` (for the run log)."""
+    _, dtype = _input_device_dtype(model)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return describe(device, dtype, head_dim)
+
+
 def _input_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
     # Inputs go where the embeddings are (a model may be spread over devices); the compute dtype is
     # that of the first floating-point weight (quantized models also hold integer tensors).
@@ -86,12 +96,14 @@ def _input_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dty
 
 def _packed_logits(model: torch.nn.Module, rows: list[dict], device: torch.device) -> torch.Tensor:
     # Exactly how packed micro-batches are run in training: collate_packed's padding, keyword args
-    # (works for PEFT wrappers too), no attention_mask, no cache.
+    # (works for PEFT wrappers too), the documents' boundaries found on the CPU (our attention's kernel for the
+    # device: varlen_attn, flex_attention or sdpa per document), no attention_mask, no cache.
     batch = collate_packed(rows, pad_token_id=_PAD_ID)
     out = model(
         input_ids=batch["input_ids"].to(device),
         position_ids=batch["position_ids"].to(device),
         use_cache=False,
+        **model_kwargs(model, batch["position_ids"], device),
     )
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits.float()

@@ -18,22 +18,26 @@ import torch.nn.functional as F
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 from finetune.loss import acc_dtype, compute_dtype, liger_import, mm_f32, resolve_impl, shift_labels
+from finetune.targets import Targets
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                    bias: torch.Tensor | None = None, *, impl: str = "chunked", chunk_size: int = 1024,
-                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   softcap: float | None = None, targets: Targets | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target) of every target token [N], their flat positions in [B*T] [N]).
 
     hidden [B, T, H] (or [T, H]), weight [V, H], labels UNSHIFTED with IGNORE_INDEX where not scored: position t
     scores labels[t + 1]. The log-probs carry gradients to hidden, weight and bias, in the accumulation dtype
-    (float32; float64 for float64 inputs). `impl` is resolved ('chunked' | 'torch' | 'liger')."""
-    targets = shift_labels(labels).reshape(-1)
-    keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    (float32; float64 for float64 inputs). `impl` is resolved ('chunked' | 'torch' | 'liger'). `targets`
+    (finetune/targets.py, found on the CPU) spares the host syncs of finding and checking them."""
+    shifted = shift_labels(labels).reshape(-1)
+    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1) if targets is None else targets.index
     dtype = compute_dtype(hidden, weight)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep).to(dtype)
-    y = targets.index_select(0, keep)
-    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= weight.shape[0]):
+    y = shifted.index_select(0, keep)
+    low, high = (targets.low, targets.high) if targets is not None else (
+        (int(y.min()), int(y.max())) if y.numel() else (0, 0))
+    if (targets.count if targets is not None else y.numel()) and (low < 0 or high >= weight.shape[0]):
         raise UserError(f"labels contain token ids outside the model's vocabulary [0, {weight.shape[0]})")
     w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
     if impl == "torch":

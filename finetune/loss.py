@@ -26,13 +26,16 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:  # only a type here: the loss module stays light to import
+    from finetune.targets import Targets
 
 IMPLS = ("auto", "liger", "chunked", "torch")
 
@@ -339,6 +342,7 @@ def linear_cross_entropy(
     chunk_size: int = 1024,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    targets: Targets | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, T, H] (or [T, H]), weight [V, H] (the output layer's weight), labels [B, T] (or [T]) UNSHIFTED,
     IGNORE_INDEX where no loss. Shifts the labels itself, drops ignored positions BEFORE the projection
@@ -349,17 +353,22 @@ def linear_cross_entropy(
     distributed gradient hooks fire.
 
     loss_sum is float64 instead when the inputs are float64 (tests). z_loss adds z_loss * logsumexp^2 per
-    target; softcap caps the logits with softcap * tanh(logits / softcap) before the softmax.
+    target; softcap caps the logits with softcap * tanh(logits / softcap) before the softmax. `targets`
+    (finetune/targets.py: the labels' target positions and id range, found on the CPU) spares two host syncs.
     """
     _check_arguments(hidden, weight, labels, bias, impl, chunk_size, softcap)
     vocab, hsize = weight.shape
 
-    targets = shift_labels(labels).reshape(-1)
-    keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: the row count is a dynamic shape
-    n_targets = torch.tensor(keep.numel(), dtype=torch.int64, device=hidden.device)
+    shifted = shift_labels(labels).reshape(-1)
+    if targets is None:
+        keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: the row count is a dynamic shape
+        count = keep.numel()
+    else:  # found on the CPU (finetune/targets.py): no host sync
+        keep, count = targets.index, targets.count
+    n_targets = torch.full((), count, dtype=torch.int64, device=hidden.device)
     out_dtype = acc_dtype(compute_dtype(hidden, weight))
 
-    if keep.numel() == 0:
+    if count == 0:
         # 0.0 that still reaches every parameter: backward runs and DDP/FSDP hooks fire. Empty slices instead of
         # x.sum() * 0 so that an inf/nan somewhere in hidden cannot turn the zero into a nan.
         zero = hidden.reshape(-1)[:0].sum() + weight.reshape(-1)[:0].sum()
@@ -367,12 +376,14 @@ def linear_cross_entropy(
             zero = zero + bias[:0].sum()
         return zero.to(out_dtype), n_targets
 
-    y = targets.index_select(0, keep)
-    bad = (y < 0) | (y >= vocab)
-    if bool(bad.any()):  # a second (tiny) sync, worth it: on CUDA a bad id is an opaque device assert
+    y = shifted.index_select(0, keep)
+    # On CUDA a bad id is an opaque device assert: checked on the host range, else by a second (tiny) sync.
+    bad_id = _bad_id(y, vocab) if targets is None else next((t for t in (targets.low, targets.high)
+                                                             if not 0 <= t < vocab), None)
+    if bad_id is not None:
         raise UserError(
             f"labels contain token ids outside the model's vocabulary [0, {vocab}) (e.g. "
-            f"{int(y[bad][0])}); the tokenizer and model do not match, or labels were masked with a value "
+            f"{bad_id}); the tokenizer and model do not match, or labels were masked with a value "
             f"other than {IGNORE_INDEX}"
         )
     h = hidden.reshape(-1, hsize).index_select(0, keep)  # [N, H]: only rows with a target are projected
@@ -385,6 +396,11 @@ def linear_cross_entropy(
     with torch.autocast(device_type=dev, enabled=False) if dev in ("cuda", "cpu") else contextlib.nullcontext():
         loss = _summed_loss(impl, h.to(dtype), weight.to(dtype), b, y, chunk_size, z_loss, softcap)
     return loss.to(out_dtype), n_targets
+
+
+def _bad_id(y: torch.Tensor, vocab: int) -> int | None:
+    bad = (y < 0) | (y >= vocab)
+    return int(y[bad][0]) if bool(bad.any()) else None
 
 
 def _check_arguments(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,

@@ -6,13 +6,18 @@ backbone's hidden states and the output layer's weight, so a micro-batch costs o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from finetune import attention
 from finetune.architectures import head_spec
 from finetune.logprobs import token_logprobs
 from finetune.loss import linear_cross_entropy
 from finetune.model import output_layer
 from finetune.recipe import LossConfig
+from finetune.targets import Targets, find_targets
+from finetune.targets import to_device as to_device_tensor
 
 
 class CausalLMWithLoss(torch.nn.Module):
@@ -36,23 +41,50 @@ class CausalLMWithLoss(torch.nn.Module):
         return cls(lm, impl, loss.chunk_size, loss.z_loss, loss.softcap)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
-                per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                position_ids: torch.Tensor | None = None, per_token: bool = False, targets: Targets | None = None,
+                packed: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, number of targets); with per_token, (each target's log-probability, its flat position)
-        for objectives that score whole sequences."""
+        for objectives that score whole sequences. `targets` and `packed` (model_inputs: the target positions and
+        the packed rows' document boundaries, found on the CPU) spare the loss and the attention host syncs."""
         decoder, head = output_layer(self.lm)
+        # Only our attention takes the boundaries (attention.packed_kwargs); other implementations find the
+        # documents themselves and some models refuse keywords they do not know.
+        extra = packed if packed and attention.is_ours(self.lm) else {}
         # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state
+                         use_cache=False, **extra).last_hidden_state
         hidden, weight, bias = self.head.apply(hidden, head.weight, getattr(head, "bias", None))
         if per_token:
             return token_logprobs(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
-                                  softcap=self.softcap)
+                                  softcap=self.softcap, targets=targets)
         return linear_cross_entropy(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
-                                    z_loss=self.z_loss, softcap=self.softcap)
+                                    z_loss=self.z_loss, softcap=self.softcap, targets=targets)
 
 
-def model_inputs(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    """The tensors of a collated micro-batch that the model takes, on the device."""
-    keys = ("input_ids", "labels", "attention_mask", "position_ids")
-    return {k: batch[k].to(device) for k in keys if k in batch}
+_MODEL_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A collated micro-batch ready on `device`: every tensor copied there (without blocking the host, from pinned
+    memory, on CUDA), and what the model call needs found on the CPU first: the target positions and id range
+    (`target_positions`) and, for packed rows, the documents' boundaries (`packed`: attention.packed_kwargs). A step prepares
+    its next micro-batches this way while the device still works on the current ones; model_inputs takes them
+    as they are."""
+    if batch.get("on_device") == device:
+        return batch
+    ready = {key: to_device_tensor(value, device) if isinstance(value, torch.Tensor) else value
+             for key, value in batch.items()}
+    ready["target_positions"] = find_targets(batch["labels"], device)
+    if "position_ids" in batch and "attention_mask" not in batch:
+        ready["packed"] = attention.packed_kwargs(batch["position_ids"], device)
+    ready["on_device"] = device
+    return ready
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict[str, Any]:
+    """The keyword arguments of the model call for a collated micro-batch (to_device unless it already is)."""
+    ready = to_device(batch, device)
+    inputs = {k: ready[k] for k in (*_MODEL_KEYS, "packed") if k in ready}
+    return {**inputs, "targets": ready["target_positions"]}
+
+

@@ -90,7 +90,7 @@ def pair_logps(net: torch.nn.Module, batch: dict, device: torch.device) -> PairL
     doc = batch["doc_index"].to(device).reshape(-1).index_select(0, keep)
     n_docs = 2 * batch["pairs"]
     sums = torch.zeros(n_docs, dtype=logp.dtype, device=device).index_add(0, doc, logp)
-    tokens = torch.bincount(doc, minlength=n_docs).to(logp.dtype)
+    tokens = torch.zeros(n_docs, dtype=logp.dtype, device=device).index_add(0, doc, torch.ones_like(logp))
     ref = batch["ref_logps"].to(device=device, dtype=logp.dtype).reshape(-1, 2)
     return PairLogps(sums[0::2], sums[1::2], tokens[0::2], tokens[1::2], ref[:, 0], ref[:, 1], logp, doc % 2 == 0)
 

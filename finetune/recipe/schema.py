@@ -32,8 +32,10 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights during training."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    """auto: torch sdpa run one packed document at a time (documents found from position_ids; no [S, S] mask, so
-    a packed row costs attention within its documents only), transformers' sdpa for padded batches and
+    """auto: packed rows attend within each document only (no [S, S] mask, so a packed row costs attention
+    within its documents only; the documents found once per micro-batch on the CPU): torch's varlen_attn on CUDA
+    in bfloat16/float16, sdpa one document at a time elsewhere (environment FINETUNE_PACKED_ATTENTION=varlen|
+    flex|sdpa overrides), transformers' sdpa for padded batches and
     generation; eager for architectures without sdpa support (e.g. Gemma2); sdpa for those whose attention gets
     no position_ids or builds its own mask (e.g. GPTBigCode, Llama4, Doge). sdpa: transformers' sdpa, packed rows
     isolated by a block-diagonal mask over the whole row. eager: the same mask in plain torch ops.
