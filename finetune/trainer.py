@@ -24,7 +24,7 @@ from finetune.data import DataStats, StepPlan, collate, rank_micro_batches
 from finetune.data.cache import prepare
 from finetune.errors import UserError
 from finetune.evaluate import evaluate_loss
-from finetune.isolation import check_packable, check_packing_isolation
+from finetune.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
 from finetune.loss import resolve_impl
 from finetune.metrics import (
     MetricsLogger,
@@ -36,10 +36,10 @@ from finetune.metrics import (
     weight_sample,
 )
 from finetune.model import count_parameters, load_model, load_tokenizer, save_final
-from finetune.model_with_loss import CausalLMWithLoss
+from finetune.model_with_loss import CausalLMWithLoss, to_device
 from finetune.objective import Objective, objective_for
 from finetune.optim import build_optimizer, build_scheduler
-from finetune.parallel import gather_full_state, gradient_sync, wrap_model
+from finetune.parallel import gather_full_state, wrap_model
 from finetune.recipe import Recipe, features, to_yaml
 from finetune.reference import attach_reference_logps
 from finetune.rundir import (
@@ -50,6 +50,7 @@ from finetune.rundir import (
     truncate_metrics,
     write_run_header,
 )
+from finetune.step import clip_gradients, forward_backward, read_step, step_counts
 
 
 def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = False,
@@ -181,9 +182,10 @@ def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch
         err = check_packing_isolation(lm, len(tokenizer))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
     attn = getattr(lm.config, "_attn_implementation", "?")
+    packed = f"; packed rows: {packed_attention(lm, device)}" if recipe.data.packing and is_ours(lm) else ""
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
-                  f"{plan.global_batch} rows")
+                  f"{plan.global_batch} rows{packed}")
     return lm, total
 
 
@@ -201,25 +203,34 @@ def _open_run_dir(recipe: Recipe, out: RunDir, world: dist.World, console: Conso
 # --- the loop ------------------------------------------------------------------------------------------------
 
 def train_loop(run: Run) -> None:
-    """Every optimizer step from the start (or the resumed step) to the end, then the final eval and save."""
+    """Every optimizer step from the start (or the resumed step) to the end, then the final eval and save.
+
+    A step reads the device once (step.read_step: the skip decision needs its loss and gradient norm); its update
+    ratio is read with the next step's figures, so its metrics line is written then (or before an eval, a
+    checkpoint or the end, whichever comes first). The next step's micro-batches are collated and copied to the
+    device while the device still works on this one."""
     recipe, world, plan = run.recipe, run.world, run.plan
     done = run.start
     if done.step == 0 and recipe.eval.at_start:
         _evaluate(run, 0)
-    clock, bad_streak = Stopwatch(), 0
+    clock, bad_streak, pending = Stopwatch(), 0, None
     depth_width = _depth_width(run.lm)
+    upcoming = _micro_batches(run, done.step) if done.step < plan.total else None
     for step in range(done.step, plan.total):
         clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
-        epoch, step_rows = plan.step(step)
-        micro = [collate(rows, recipe.data, run.tokenizer.pad_token_id) for rows in rank_micro_batches(
-            step_rows, recipe.train.micro_batch_size, world.size, world.rank, recipe.data.group_by_length)]
-
+        epoch, step_rows, micro = upcoming
         # The step's counts over all micro-batches and ranks, known before any backward.
-        counts, seq_tokens, padded_tokens = _step_counts(run.objective, micro, run.device)
-        loss, metrics = _forward_backward(run, micro, counts)
-        grad_norm, max_norm = _clip_gradients(run)
-        healthy = math.isfinite(loss) and math.isfinite(grad_norm) and all(n > 0 for n in counts.values())
-        before = [weight_sample(p).clone() for p in run.params] if healthy else None
+        counts, seq_tokens, padded_tokens = step_counts(run.objective, micro, world, run.device)
+        sums = forward_backward(run.net, run.objective, micro, counts, world, run.device)
+        norm = clip_gradients(run.params, recipe.train.max_grad_norm or math.inf)
+        if step + 1 < plan.total:
+            upcoming = _micro_batches(run, step + 1)
+        figures = read_step(run.objective, sums, norm, counts, [pending.ratio] if pending else [])
+        if pending:
+            with clock.excluded():
+                _write_line(run, pending, figures.late[0])
+        healthy = figures.healthy(counts)
+        before = [weight_sample(p).to(torch.float32, copy=True) for p in run.params] if healthy else None
         if healthy:
             run.optimizer.step()
             bad_streak = 0
@@ -228,88 +239,73 @@ def train_loop(run: Run) -> None:
         run.optimizer.zero_grad(set_to_none=True)
         lr = run.scheduler.get_last_lr()[0]
         run.scheduler.step()
-        ratio = _update_ratio(run, before) if before is not None else 0.0
-        if healthy and (ratio == 0.0 or grad_norm == 0.0):  # weight decay alone still moves them
-            what = "the trainable weights did not change" if ratio == 0.0 else "every gradient was 0"
-            run.console.print(f"[yellow]step {step + 1}: {what}[/yellow]")
+        ratio = _update_ratio(run, before) if before is not None else None
         seconds = clock.lap()
         done = Progress(step + 1, done.tokens_seen + seq_tokens, done.samples_seen + sum(
             len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows))
         step_mfu = mfu(seq_tokens / seconds / world.size, run.n_params, *depth_width,
                        recipe.data.max_seq_len or 2048, run.device) if all(depth_width) else None
-        if run.logger:
-            run.logger.log({
-                "step": done.step, "total_steps": plan.total, "epoch": epoch, "loss": loss,
-                "grad_norm": grad_norm, "grad_norm_clipped": min(grad_norm, max_norm), "lr": lr, **counts, **metrics,
-                "seq_tokens": seq_tokens, "padded_tokens": padded_tokens, "tokens_seen": done.tokens_seen,
-                "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
-                "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": ratio, "skipped": not healthy,
-                "peak_memory_mb": peak_memory_mb(run.device), "elapsed_s": clock.elapsed,
-                **({"mfu": step_mfu} if step_mfu is not None else {}),
-            })
+        max_norm = recipe.train.max_grad_norm or math.inf
+        pending = _Line({
+            "step": done.step, "total_steps": plan.total, "epoch": epoch, "loss": figures.loss,
+            "grad_norm": figures.grad_norm, "grad_norm_clipped": min(figures.grad_norm, max_norm), "lr": lr,
+            **counts, **figures.metrics, "seq_tokens": seq_tokens, "padded_tokens": padded_tokens,
+            "tokens_seen": done.tokens_seen, "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
+            "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": 0.0, "skipped": not healthy,
+            "peak_memory_mb": peak_memory_mb(run.device), "elapsed_s": clock.elapsed,
+            **({"mfu": step_mfu} if step_mfu is not None else {}),
+        }, ratio)
+        ends = bad_streak >= recipe.train.max_bad_steps or done.step == plan.total
+        evals = run.eval_every and done.step % run.eval_every == 0 and done.step != plan.total
+        saves = run.checkpoint_every and done.step % run.checkpoint_every == 0
+        if ratio is None or ends or evals or saves:  # read now: a skipped step's ratio is 0, nothing to wait for
+            _write_line(run, pending, float(ratio) if ratio is not None else 0.0)
+            pending = None
         if bad_streak >= recipe.train.max_bad_steps:  # after logging, so the metrics show the bad steps
             raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
                             f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
                             "check the data, or use float32")
-        if run.eval_every and done.step % run.eval_every == 0 and done.step != plan.total:
+        if evals:
             _evaluate(run, done.step)
-        if run.checkpoint_every and done.step % run.checkpoint_every == 0:
+        if saves:
             _save_checkpoint(run, done, epoch)
     _evaluate(run, plan.total)
     _save_final(run)
+
+
+@dataclass
+class _Line:
+    """A step's metrics line, waiting for its update ratio (a 0-dim tensor on the device; None: skipped, 0)."""
+
+    record: dict[str, Any]
+    ratio: torch.Tensor | None
+
+
+def _write_line(run: Run, line: _Line, ratio: float) -> None:
+    """Log a step's line with its update ratio now read; say when an applied update changed nothing."""
+    record = line.record
+    record["update_ratio"] = ratio
+    if not record["skipped"] and (ratio == 0.0 or record["grad_norm"] == 0.0):  # weight decay alone still moves them
+        what = "the trainable weights did not change" if ratio == 0.0 else "every gradient was 0"
+        run.console.print(f"[yellow]step {record['step']}: {what}[/yellow]")
+    if run.logger:
+        run.logger.log(record)
+
+
+def _micro_batches(run: Run, step: int) -> tuple[int, list[dict], list[dict]]:
+    """(epoch, the step's rows, this rank's micro-batches of them collated and on the device)."""
+    recipe, world = run.recipe, run.world
+    epoch, step_rows = run.plan.step(step)
+    micro = [to_device(collate(rows, recipe.data, run.tokenizer.pad_token_id), run.device)
+             for rows in rank_micro_batches(step_rows, recipe.train.micro_batch_size, world.size, world.rank,
+                                            recipe.data.group_by_length)]
+    return epoch, step_rows, micro
 
 
 def _depth_width(lm: torch.nn.Module) -> tuple[int | None, int | None]:
     """(layers, hidden size) of the text model, for MFU; None where a config has no such figure (BLT's parts)."""
     text = lm.config.get_text_config()
     return getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
-
-
-def _step_counts(objective: Objective, micro: list[dict], device: torch.device) -> tuple[dict[str, int], int, int]:
-    """(the objective's counts and the target tokens, real input tokens, tokens computed), each summed over the
-    step's micro-batches on every rank: one all-reduce."""
-    names = [*objective.units, *(("tokens",) if "tokens" not in objective.units else ())]
-    local = [sum((objective.counts(m) if u in objective.units else {"tokens": m["targets"]})[u] for m in micro)
-             for u in names]
-    local += [sum(m["seq_tokens"] for m in micro), sum(m["padded_tokens"] for m in micro)]
-    totals = [int(x) for x in dist.all_reduce_sum(torch.tensor(local, device=device)).tolist()]
-    return dict(zip(names, totals)), totals[-2], totals[-1]
-
-
-def _forward_backward(run: Run, micro: list[dict], counts: dict[str, int]) -> tuple[float, dict[str, float]]:
-    """Backpropagate every micro-batch's loss terms over the step's counts; returns the step's loss and the
-    objective's metrics over the step."""
-    units, objective = run.objective.units, run.objective
-    totals = torch.zeros(len(units), device=run.device, dtype=torch.float32)
-    metric_sums = torch.zeros(len(objective.metrics), device=run.device, dtype=torch.float64)
-    run.net.train()
-    for i, batch in enumerate(micro):
-        with gradient_sync(run.net, last=i == len(micro) - 1):
-            result = objective.forward(run.net, batch, run.device)
-            scaled = [result.terms[u] * (run.world.size / max(counts[u], 1)) for u in units]
-            sum(scaled[1:], scaled[0]).backward()
-        totals += torch.stack([result.terms[u].detach() for u in units])
-        if objective.metrics:
-            metric_sums += torch.stack([result.metrics[m] for m in objective.metrics])
-    totals = dist.all_reduce_sum(totals).tolist()
-    loss = sum(total / max(counts[u], 1) for u, total in zip(units, totals))
-    return loss, _per_unit(objective, metric_sums, counts)
-
-
-def _per_unit(objective: Objective, metric_sums: torch.Tensor, counts: dict[str, int]) -> dict[str, float]:
-    """Each metric's sum over the step (all ranks) divided by the step's count of its unit."""
-    if not objective.metrics:
-        return {}
-    sums = dist.all_reduce_sum(metric_sums).tolist()
-    return {m: total / max(counts[u], 1) for (m, u), total in zip(objective.metrics.items(), sums)}
-
-
-def _clip_gradients(run: Run) -> tuple[float, float]:
-    """(the step's pre-clip gradient norm, the clipping threshold): gradients are clipped in place."""
-    max_norm = run.recipe.train.max_grad_norm or math.inf
-    norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm)
-    # FSDP2 returns the norm as a DTensor; its full value is what we log and compare.
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm), max_norm
 
 
 def _report_skipped(console: Console, step: int, counts: dict[str, int], bad_streak: int) -> int:
@@ -324,7 +320,7 @@ def _report_skipped(console: Console, step: int, counts: dict[str, int], bad_str
     return bad_streak + 1
 
 
-def _update_ratio(run: Run, before: list[torch.Tensor]) -> float:
+def _update_ratio(run: Run, before: list[torch.Tensor]) -> torch.Tensor:
     # Under FSDP2 each rank holds a shard of every weight: the sums are summed over ranks.
     return update_ratio(before, run.params, dist.all_reduce_sum if dist.is_sharded(run.lm) else None)
 

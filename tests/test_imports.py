@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention", "architectures"}
+LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention", "packed_kernels", "architectures"}
 SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
 # What each module may import from the package (beyond `errors`, which everything may import). A package (recipe,
 # data, metrics) is one module here: its files may import each other.
@@ -20,27 +20,30 @@ ALLOWED = {
     "versions": set(),
     "recipe": {"versions"},  # `requires:` is checked by the version rules
     "dist": set(),
-    "attention": set(),  # transformers' attention extension point, registered by model
+    "attention": {"packed_kernels"},  # transformers' attention extension point, registered by model
+    "packed_kernels": set(),  # a packed micro-batch's documents, found once, and the kernels that attend within them
     "data": {"recipe", "labels"},
     "model": {"architectures", "attention", "recipe"},
-    "loss": {"labels"},
+    "loss": {"labels", "targets"},
+    "targets": {"labels"},  # where a micro-batch's targets are, found on the CPU
     "optim": {"recipe"},
     "rundir": {"recipe"},  # the run directory's layout and readers
     "metrics": {"recipe", "rundir"},
     "checkpoint": {"dist", "recipe", "rundir"},
     "architectures": set(),  # per-model_type knowledge: output heads, what is refused, LoRA exclusions
-    "isolation": {"architectures", "data"},  # runs packed rows through a model as training collates them
-    "logprobs": {"labels", "loss"},  # per-token log-probabilities through the fused head (preference objectives)
+    "isolation": {"architectures", "attention", "data", "packed_kernels"},  # runs packed rows through a model as training collates them
+    "logprobs": {"labels", "loss", "targets"},  # per-token log-probabilities through the fused head (preference objectives)
     "preference": set(),  # the per-pair DPO/ORPO losses, pure functions
-    "model_with_loss": {"architectures", "logprobs", "loss", "model", "recipe"},
+    "model_with_loss": {"architectures", "attention", "logprobs", "loss", "model", "recipe", "targets"},
     "objective": {"model_with_loss", "preference", "recipe"},
     "parallel": {"dist", "model", "recipe"},
     "reference": {"data", "dist", "model", "model_with_loss", "objective", "recipe"},
     "trained": {"model", "recipe", "rundir"},
     "evaluate": {"dist", "data", "isolation", "loss", "model", "model_with_loss", "objective", "recipe",
                  "trained"},
+    "step": {"dist", "objective", "parallel"},  # one optimizer step's figures on the device, read once
     "trainer": {"checkpoint", "data", "dist", "evaluate", "isolation", "loss", "metrics", "model", "model_with_loss",
-                "objective", "optim", "parallel", "recipe", "reference", "rundir", "versions"},
+                "objective", "optim", "parallel", "recipe", "reference", "rundir", "step", "versions"},
     "cli": {"checkpoint", "compare", "data", "evaluate", "generate", "merge", "model", "plot", "recipe", "rundir",
             "trainer", "verify", "versions", "__init__"},
     "merge": {"model", "rundir", "trained"},

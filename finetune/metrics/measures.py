@@ -6,10 +6,11 @@ MFU far below the usual says the GPU idles.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is heavy: the functions that need it import it
@@ -106,22 +107,28 @@ def weight_sample(p: torch.Tensor, size: int = 4096) -> torch.Tensor:
 
 
 def update_sums(before: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
-    """[sum of squared changes, sum of squares before] over the weight samples, in float64."""
+    """[sum of squared changes, sum of squares before] over the weight samples, float64, on the weights' device:
+    computed there with foreach norms (float32 per tensor, summed in float64) and never read back here, so the
+    caller decides when the host waits for it (the trainer: once per step, with its other figures)."""
     import torch
 
-    delta = sum(float((weight_sample(p).float() - b.float()).pow(2).sum()) for p, b in zip(params, before))
-    norm = sum(float(b.float().pow(2).sum()) for b in before)
-    return torch.tensor([delta, norm], dtype=torch.float64)
+    if not before:
+        return torch.zeros(2, dtype=torch.float64)
+    old = [b.float() for b in before]
+    changes = torch._foreach_sub([weight_sample(p).float() for p in params], old)
+    squares = [torch.stack(torch._foreach_norm(ts)).double().square().sum() for ts in (changes, old)]
+    return torch.stack(squares)
 
 
 def update_ratio(before: list[torch.Tensor], params: list[torch.Tensor],
-                 reduce: Callable[[torch.Tensor], Any] | None = None) -> float:
-    """||w_after - w_before|| / ||w_before|| over the sampled elements of the trainable weights: 0 means the step
-    changed none of them. `reduce` sums the two sums over ranks where each rank holds a shard (FSDP2)."""
+                 reduce: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
+    """||w_after - w_before|| / ||w_before|| over the sampled elements of the trainable weights (0 means the step
+    changed none of them), as a float64 0-dim tensor on the weights' device (not read: no host sync). `reduce`
+    sums the two sums over ranks where each rank holds a shard (FSDP2)."""
     sums = update_sums(before, params)
     if reduce is not None:
         reduce(sums)
-    return math.sqrt(float(sums[0])) / max(math.sqrt(float(sums[1])), 1e-12)
+    return sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-12)
 
 
 class Stopwatch:
@@ -132,6 +139,15 @@ class Stopwatch:
 
     def start_lap(self) -> None:
         self.last = time.perf_counter()
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Time spent in the body does not count in the current lap (logging a line inside a step)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last += time.perf_counter() - began
 
     def lap(self) -> float:
         now = time.perf_counter()

@@ -1,0 +1,89 @@
+"""One optimizer step's figures, computed on the device and read by the host once.
+
+The loss contract (docs/design.md, "The loss contract") needs the step's counts before the first backward: they
+are summed on the host from the collated micro-batches (one all-reduce, and its read, under torchrun; nothing in
+one process). Everything else stays on the device until the step's one read (`read_step`): each micro-batch's
+loss terms and metrics are added up there and summed over ranks by one all-reduce, the gradient norm is clipping's
+own foreach result, and the previous step's update ratio rides along (the trainer writes a step's metrics line
+when that ratio arrives, one step later). That read is the host sync the skip-on-non-finite decision needs; on a
+GPU the host otherwise runs ahead, queueing work (docs/design.md, "A step on the device").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from finetune import dist
+from finetune.objective import Objective
+from finetune.parallel import gradient_sync
+
+
+def step_counts(objective: Objective, micro: list[dict], world: dist.World,
+                device: torch.device) -> tuple[dict[str, int], int, int]:
+    """(the objective's counts and the target tokens, real input tokens, tokens computed), each summed over the
+    step's micro-batches on every rank: host integers from the collated batches, one all-reduce under torchrun."""
+    names = [*objective.units, *(("tokens",) if "tokens" not in objective.units else ())]
+    local = [sum((objective.counts(m) if u in objective.units else {"tokens": m["targets"]})[u] for m in micro)
+             for u in names]
+    local += [sum(m["seq_tokens"] for m in micro), sum(m["padded_tokens"] for m in micro)]
+    totals = local
+    if world.distributed:  # the contract's one host sync before the backward: every rank needs the step's counts
+        totals = [int(x) for x in dist.all_reduce_sum(torch.tensor(local, device=device)).tolist()]
+    return dict(zip(names, totals)), totals[-2], totals[-1]
+
+
+def forward_backward(net: torch.nn.Module, objective: Objective, micro: list[dict], counts: dict[str, int],
+                     world: dist.World, device: torch.device) -> torch.Tensor:
+    """Backpropagate every micro-batch's loss terms over the step's counts (times the world size: DDP and FSDP
+    average gradients over ranks), reducing gradients only after the last one (parallel.gradient_sync). Returns
+    [the step's summed loss terms..., its summed metrics...] (float64, on the device, summed over ranks)."""
+    units = objective.units
+    totals = torch.zeros(len(units), device=device, dtype=torch.float32)
+    metric_sums = torch.zeros(len(objective.metrics), device=device, dtype=torch.float64)
+    net.train()
+    for i, batch in enumerate(micro):
+        with gradient_sync(net, last=i == len(micro) - 1):
+            result = objective.forward(net, batch, device)
+            scaled = [result.terms[u] * (world.size / max(counts[u], 1)) for u in units]
+            sum(scaled[1:], scaled[0]).backward()
+        totals += torch.stack([result.terms[u].detach() for u in units])
+        if objective.metrics:
+            metric_sums += torch.stack([result.metrics[m] for m in objective.metrics])
+    return dist.all_reduce_sum(torch.cat([totals.double(), metric_sums]))
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the gradients in place; returns their pre-clip norm as a 0-dim tensor on the device (not read)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # FSDP2 returns the norm as a DTensor: its full value (a collective on the device, no read).
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+@dataclass
+class StepFigures:
+    """What the host learns of a step at its one read."""
+
+    loss: float
+    metrics: dict[str, float]
+    grad_norm: float
+    late: list[float]  # the tensors handed in as `late`, read with the rest (the previous step's update ratio)
+
+    def healthy(self, counts: dict[str, int]) -> bool:
+        """Whether the update may be applied: a finite loss and gradient norm, and something to learn from."""
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm) and all(n > 0 for n in counts.values())
+
+
+def read_step(objective: Objective, sums: torch.Tensor, norm: torch.Tensor, counts: dict[str, int],
+              late: list[torch.Tensor] = ()) -> StepFigures:
+    """The step's one host read: forward_backward's sums, the gradient norm and `late` (0-dim tensors) in one
+    copy. The loss is the sum of each term over its count; each metric is over the count of its unit."""
+    values = torch.cat([sums, norm.detach().double().reshape(1), *(t.double().reshape(1) for t in late)]).tolist()
+    units = objective.units
+    loss = sum(total / max(counts[u], 1) for u, total in zip(units, values))
+    metric_values = values[len(units):len(units) + len(objective.metrics)]
+    metrics = {m: total / max(counts[u], 1) for (m, u), total in zip(objective.metrics.items(), metric_values)}
+    rest = values[len(units) + len(objective.metrics):]
+    return StepFigures(loss, metrics, rest[0], rest[1:])

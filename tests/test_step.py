@@ -1,0 +1,159 @@
+"""finetune/step.py and the step's host syncs: a training step reads the device once (its loss, gradient norm and
+metrics, with the previous step's update ratio), and nothing else in it waits for the device but transformers'
+own packed-sequence check (once per forward, in create_causal_mask).
+
+On a CPU nothing synchronizes, so the CPU test counts what would: the dispatched ops that read a tensor on the host
+(`.item()`, `float()`, `int()`, `bool()` all reach `_local_scalar_dense`) or have an output shape that depends on
+the values (`nonzero`, `bincount`, `masked_select`, `unique`), during the device part of the step (micro-batches
+are prepared on the CPU before: collated, target positions and document boundaries found, copied). `.tolist()`
+and `.cpu()` of a CPU tensor dispatch nothing, so the step's one read (step.read_step) is not seen there; the
+CUDA test (`gpu`) counts every synchronization with torch.cuda.set_sync_debug_mode, that read included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import traceback
+import warnings
+
+import pytest
+import torch
+from conftest import REPO_ROOT, TINY_MODEL_CONFIG
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from finetune import dist
+from finetune.data.collate import collate
+from finetune.data.pack import pack_samples
+from finetune.loss import resolve_impl
+from finetune.metrics import update_ratio, update_sums, weight_sample
+from finetune.model import load_model, load_tokenizer
+from finetune.model_with_loss import CausalLMWithLoss, to_device
+from finetune.objective import SFT
+from finetune.optim import build_optimizer
+from finetune.recipe import AdapterConfig, DataConfig, LossConfig, ModelConfig, TokenizerConfig, TrainConfig
+from finetune.step import clip_gradients, forward_backward, read_step, step_counts
+
+# Ops that make the host wait for a GPU (a read, or an output whose shape depends on the values).
+SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.bincount.default",
+           "aten.masked_select.default", "aten._unique2.default", "aten.unique_consecutive.default"}
+
+
+class _CountSyncs(TorchDispatchMode):
+    """Records each syncing op with the innermost Python frame outside torch that called it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in SYNCING:
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            self.calls.append((str(func), f"{frames[-1].filename}:{frames[-1].lineno}:{frames[-1].name}"))
+        return func(*args, **(kwargs or {}))
+
+
+def _setup(device: torch.device, dtype: str = "float32"):
+    tokenizer = load_tokenizer(TokenizerConfig(path=str(REPO_ROOT / "examples" / "tokenizer")), ModelConfig())
+    cfg = ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), dtype=dtype)
+    lm = load_model(cfg, AdapterConfig(), tokenizer, seed=0).to(device)
+    net = CausalLMWithLoss.for_recipe(lm, LossConfig(), resolve_impl("auto", device))
+    optimizer = build_optimizer(lm.named_parameters(), TrainConfig(lr=1e-3))
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for n in torch.randint(8, 60, (40,), generator=gen).tolist():
+        ids = torch.randint(3, 200, (n,), generator=gen).tolist()
+        samples.append({"input_ids": ids, "labels": [-100, *ids[1:]]})
+    rows, _ = pack_samples(samples, 128, seed=0)
+    data = DataConfig(max_seq_len=128)
+    return lm, net, optimizer, [collate(rows[i:i + 2], data, tokenizer.pad_token_id) for i in range(0, 12, 2)]
+
+
+def _steps(device: torch.device, n_steps: int, accumulation: int, around_step,
+           around_update=lambda i: contextlib.nullcontext()) -> list[float]:
+    """n_steps training steps as the trainer takes them (step.py, then the update, its ratio read one step late);
+    `around_step(i)` is a context manager around step i's forward, backward, clipping and read, `around_update(i)`
+    around its optimizer step and update ratio. Returns the losses."""
+    lm, net, optimizer, micro_batches = _setup(device, "bfloat16" if device.type == "cuda" else "float32")
+    params = [p for p in net.parameters() if p.requires_grad]
+    world, objective, late, losses = dist.World(), SFT(), [], []
+    for i in range(n_steps):
+        micro = [to_device(b, device) for b in micro_batches[i * accumulation:(i + 1) * accumulation]]
+        counts, _, _ = step_counts(objective, micro, world, device)
+        with around_step(i):
+            sums = forward_backward(net, objective, micro, counts, world, device)
+            norm = clip_gradients(params, 1.0)
+            figures = read_step(objective, sums, norm, counts, late)
+            before = [weight_sample(p).to(torch.float32, copy=True) for p in params]
+        with around_update(i):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            late = [update_ratio(before, params)]
+        assert figures.healthy(counts) and math.isfinite(figures.grad_norm)
+        losses.append(figures.loss)
+    return losses
+
+
+def test_nothing_in_a_step_would_wait_for_the_device_but_transformers_packed_check():
+    counters = []
+
+    def count(_):
+        counters.append(_CountSyncs())
+        return counters[-1]
+
+    # Not counted here: the optimizer step (torch's AdamW keeps its step counts on the host unless fused, as it is
+    # on CUDA) and the update ratio (test_update_sums_stay_on_the_device...); the CUDA test counts both.
+    _steps(torch.device("cpu"), n_steps=3, accumulation=2, around_step=count)
+    for counter in counters:
+        # create_causal_mask looks for packed sequences in position_ids with one read per forward (transformers'
+        # find_packed_sequence_indices); nothing of ours reads the device.
+        assert len(counter.calls) == 2, counter.calls
+        assert all(where.split(":")[0].endswith("transformers/masking_utils.py") and where.endswith(
+            ":find_packed_sequence_indices") for _, where in counter.calls), \
+            counter.calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_step_synchronizes_once_plus_transformers_packed_check():
+    """Under torch.cuda.set_sync_debug_mode("warn") every synchronizing call warns: a step of 2 micro-batches makes
+    at most 3 (its one read, and transformers' packed-sequence check once per forward), after a first step that
+    may initialize state."""
+    device = torch.device("cuda")
+    counts: list[int] = []
+
+    class _Warned:
+        def __init__(self, i: int) -> None:
+            self.catch = warnings.catch_warnings(record=True)
+
+        def __enter__(self):
+            self.seen = self.catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def __exit__(self, *exc):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum("synchroniz" in str(w.message) for w in self.seen))
+            return self.catch.__exit__(*exc)
+
+    _steps(device, n_steps=3, accumulation=2, around_step=_Warned, around_update=_Warned)
+    per_step = [a + b for a, b in zip(counts[0::2], counts[1::2])]
+    assert all(n <= 3 for n in per_step[1:]), counts
+
+
+def test_update_sums_stay_on_the_device_and_keep_their_meaning():
+    small, big = torch.randn(100), torch.randn(3000, 1000)
+    before = [weight_sample(p).to(torch.float32, copy=True) for p in (small, big)]
+    with torch.no_grad():
+        small.mul_(1.01)
+        big.mul_(1.01)
+    with _CountSyncs() as counter:
+        sums = update_sums(before, [small, big])
+        ratio = update_ratio(before, [small, big])
+    assert counter.calls == [] and isinstance(ratio, torch.Tensor) and ratio.dtype == torch.float64
+    # The former per-tensor float() sums: the same figures up to the summation order (float32 sums, last bits).
+    delta = sum(float((weight_sample(p).float() - b).pow(2).sum()) for p, b in zip((small, big), before))
+    norm = sum(float(b.pow(2).sum()) for b in before)
+    assert sums.tolist() == pytest.approx([delta, norm], rel=1e-6)
+    assert float(ratio) == pytest.approx(0.01, rel=1e-5)
