@@ -197,6 +197,9 @@ def _field_checks(where: str, ds: Any) -> list[str]:
     problems = []
     if ds.prompt_template != "chat" and ds.format != "alpaca":
         problems.append(f"{where}.prompt_template: {ds.prompt_template} renders alpaca rows; format is {ds.format}")
+    elif ds.prompt_template != "chat" and ds.roles_to_train != ["assistant"]:
+        problems.append(f"{where}.roles_to_train: with prompt_template {ds.prompt_template} the output is trained; "
+                        "train_on_inputs: true trains the prompt too")
     formats = {"role_field": ("chat", "preference"), "content_field": ("chat", "preference"),
                "role_map": ("chat", "preference"), "system_field": ("chat",), "prompt_field": ("preference",),
                "chosen_field": ("preference",), "rejected_field": ("preference",)}
