@@ -145,6 +145,8 @@ def test_strict_reading(tmp_path):
     assert "micro_batch_size: got '2'; Axolotl expects a whole number" in _error(tmp_path, MINIMAL +
                                                                                  "micro_batch_size: '2'\n")
     assert "an Axolotl config is a mapping of keys" in _error(tmp_path, "- just\n- a list\n")
+    assert "output_dir: null: Axolotl expects a string" in _error(tmp_path, MINIMAL + "output_dir:\n")
+    assert "seed: 42" in _convert(tmp_path, MINIMAL + "seed:\n").text  # any other null is unset, as in Axolotl
     assert "no such Axolotl config" in str(pytest.raises(UserError, convert_axolotl, tmp_path / "nope.yml").value)
 
 

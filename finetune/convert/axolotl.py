@@ -35,6 +35,8 @@ from finetune.recipe import validate
 
 # Refused keys set to Axolotl's own default are unset all the same.
 _REFUSED_DEFAULTS: dict[str, Any] = {"lisa_layers_attribute": "model.layers", "eaft_alpha": 1.0, "eaft_k": 20}
+# Keys whose schema type takes no null: Axolotl refuses `output_dir:` left empty.
+_NOT_NULL = ("output_dir",)
 # What an accepted approximation writes into the recipe (the others only change nothing or are rules' business).
 _APPROXIMATION_EFFECTS: dict[str, tuple[str, Any]] = {"dataloader_drop_last": ("data.drop_last", True)}
 
@@ -76,6 +78,8 @@ def check_keys(c: Conversion) -> None:
             guess = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
             c.refuse(key, "not an Axolotl key (Axolotl ignores it silently)"
                      + (f"; did you mean '{guess[0]}'?" if guess else "; remove it"))
+        elif value is None and key in _NOT_NULL:
+            c.refuse(key, "null: Axolotl expects a string here (it rejects this config itself)")
         elif value is None:
             unset.append(key)
         elif key in REFUSED and not is_off(value) and value != _REFUSED_DEFAULTS.get(key):

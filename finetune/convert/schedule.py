@@ -29,10 +29,12 @@ def cadence_rules(c: Conversion, has_eval_data: bool) -> None:
     """saves_per_epoch, save_steps, save_strategy, save_total_limit, evals_per_epoch, eval_steps, eval_strategy,
     eval_batch_size."""
     epochs = c.number("num_epochs", 1.0) or 1.0
-    save_steps = c.get("save_steps")
+    save_steps = c.get("save_steps") or None  # 0 is unset, as in Axolotl
     n = c.integer("saves_per_epoch")  # 0 or unset: none
     if n and 1.0 / (n * epochs) < 1.0:
-        save_steps = 1.0 / (n * epochs)
+        save_steps = 1.0 / (n * epochs)  # Axolotl's normalize_config
+    else:
+        n = None
     strategy = c.text("save_strategy")
     if strategy == "best":
         c.refuse("save_strategy", "best: keeping the best checkpoint is not supported")
@@ -42,22 +44,23 @@ def cadence_rules(c: Conversion, has_eval_data: bool) -> None:
         c.refuse("save_strategy", f"{strategy!r}: Axolotl expects no, steps, epoch or best")
     elif strategy != "no" and (epochs > 1 or c.has("max_steps")):
         c.put("checkpoint.every_epochs", 1)  # Axolotl's default: at each epoch's end
-    c.carry("save_total_limit", "checkpoint.keep_last", c.integer("save_total_limit", 4, minimum=1),
-            "Axolotl's default")
+    c.carry("save_total_limit", "checkpoint.keep_last", c.integer("save_total_limit", 4) or 4, "Axolotl's default")
     if c.has("eval_batch_size"):
         c.put("eval.micro_batch_size", c.integer("eval_batch_size", minimum=1))
     _eval_cadence(c, has_eval_data, epochs)
 
 
 def _eval_cadence(c: Conversion, has_eval_data: bool, epochs: float) -> None:
-    eval_steps = c.get("eval_steps")
+    eval_steps = c.get("eval_steps") or None
     n = c.integer("evals_per_epoch")
     if n and has_eval_data and 1.0 / (n * epochs) < 1.0:
         eval_steps = 1.0 / (n * epochs)
+    else:
+        n = None
     strategy = c.text("eval_strategy")
     if not has_eval_data:
         return
-    if eval_steps is not None and strategy != "no":
+    if eval_steps is not None:  # Axolotl: eval_steps wins over eval_strategy
         _every(c, "eval", "eval_steps", eval_steps, n, epochs)
     elif strategy == "epoch":
         c.put("eval.every_epochs", 1)
