@@ -230,7 +230,8 @@ def train_loop(run: Run) -> None:
         lr = run.scheduler.get_last_lr()[0]
         run.scheduler.step()
         ratio = _update_ratio(run, before) if before is not None else 0.0
-        if healthy and (ratio == 0.0 or grad_norm == 0.0):  # weight decay alone still moves them
+        # Weight decay alone still moves them; at lr 0 (a warmup from zero) nothing moves, rightly.
+        if healthy and ((ratio == 0.0 and lr > 0) or grad_norm == 0.0):
             what = "the trainable weights did not change" if ratio == 0.0 else "every gradient was 0"
             run.console.print(f"[yellow]step {step + 1}: {what}[/yellow]")
         seconds = clock.lap()
