@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("compare",))
     p.add_argument("run_a")
     p.add_argument("run_b")
+    p = command("convert", cmd_convert, "convert another tool's config into a recipe (docs/migrating-from-axolotl.md)",
+                recipe=False)
+    p.add_argument("tool", choices=("axolotl",), help="the tool the config is for")
+    p.add_argument("config", help="the config file (YAML)")
+    p.add_argument("-o", "--out", default=None, help="recipe file to write (default: stdout)")
+    p.add_argument("--allow-approx", action="store_true",
+                   help="accept approximations (each one is announced and listed in the recipe's header)")
     command("env", cmd_env, "show pinned vs installed library versions and the device", recipe=False)
     p = command("schema", cmd_schema, "write the recipe JSON Schema", recipe=False)
     p.add_argument("--out", default=None, help="file to write (default: stdout)")
@@ -290,6 +297,24 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from finetune.compare import compare_runs
 
     Console().print(compare_runs(args.run_a, args.run_b))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from finetune.convert import convert_axolotl
+
+    result = convert_axolotl(args.config, allow_approx=args.allow_approx)
+    for line in result.announcements:
+        print(line, file=sys.stderr)
+    if args.out:
+        out = Path(args.out).expanduser()
+        try:
+            out.write_text(result.text, encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot write the recipe ({e.strerror or e})") from None
+        print(f"wrote {out}; check it with: finetune validate {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(result.text)
     return 0
 
 

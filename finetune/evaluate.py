@@ -20,6 +20,7 @@ from finetune.model import load_model, load_tokenizer
 from finetune.model_with_loss import CausalLMWithLoss
 from finetune.objective import Objective, objective_for
 from finetune.recipe import Recipe
+from finetune.reference import attach_reference_logps
 from finetune.trained import load_trained
 
 
@@ -82,6 +83,9 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> EvalResult:
             check_packable(lm, tokenizer.pad_token_id)
         lm = lm.to(device)
         impl = resolve_impl(recipe.loss.impl, device)
+        if recipe.train.objective == "dpo":  # a trained run's reference is its initial model (or base), reloaded
+            attach_reference_logps(recipe, {"eval": eval_samples}, lm, tokenizer, impl, device, samples_key=None,
+                                   fresh_model=run_dir is None, say=lambda message: None)
         net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl)
         micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
         return evaluate_loss(objective_for(recipe), net, eval_samples, recipe, micro, tokenizer.pad_token_id,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from finetune import architectures, attention
+from finetune import architectures, attention, templates, vocab
 from finetune.errors import UserError, first_line
 from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
 
@@ -99,7 +99,8 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
         raise UserError(f"tokenizer {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
                         "  Point tokenizer.path (or model.path) at a local tokenizer directory.") from None
     if tok.chat_template:
-        tokenizer.chat_template = tok.chat_template
+        tokenizer.chat_template = templates.resolve(tok.chat_template)  # a shipped template's name, or Jinja text
+    vocab.customize_tokenizer(tokenizer, tok)
     if tokenizer.pad_token_id is None:
         # Padding tokens never carry a label, so reusing eos for padding cannot teach the model anything.
         tokenizer.pad_token = tokenizer.eos_token
@@ -118,6 +119,7 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
         _keep_4bit_trainable(model)
     else:
         model = _plain_model(cfg, tokenizer, seed)
+    new_rows = vocab.resize_embeddings(model, tokenizer, cfg)  # tokens the recipe added (tokenizer.*tokens)
     _check_fused_loss(model, tokenizer)
     _document_attention(model, cfg)
     model.config.use_cache = False
@@ -129,6 +131,7 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
         model = _apply_adapter(model, adapter)
     if trainable is not None:
         freeze_except(model, trainable)
+    vocab.check_new_rows_train(model, new_rows, (model.get_input_embeddings(), output_layer(model)[1]), tokenizer)
     return model
 
 
@@ -174,6 +177,7 @@ def load_base(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
     """The base model as training started from it, unquantized, in the recipe's dtype, ready for inference:
     what `finetune merge` merges into and `finetune generate` runs under an adapter."""
     model = _plain_model(cfg, tokenizer, seed)
+    vocab.resize_embeddings(model, tokenizer, cfg)  # an adapter's trained copies of new rows need the rows
     _document_attention(model, cfg)
     model.config.use_cache = True
     return model.eval()
@@ -400,8 +404,9 @@ def save_final(model: torch.nn.Module, tokenizer: Any, out_dir: Path, state_dict
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter = is_adapter_model(model)
     config = model.get_base_model().config if adapter else model.config
-    # We never resize the vocabulary, so PEFT need not save the base embeddings; its "auto" check would look for
-    # a config.json next to the base (absent for GGUF and random-init bases) and warn.
+    # An added token's rows are in the adapter's modules_to_save copies (vocab.check_new_rows_train), so PEFT need
+    # not save the base embeddings; its "auto" check would look for a config.json next to the base (absent for GGUF
+    # and random-init bases) and warn.
     extra = {"save_embedding_layers": False} if adapter else {}
     use_cache, config.use_cache = config.use_cache, True
     try:

@@ -44,15 +44,23 @@ def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: TrainC
 
 
 def warmup_steps(cfg: TrainConfig, total: int) -> int:
-    """The warmup length in optimizer steps: train.warmup_steps, or int(train.warmup_ratio x total) (floor)."""
-    return int(cfg.warmup_ratio * total) if cfg.warmup_ratio is not None else cfg.warmup_steps
+    """The warmup length in optimizer steps: train.warmup_steps, or int(train.warmup_ratio x total) (floor) capped
+    at train.warmup_max_steps; with warmup_from_zero a warmup of 1 step is 2 (Axolotl's rule)."""
+    if cfg.warmup_ratio is not None:
+        steps = int(cfg.warmup_ratio * total)
+        if cfg.warmup_max_steps is not None:
+            steps = min(steps, cfg.warmup_max_steps)
+    else:
+        steps = cfg.warmup_steps
+    return 2 if cfg.warmup_from_zero and steps == 1 else steps
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, then the decay."""
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup (from lr / W, or from 0 as
+    Hugging Face's schedulers), then the decay."""
     warmup = warmup_steps(cfg, total)
     if warmup and step < warmup:
-        return (step + 1) / warmup
+        return (step if cfg.warmup_from_zero else step + 1) / warmup
     if cfg.lr_scheduler == "constant":
         return 1.0
     span = max(1, total - warmup)

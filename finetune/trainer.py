@@ -285,7 +285,8 @@ def _write_line(run: Run, line: _Line, ratio: float) -> None:
     """Log a step's line with its update ratio now read; say when an applied update changed nothing."""
     record = line.record
     record["update_ratio"] = ratio
-    if not record["skipped"] and (ratio == 0.0 or record["grad_norm"] == 0.0):  # weight decay alone still moves them
+    # Weight decay alone still moves them; at lr 0 (a warmup from zero) nothing moves, rightly.
+    if not record["skipped"] and ((ratio == 0.0 and record["lr"] > 0) or record["grad_norm"] == 0.0):
         what = "the trainable weights did not change" if ratio == 0.0 else "every gradient was 0"
         run.console.print(f"[yellow]step {record['step']}: {what}[/yellow]")
     if run.logger:

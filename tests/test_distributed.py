@@ -43,6 +43,12 @@ def _env(device: str, **extra: str) -> dict[str, str]:
 SHORT = [*TINY, "datasets.0.max_rows=10", "data.packing=false", "train.max_steps=null", "train.epochs=1"]
 # A LoRA adapter (the frozen base is not trained; under FSDP it is sharded with the adapter), packed, 3 steps.
 LORA = [*TINY, "train.max_steps=3", "adapter.type=lora", "train.lr=1e-2"]
+# DPO, packed (rows hold varying numbers of pairs); each rank computes the reference for its share of the pairs.
+DATA = ROOT / "examples" / "data"
+DPO = [*TINY, "train.max_steps=3", "train.objective=dpo", f"datasets.0.path={DATA / 'quickstart_pref_train.jsonl'}",
+       "datasets.0.format=preference", f"eval_datasets.0.path={DATA / 'quickstart_pref_eval.jsonl'}",
+       "eval_datasets.0.format=preference", "datasets.0.max_rows=200", "eval_datasets.0.max_rows=20"]
+CASES = {"packed": [*TINY, "train.max_steps=3"], "short": SHORT, "lora": LORA, "dpo": DPO}
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300, device: str = "cpu") -> subprocess.CompletedProcess:
@@ -59,11 +65,11 @@ def single(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module", params=DEVICES)
 def reference(request, tmp_path_factory) -> dict[str, Path | str]:
-    """One process, micro 8 x accum 1: packed 3 steps, the padded short-last-step run, and LoRA; `device`: where
+    """One process, micro 8 x accum 1: packed 3 steps, the padded short-last-step run, LoRA and DPO; `device`: where
     they ran (and where the ranks compared with them run)."""
     device = request.param
     out: dict[str, Path | str] = {"device": device}
-    for name, extra in (("packed", [*TINY, "train.max_steps=3"]), ("short", SHORT), ("lora", LORA)):
+    for name, extra in CASES.items():
         run_dir = tmp_path_factory.mktemp(f"ref-{device}-{name}")
         r = single("train", str(QUICKSTART), f"output_dir={run_dir}", *extra, "train.micro_batch_size=8",
                    "train.gradient_accumulation_steps=1", device=device)
@@ -87,9 +93,9 @@ def assert_same_training(run_dir: Path, ref: Path) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("case", ["packed", "short", "lora"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_one_process(tmp_path, reference, strategy, case):
-    extra = {"packed": [*TINY, "train.max_steps=3"], "short": SHORT, "lora": LORA}[case]
+    extra = CASES[case]
     args = ["train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *extra, "train.micro_batch_size=2",
             "train.gradient_accumulation_steps=2", f"distributed.strategy={strategy}"]
     device = reference["device"]

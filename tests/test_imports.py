@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention", "packed_kernels", "architectures"}
+LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention", "packed_kernels", "architectures", "templates"}
 SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
 # What each module may import from the package (beyond `errors`, which everything may import). A package (recipe,
 # data, metrics) is one module here: its files may import each other.
@@ -18,12 +18,14 @@ ALLOWED = {
     "errors": set(),
     "labels": set(),  # IGNORE_INDEX, shared by the data pipeline and the loss
     "versions": set(),
-    "recipe": {"versions"},  # `requires:` is checked by the version rules
+    "recipe": {"versions", "templates"},  # `requires:` is checked by the version rules; chat template names
+    "templates": set(),  # the chat templates shipped by name (tokenizer.chat_template: chatml)
     "dist": set(),
     "attention": {"packed_kernels"},  # transformers' attention extension point, registered by model
     "packed_kernels": set(),  # a packed micro-batch's documents, found once, and the kernels that attend within them
     "data": {"recipe", "labels"},
-    "model": {"architectures", "attention", "recipe"},
+    "model": {"architectures", "attention", "recipe", "templates", "vocab"},
+    "vocab": {"recipe"},  # special-token overrides, added tokens, the embedding resized for them
     "loss": {"labels", "targets"},
     "targets": {"labels"},  # where a micro-batch's targets are, found on the CPU
     "optim": {"recipe"},
@@ -39,12 +41,13 @@ ALLOWED = {
     "parallel": {"dist", "model", "recipe"},
     "reference": {"data", "dist", "model", "model_with_loss", "objective", "recipe"},
     "trained": {"model", "recipe", "rundir"},
-    "evaluate": {"dist", "data", "isolation", "loss", "model", "model_with_loss", "objective", "recipe",
+    "evaluate": {"data", "dist", "isolation", "loss", "model", "model_with_loss", "objective", "recipe", "reference",
                  "trained"},
     "step": {"dist", "objective", "parallel"},  # one optimizer step's figures on the device, read once
     "trainer": {"checkpoint", "data", "dist", "evaluate", "isolation", "loss", "metrics", "model", "model_with_loss",
                 "objective", "optim", "parallel", "recipe", "reference", "rundir", "step", "versions"},
-    "cli": {"checkpoint", "compare", "data", "evaluate", "generate", "merge", "model", "plot", "recipe", "rundir",
+    "convert": {"recipe", "templates"},  # `finetune convert axolotl`: a config in, a recipe out
+    "cli": {"checkpoint", "compare", "convert", "data", "evaluate", "generate", "merge", "model", "plot", "recipe", "rundir",
             "trainer", "verify", "versions", "__init__"},
     "merge": {"model", "rundir", "trained"},
     "generate": {"dist", "rundir", "trained"},  # dist: the device (FINETUNE_DEVICE)

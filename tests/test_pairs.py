@@ -72,3 +72,16 @@ def test_a_pair_fits_the_budget_from_its_longer_completion_and_never_into_a_prom
     assert (len(c["input_ids"]), len(r["input_ids"]), cut) == (5, 5, 10)
     assert fit_pair(chosen, rejected, 9) is None  # the prompts and one scored token each need 10
     assert fit_pair(_side(3, 0), rejected, None) is None  # nothing scored on one side
+
+
+def test_preference_rows_through_field_names_and_role_names():
+    from finetune.data.formats import MessageFields
+    from finetune.data.pairs import PairFields
+
+    fields = PairFields("conversation", "good", "bad", MessageFields("from", "value", (("human", "user"),)))
+    row = _row(conversation=[{"from": "human", "value": "2+2?"}], good=[{"from": "assistant", "value": "4"}], bad="5")
+    pair = to_pair(row, fields)
+    assert pair.prompt == ({"role": "user", "content": "2+2?"},)
+    assert pair.chosen == ({"role": "assistant", "content": "4"},) and pair.rejected[0]["content"] == "5"
+    with pytest.raises(BadRow, match="preference rows need 'good' and 'bad'"):
+        to_pair(_row(conversation="x", chosen="a", rejected="b"), fields)

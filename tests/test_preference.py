@@ -98,6 +98,11 @@ def test_dpo_run_starts_at_log_2_learns_and_reuses_its_reference(tmp_path):
     assert abs(steps[0]["reward_margin"]) < 1e-5 and steps[0]["pairs"] > 0
     assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6) and 30 < evals[0]["eval_pairs"] <= 40
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] and evals[-1]["eval_reward_margin"] > 0
+    # `finetune eval RUN` reloads the trained model and, as its reference, the initial one: the final eval again.
+    evaluated = run_cli("eval", str(tmp_path / "a"))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    loss = float(re.search(r"eval_loss ([0-9.]+)", evaluated.stdout).group(1))
+    assert loss == pytest.approx(evals[-1]["eval_loss"], rel=1e-5) and "pairs" in evaluated.stdout
     again = run_cli(*args, f"output_dir={tmp_path / 'b'}")
     assert again.returncode == 0 and "reference log-probabilities reused from" in again.stdout
     assert train_lines(tmp_path / "b")[-1]["loss"] == steps[-1]["loss"]

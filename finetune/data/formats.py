@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data.prompts import alpaca_prompt
 from finetune.data.sources import BadRow, RawRow
 
 ROLES = ("system", "user", "assistant")
@@ -23,8 +24,24 @@ _MISNAMED_FLAGS = ("training", "weight")
 
 
 @dataclass(frozen=True)
+class MessageFields:
+    """Where a row keeps its messages' parts (datasets[].role_field, content_field, role_map, system_field)."""
+
+    role: str = "role"
+    content: str = "content"
+    role_map: tuple[tuple[str, str], ...] = ()
+    """(name in the data, role) pairs: other names of the roles, e.g. ShareGPT's (human, user), (gpt, assistant)."""
+    system: str | None = None
+    """A row field whose text becomes a leading system message when the conversation has none."""
+
+    def role_of(self, name: Any) -> Any:
+        return dict(self.role_map).get(name, name) if isinstance(name, str) else name
+
+
+@dataclass(frozen=True)
 class Example:
-    """A training example: `messages` (chat-like formats) or `text` (completion), plus where it came from."""
+    """A training example: `messages` (chat-like formats), `text` (completion), or a fixed `prompt` and its
+    `completion` (alpaca rows with a prompt template), plus where it came from."""
 
     origin: str
     messages: tuple[dict[str, str], ...] = ()
@@ -32,16 +49,21 @@ class Example:
     train_on_inputs: bool = False
     trained: tuple[bool, ...] = ()
     """Per message: is its turn trained? Empty: the assistant turns are (an Example built without formats.py)."""
+    prompt: str | None = None
+    completion: str | None = None
 
 
 def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_field: str = "text",
-               train_on_inputs: bool = False, roles_to_train: tuple[str, ...] = DEFAULT_ROLES_TO_TRAIN) -> Example:
+               train_on_inputs: bool = False, roles_to_train: tuple[str, ...] = DEFAULT_ROLES_TO_TRAIN,
+               fields: MessageFields = MessageFields(), prompt_template: str = "chat") -> Example:
     """Convert one raw row; raise BadRow (a UserError) naming the row's origin when it does not fit the format."""
     if row.error:
         raise BadRow(f"{row.origin}: {row.error}")
     flags: tuple[bool | None, ...]
     if fmt == "chat":
-        messages, flags = _chat_messages(row, messages_field)
+        messages, flags = _chat_messages(row, messages_field, fields)
+    elif fmt == "alpaca" and prompt_template != "chat":
+        return _prompted_alpaca(row, prompt_template, train_on_inputs)
     elif fmt == "alpaca":
         messages = _alpaca_messages(row)
         flags = (None,) * len(messages)
@@ -72,30 +94,45 @@ def _trained(origin: str, messages: tuple[dict[str, str], ...], flags: tuple[boo
     return by_role
 
 
-def _chat_messages(row: RawRow, field: str) -> tuple[tuple[dict[str, str], ...], tuple[bool | None, ...]]:
+def _chat_messages(row: RawRow, field: str,
+                   fields: MessageFields) -> tuple[tuple[dict[str, str], ...], tuple[bool | None, ...]]:
     raw = row.data.get(field)
     if raw is None:
         raise BadRow(f"{row.origin}: missing field {field!r}{_fields_hint(row.data)}")
     if not isinstance(raw, list):
-        raise BadRow(f"{row.origin}: {field!r} must be a list of {{role, content}}, got {type(raw).__name__}")
+        raise BadRow(f"{row.origin}: {field!r} must be a list of {{{fields.role}, {fields.content}}}, got "
+                     f"{type(raw).__name__}")
     if not raw:
         raise BadRow(f"{row.origin}: empty conversation")
     messages, flags = [], []
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
             raise BadRow(f"{row.origin}: message {i} is not an object")
-        role, content = message.get("role"), message.get("content")
-        if role is None and "from" in message and "value" in message:
-            # The most common mix-up: ShareGPT rows ({from: human|gpt, value}) read as chat.
-            raise BadRow(f"{row.origin}: message {i} looks like ShareGPT ({{from, value}}); chat rows need "
-                         "{role: system|user|assistant, content}. Convert the data first.")
-        if role not in ROLES:
-            raise BadRow(f"{row.origin}: message {i} has unknown role {role!r}; allowed: {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise BadRow(f"{row.origin}: message {i} ({role}) needs a string 'content'")
-        messages.append({"role": role, "content": content, **_reasoning(row.origin, i, message)})
+        messages.append(chat_message(row.origin, i, message, fields))
         flags.append(_train_flag(row.origin, i, message))
+    system = row.data.get(fields.system) if fields.system else None
+    if system is not None and messages[0]["role"] != "system":
+        if not isinstance(system, str):
+            raise BadRow(f"{row.origin}: field {fields.system!r} (the system message) must be a string")
+        messages.insert(0, {"role": "system", "content": system})
+        flags.insert(0, None)
     return tuple(messages), tuple(flags)
+
+
+def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFields) -> dict[str, str]:
+    """One message as {role, content[, reasoning]}, its role and text read through `fields`."""
+    role, content = fields.role_of(message.get(fields.role)), message.get(fields.content)
+    if role is None and "from" in message and "value" in message:
+        # The most common mix-up: ShareGPT rows ({from: human|gpt, value}) read as chat.
+        raise BadRow(f"{origin}: message {i} looks like ShareGPT ({{from, value}}); read such rows with "
+                     "role_field: from, content_field: value, role_map: {human: user, gpt: assistant}")
+    if role not in ROLES:
+        known = ", ".join([*ROLES, *(name for name, _ in fields.role_map)])
+        raise BadRow(f"{origin}: message {i} has unknown role {message.get(fields.role)!r}; allowed: {known} "
+                     "(datasets[].role_map names other roles)")
+    if not isinstance(content, str):
+        raise BadRow(f"{origin}: message {i} ({role}) needs a string {fields.content!r}")
+    return {"role": role, "content": content, **_reasoning(origin, i, {**message, "role": role})}
 
 
 def _train_flag(origin: str, i: int, message: dict[str, Any]) -> bool | None:
@@ -136,6 +173,21 @@ def _alpaca_messages(row: RawRow) -> tuple[dict[str, str], ...]:
     if isinstance(data.get("system"), str) and data["system"]:
         messages.insert(0, {"role": "system", "content": data["system"]})
     return tuple(messages)
+
+
+def _prompted_alpaca(row: RawRow, style: str, train_on_inputs: bool) -> Example:
+    """An alpaca row under a fixed prompt: the prompt text and the output, tokenized apart (tokenize.py)."""
+    data = row.data
+    for key in ("instruction", "output"):
+        if not isinstance(data.get(key), str):
+            raise BadRow(f"{row.origin}: alpaca rows need a string {key!r}{_fields_hint(data)}")
+    extra = data.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise BadRow(f"{row.origin}: alpaca 'input' must be a string (or absent), got {type(extra).__name__}")
+    if not data["output"]:
+        raise BadRow(f"{row.origin}: empty 'output', so nothing to train on")
+    return Example(row.origin, prompt=alpaca_prompt(style, data["instruction"], extra), completion=data["output"],
+                   train_on_inputs=train_on_inputs)
 
 
 def _fields_hint(data: dict[str, Any]) -> str:

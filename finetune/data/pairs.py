@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.formats import ROLES, Example
+from finetune.data.formats import ROLES, Example, MessageFields
 from finetune.data.sources import BadRow, RawRow
 from finetune.data.tokenize import tokenize_example
 from finetune.labels import IGNORE_INDEX
@@ -42,32 +42,43 @@ class PairExample:
         return Example(self.origin, messages=self.prompt + completion, trained=trained)
 
 
-def to_pair(row: RawRow) -> PairExample:
+@dataclass(frozen=True)
+class PairFields:
+    """Where a preference row keeps its parts (datasets[].prompt_field, chosen_field, rejected_field) and its
+    messages' role and text (role_field, content_field, role_map)."""
+
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+    messages: MessageFields = MessageFields()
+
+
+def to_pair(row: RawRow, fields: PairFields = PairFields()) -> PairExample:
     """Convert one preference row; BadRow naming the row's origin when it does not fit the format."""
     if row.error:
         raise BadRow(f"{row.origin}: {row.error}")
-    data = row.data
-    for key in ("chosen", "rejected"):
+    data, f = row.data, fields
+    for key in (f.chosen, f.rejected):
         if key not in data:
-            raise BadRow(f"{row.origin}: preference rows need 'chosen' and 'rejected' (fields present: "
+            raise BadRow(f"{row.origin}: preference rows need {f.chosen!r} and {f.rejected!r} (fields present: "
                          f"{', '.join(sorted(data)) or 'none'})")
-    if "prompt" in data:
-        prompt = _messages(row.origin, "prompt", data["prompt"], default_role="user")
+    if f.prompt in data:
+        prompt = _messages(row.origin, f.prompt, data[f.prompt], "user", f.messages)
         if prompt and prompt[-1]["role"] == "assistant":
             raise BadRow(f"{row.origin}: the prompt ends with an assistant message; the completions answer it")
-        chosen = _messages(row.origin, "chosen", data["chosen"], default_role="assistant")
-        rejected = _messages(row.origin, "rejected", data["rejected"], default_role="assistant")
+        chosen = _messages(row.origin, f.chosen, data[f.chosen], "assistant", f.messages)
+        rejected = _messages(row.origin, f.rejected, data[f.rejected], "assistant", f.messages)
     else:
-        prompt, chosen, rejected = _implicit_prompt(row.origin, data["chosen"], data["rejected"])
-    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        prompt, chosen, rejected = _implicit_prompt(row.origin, data[f.chosen], data[f.rejected], fields)
+    for name, completion in ((f.chosen, chosen), (f.rejected, rejected)):
         if not completion or completion[0]["role"] != "assistant":
             raise BadRow(f"{row.origin}: '{name}' must start with an assistant message")
     if chosen == rejected:
-        raise BadRow(f"{row.origin}: 'chosen' and 'rejected' are the same; a pair must differ")
+        raise BadRow(f"{row.origin}: {f.chosen!r} and {f.rejected!r} are the same; a pair must differ")
     return PairExample(row.origin, prompt, chosen, rejected)
 
 
-def _messages(origin: str, key: str, value: Any, default_role: str) -> Messages:
+def _messages(origin: str, key: str, value: Any, default_role: str, fields: MessageFields) -> Messages:
     if isinstance(value, str):
         return ({"role": default_role, "content": value},)
     if not isinstance(value, list) or not value:
@@ -75,19 +86,22 @@ def _messages(origin: str, key: str, value: Any, default_role: str) -> Messages:
                      f"{type(value).__name__}")
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise BadRow(f"{origin}: '{key}' message {i} needs a role ({', '.join(ROLES)}) and a string content")
-        out.append({"role": m["role"], "content": m["content"]})
+        role = fields.role_of(m.get(fields.role)) if isinstance(m, dict) else None
+        if role not in ROLES or not isinstance(m.get(fields.content), str):
+            raise BadRow(f"{origin}: '{key}' message {i} needs a role ({', '.join(ROLES)}) and a string content "
+                         f"(fields {fields.role!r}, {fields.content!r})")
+        out.append({"role": role, "content": m[fields.content]})
     return tuple(out)
 
 
-def _implicit_prompt(origin: str, chosen: Any, rejected: Any) -> tuple[Messages, Messages, Messages]:
+def _implicit_prompt(origin: str, chosen: Any, rejected: Any,
+                     fields: PairFields) -> tuple[Messages, Messages, Messages]:
     """The longest common prefix of two conversations, taken as their prompt (messages compared whole)."""
     if not isinstance(chosen, list) or not isinstance(rejected, list):
-        raise BadRow(f"{origin}: without 'prompt', 'chosen' and 'rejected' must be whole conversations (lists of "
-                     "messages) sharing their prompt; for plain strings, give 'prompt'")
-    c = _messages(origin, "chosen", chosen, "assistant")
-    r = _messages(origin, "rejected", rejected, "assistant")
+        raise BadRow(f"{origin}: without {fields.prompt!r}, {fields.chosen!r} and {fields.rejected!r} must be whole "
+                     f"conversations (lists of messages) sharing their prompt; for plain strings, give {fields.prompt!r}")
+    c = _messages(origin, fields.chosen, chosen, "assistant", fields.messages)
+    r = _messages(origin, fields.rejected, rejected, "assistant", fields.messages)
     shared = 0
     while shared < min(len(c), len(r)) and c[shared] == r[shared]:
         shared += 1

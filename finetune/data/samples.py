@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from finetune.data.formats import Example, to_example
-from finetune.data.pairs import PairExample, fit_pair, pair_sample, to_pair, tokenize_pair
+from finetune.data.formats import Example, MessageFields, to_example
+from finetune.data.pairs import PairExample, PairFields, fit_pair, pair_sample, to_pair, tokenize_pair
 from finetune.data.sources import BadRow, read_rows
 from finetune.data.stats import DataStats
 from finetune.data.tokenize import tokenize_example
@@ -40,9 +40,7 @@ def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
                     break
                 stats.rows_read += 1
                 try:
-                    examples.append(to_pair(row) if cfg.format == "preference" else to_example(
-                        row, cfg.format, messages_field=cfg.messages_field, text_field=cfg.text_field,
-                        train_on_inputs=cfg.train_on_inputs, roles_to_train=tuple(cfg.roles_to_train)))
+                    examples.append(row_example(row, cfg))
                     taken += 1
                 except BadRow as e:
                     stats.bad_row(e, on_bad_row)
@@ -51,6 +49,16 @@ def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
         except UserError as e:  # the source as a whole: name the recipe key too
             raise UserError(f"{key}.{index}.path: {e}") from None
     return examples
+
+
+def row_example(row: Any, cfg: DatasetConfig) -> Example | PairExample:
+    """One row of a dataset as its format reads it, through the dataset's field and role mappings."""
+    fields = MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field)
+    if cfg.format == "preference":
+        return to_pair(row, PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, fields))
+    return to_example(row, cfg.format, messages_field=cfg.messages_field, text_field=cfg.text_field,
+                      train_on_inputs=cfg.train_on_inputs, roles_to_train=tuple(cfg.roles_to_train), fields=fields,
+                      prompt_template=cfg.prompt_template)
 
 
 # Below this many examples a process pool (starting it, sending examples out and samples back) costs more

@@ -48,7 +48,9 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
     one document's last token to predict the next document's first. `notes`, when given, counts what the
     template did to the example's trained turns (NOTE_* keys).
     """
-    if example.text is not None:
+    if example.completion is not None:
+        ids, labels = _tokenize_prompted(example, tokenizer)
+    elif example.text is not None:
         ids = tokenizer(example.text, add_special_tokens=True)["input_ids"]
         # The eos teaches the model where a document ends; some tokenizers' post-processors add it already.
         if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
@@ -59,6 +61,21 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
     if labels:
         labels[0] = IGNORE_INDEX
     return {"input_ids": ids, "labels": labels}
+
+
+def _tokenize_prompted(example: Example, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """A fixed prompt and its completion, tokenized apart as Axolotl's alpaca does: the prompt with the tokenizer's
+    special tokens (its bos), the completion without a leading bos and with the eos appended unless it ends with
+    one. The completion and that eos are trained (and the prompt too with train_on_inputs)."""
+    prompt = list(tokenizer(example.prompt, add_special_tokens=True)["input_ids"])
+    completion = list(tokenizer(example.completion, add_special_tokens=True)["input_ids"])
+    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
+    if eos is not None and (not completion or completion[-1] != eos):
+        completion.append(eos)
+    if completion and bos is not None and completion[0] == bos:
+        completion = completion[1:]
+    prompt_labels = list(prompt) if example.train_on_inputs else [IGNORE_INDEX] * len(prompt)
+    return prompt + completion, prompt_labels + completion
 
 
 def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,

@@ -44,6 +44,13 @@ class ModelConfig(Section):
     """Recompute activations in backward to save memory."""
     trust_remote_code: bool = False
     """Run model code shipped with a hub model. Off unless set; printed at start when on."""
+    vocab_multiple_of: int | None = Field(None, gt=0)
+    """Give the embedding (and output layer) at least the tokenizer's length rounded up to this multiple of rows,
+    resizing it when it has fewer (e.g. 32, 64: faster matmuls). null: resized to the tokenizer's length only when
+    tokens were added beyond the embedding's rows."""
+    mean_resizing: bool = True
+    """Rows added by a resize start at the mean of the existing embeddings (transformers' mean_resizing); false:
+    at the model's own random initialization (what Axolotl does)."""
 
 
 class TokenizerConfig(Section):
@@ -52,7 +59,20 @@ class TokenizerConfig(Section):
     path: str | None = None
     """Tokenizer directory or hub id; defaults to model.path."""
     chat_template: str | None = None
-    """A Jinja chat template (string) replacing the tokenizer's own."""
+    """A chat template replacing the tokenizer's own: Jinja text, or the name of one shipped with finetune
+    (chatml, gemma, gemma3, gemma4, llama3, qwen2_5, qwen3, qwen3_5: the vendors' official templates, no network
+    needed; finetune/templates/README.md)."""
+    special_tokens: dict[Literal["bos_token", "eos_token", "pad_token", "unk_token"], str] = Field(default_factory=dict)
+    """Special tokens to set, e.g. {eos_token: '<|im_end|>'}: a text the vocabulary lacks becomes a new token (the
+    embedding grows; see model.vocab_multiple_of). The eos token is what completion samples end with and what
+    `finetune generate` stops at."""
+    added_tokens: list[str] = Field(default_factory=list)
+    """Tokens to add to the vocabulary (kept whole, never split); those already in it are left alone. New tokens get
+    new embedding rows, which train: with full fine-tuning always, with an adapter only when adapter.modules_to_save
+    names the input embedding and the output layer (a run that would leave them at their initial values is
+    refused)."""
+    added_special_tokens: list[str] = Field(default_factory=list)
+    """Like added_tokens, added as special tokens (skipped when decoding with skip_special_tokens)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra variables for the chat template, passed when training data is rendered and again by `finetune
     generate`/`chat` on this run, e.g. {enable_thinking: false} (Qwen3: no reasoning; its empty think block is then
@@ -70,10 +90,25 @@ class AdapterConfig(Section):
     """LoRA alpha (scale = alpha / r)."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the LoRA input."""
-    target_modules: Literal["all-linear"] | list[str] = "all-linear"
-    """Module names to adapt, or all-linear (every linear layer but the output layer)."""
+    target_modules: Literal["all-linear"] | list[str] | str = "all-linear"
+    """Module names to adapt (a list: names or name suffixes), all-linear (every linear layer but the output
+    layer), or a regular expression that a module's full name must match (PEFT's rule for a string), e.g.
+    '.*\\.(q_proj|v_proj)$'."""
     modules_to_save: list[str] | None = None
     """Modules trained in full next to the adapter (e.g. embed_tokens)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _target_regex_compiles(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str) and value != "all-linear":
+            if not re.search(r"[.*+?\[\]()|\\^$]", value):  # a bare name is a typo of all-linear or of a list
+                raise ValueError(f"{value!r}: use all-linear, a list of module names (e.g. [{value}]) or a regular "
+                                 "expression matching full module names")
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise ValueError(f"{value!r} is neither all-linear nor a regular expression ({e})") from None
+        return value
 
 
 class DatasetConfig(Section):
@@ -84,6 +119,12 @@ class DatasetConfig(Section):
     format: Literal["alpaca", "chat", "completion", "preference"] = "chat"
     """alpaca: instruction/input/output. chat: a messages list. completion: plain text. preference: prompt, chosen
     and rejected, as TRL lays them out (train.objective dpo or orpo)."""
+    prompt_template: Literal["chat", "alpaca", "alpaca_chat", "alpaca_chatml", "alpaca_phi"] = "chat"
+    """alpaca: how a row becomes text. chat: the tokenizer's chat template. alpaca: the Stanford Alpaca prompt
+    ("Below is an instruction ... ### Instruction:\n...\n\n### Response:\n"), as Axolotl's `type: alpaca`
+    renders it; alpaca_chat / alpaca_chatml / alpaca_phi: Axolotl's `alpaca:chat|chatml|phi` styles. With a
+    prompt: the prompt and the output are tokenized separately (the tokenizer's bos before the prompt, its eos
+    after the output), only the output and the eos are trained, and a `system` field is ignored."""
     split: str = "train"
     """Split of a hub dataset."""
     name: str | None = None
@@ -92,6 +133,22 @@ class DatasetConfig(Section):
     """chat: the field holding the list of {role, content}."""
     text_field: str = "text"
     """completion: the field holding the text."""
+    role_field: str = "role"
+    """chat, preference: the field of a message holding its role (ShareGPT rows: from)."""
+    content_field: str = "content"
+    """chat, preference: the field of a message holding its text (ShareGPT rows: value)."""
+    role_map: dict[str, Literal["system", "user", "assistant"]] = Field(default_factory=dict)
+    """chat, preference: other names of the roles, e.g. {human: user, gpt: assistant} (ShareGPT). system, user and
+    assistant always mean themselves; any other role is a bad row."""
+    system_field: str | None = None
+    """chat: a row field whose text becomes a leading system message when the conversation has none (Axolotl reads
+    `system` so). null: no such field."""
+    prompt_field: str = "prompt"
+    """preference: the field holding the prompt (a string, or a list of messages)."""
+    chosen_field: str = "chosen"
+    """preference: the field holding the preferred completion."""
+    rejected_field: str = "rejected"
+    """preference: the field holding the other completion."""
     train_on_inputs: bool = False
     """Also train on prompts (user/system turns, alpaca instruction, template headers): every token but those of
     messages marked `train: false`. Default: only the answers."""
@@ -158,6 +215,12 @@ class TrainConfig(Section):
     warmup_ratio: float | None = Field(None, ge=0.0, lt=1.0)
     """Warmup as a fraction of the run's optimizer steps: int(ratio x total steps) warmup steps (rounded down).
     Instead of warmup_steps, not with it."""
+    warmup_max_steps: int | None = Field(None, gt=0)
+    """With warmup_ratio: at most this many warmup steps (Axolotl's default warmup is ratio 0.03, at most 100)."""
+    warmup_from_zero: bool = False
+    """Warmup as Hugging Face's schedulers run it (and so Axolotl): step k (from 0) at lr x k / warmup steps, the
+    first step at lr 0, and a 1-step warmup made 2 steps (Axolotl's rule; one step at lr 0 would be no warmup at
+    all). false: step k at lr x (k + 1) / warmup steps. The steps after the warmup are the same either way."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay (never applied to norms and biases)."""
     max_grad_norm: float | None = Field(1.0, gt=0)

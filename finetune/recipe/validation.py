@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from finetune import templates
 from finetune.errors import UserError
 from finetune.recipe.schema import DATASET_LISTS, Recipe
 
@@ -127,6 +128,8 @@ def cross_checks(recipe: Recipe) -> list[str]:
         problems.append("model.gguf_file: only meaningful with init: pretrained")
     if t.warmup_ratio is not None and t.warmup_steps:
         problems.append("train.warmup_ratio / train.warmup_steps: give one of them, not both")
+    if t.warmup_max_steps is not None and t.warmup_ratio is None:
+        problems.append("train.warmup_max_steps: caps train.warmup_ratio's warmup; without a ratio, set warmup_steps")
     for section in ("eval", "checkpoint"):
         cfg = getattr(recipe, section)
         if cfg.every_steps is not None and cfg.every_epochs is not None:
@@ -168,8 +171,12 @@ def _chat_checks(recipe: Recipe) -> list[str]:
     """tokenizer.chat_template_kwargs and each dataset's roles_to_train."""
     problems = [f"tokenizer.chat_template_kwargs.{key}: an argument finetune sets itself, not a template variable"
                 for key in recipe.tokenizer.chat_template_kwargs if key in _TEMPLATE_ARGUMENTS]
+    template = recipe.tokenizer.chat_template
+    if template is not None and templates.looks_like_name(template) and templates.unknown_name(template):
+        problems.append(f"tokenizer.chat_template: {templates.unknown_name(template)}")
     for key in DATASET_LISTS:
         for i, ds in enumerate(getattr(recipe, key)):
+            problems += _field_checks(f"{key}.{i}", ds)
             roles = ds.roles_to_train
             if len(set(roles)) != len(roles):
                 problems.append(f"{key}.{i}.roles_to_train: {roles} names a role twice")
@@ -182,6 +189,28 @@ def _chat_checks(recipe: Recipe) -> list[str]:
             elif ds.train_on_inputs:
                 problems.append(f"{key}.{i}.roles_to_train: train_on_inputs: true trains every role; drop one of "
                                 "the two keys")
+    return problems
+
+
+def _field_checks(where: str, ds: Any) -> list[str]:
+    """A dataset's field and role mappings and its prompt template fit its format."""
+    problems = []
+    if ds.prompt_template != "chat" and ds.format != "alpaca":
+        problems.append(f"{where}.prompt_template: {ds.prompt_template} renders alpaca rows; format is {ds.format}")
+    elif ds.prompt_template != "chat" and ds.roles_to_train != ["assistant"]:
+        problems.append(f"{where}.roles_to_train: with prompt_template {ds.prompt_template} the output is trained; "
+                        "train_on_inputs: true trains the prompt too")
+    formats = {"role_field": ("chat", "preference"), "content_field": ("chat", "preference"),
+               "role_map": ("chat", "preference"), "system_field": ("chat",), "prompt_field": ("preference",),
+               "chosen_field": ("preference",), "rejected_field": ("preference",)}
+    for name, allowed in formats.items():
+        default = type(ds).model_fields[name].get_default(call_default_factory=True)
+        if ds.format not in allowed and getattr(ds, name) != default:
+            problems.append(f"{where}.{name}: only for format {' or '.join(allowed)}, not {ds.format}")
+    for name in ds.role_map:
+        if name in ("system", "user", "assistant"):
+            problems.append(f"{where}.role_map.{name}: system, user and assistant always mean themselves; map "
+                            "other names onto them")
     return problems
 
 

@@ -1,0 +1,193 @@
+"""`finetune convert axolotl`: golden conversions of hand-written Axolotl configs (tests/fixtures/axolotl), every
+problem at once, approximations only with --allow-approx, Axolotl's defaults written out, every schema key in
+exactly one table and every mapped key read by a rule, strict reading, never a traceback, the CLI, and the
+generated docs/migrating-from-axolotl.md."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO_ROOT
+
+from finetune import __version__
+from finetune.cli import main
+from finetune.convert import axolotl as converter
+from finetune.convert import convert_axolotl
+from finetune.convert.keys import (
+    APPROXIMATED,
+    DATASET_DROPPED,
+    DATASET_MAPPED,
+    DATASET_REFUSED,
+    DROPPED,
+    MAPPED,
+    REFUSED,
+)
+from finetune.errors import UserError
+from finetune.recipe import validate
+
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "axolotl"
+CONFIGS = sorted((FIXTURES / "configs").glob("*.yml"))
+
+
+def _convert(tmp_path: Path, text: str, allow_approx: bool = False):
+    config = tmp_path / "config.yml"
+    config.write_text(text, encoding="utf-8")
+    return convert_axolotl(config, allow_approx=allow_approx)
+
+
+def _error(tmp_path: Path, text: str, allow_approx: bool = False) -> str:
+    with pytest.raises(UserError) as e:
+        _convert(tmp_path, text, allow_approx)
+    return str(e.value)
+
+
+MINIMAL = "base_model: org/model\ndatasets:\n  - {path: data.jsonl, type: alpaca}\n"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_golden_conversions(config, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)  # the header names the config as given: relative, so the expected text is stable
+    relative = config.relative_to(REPO_ROOT)
+    expected_recipe = FIXTURES / "expected" / f"{config.stem}.yaml"
+    if expected_recipe.exists():
+        text = convert_axolotl(relative, allow_approx=config.stem.startswith("approx")).text
+        assert text.replace(f"(finetune {__version__})", "(finetune VERSION)") == expected_recipe.read_text("utf-8")
+        validate(yaml.safe_load(text))  # what `finetune validate` checks, local data files aside
+    else:
+        with pytest.raises(UserError) as e:
+            convert_axolotl(relative, allow_approx=True)
+        expected = (FIXTURES / "expected" / f"{config.stem}.txt").read_text(encoding="utf-8")
+        assert f"error: {e.value}\n" == expected
+
+
+def test_every_problem_at_once_and_approximations_only_when_allowed(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    approx = Path("tests/fixtures/axolotl/configs/approx-8bit-completion.yml")
+    with pytest.raises(UserError) as e:
+        convert_axolotl(approx)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{approx}: 4 problems converting the Axolotl config:"
+    assert all(line.startswith("  - ") and "(--allow-approx accepts it)" in line for line in lines[1:])
+    keys = ["tokenizer_type", "load_in_8bit", "optimizer", "datasets.0.type"]
+    assert [line[4:].split(":")[0] for line in lines[1:]] == keys
+    result = convert_axolotl(approx, allow_approx=True)
+    assert [a.split(":")[1].strip() for a in result.announcements] == keys  # each announced, nothing else
+    # An approximation does not excuse a refusal: both kinds are listed, the refusal stays with --allow-approx.
+    message = _error(tmp_path, MINIMAL + "load_in_8bit: true\nadapter: lora\nlora_target_linear: true\nrl: kto\n",
+                     allow_approx=True)
+    assert "1 problem" in message and "rl: kto" in message and "load_in_8bit" not in message
+
+
+def test_a_minimal_config_resolves_to_axolotls_defaults(tmp_path):
+    recipe = yaml.safe_load(_convert(tmp_path, MINIMAL + "val_set_size: 0.1\n").text)
+    assert recipe["seed"] == 42 and recipe["output_dir"] == "./model-out"
+    assert recipe["data"] == {"max_seq_len": 512, "packing": False, "truncation": "drop", "val_fraction": 0.1}
+    assert recipe["train"] == {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "lr": 5e-05,
+                               "warmup_ratio": 0.03, "warmup_max_steps": 100, "warmup_from_zero": True}
+    assert recipe["checkpoint"] == {"keep_last": 4}
+    assert recipe["eval"] == {"at_start": False}  # no cadence: Axolotl never evaluates
+    assert recipe["model"]["dtype"] == "bfloat16"  # bf16: auto on the GPUs Axolotl targets
+    assert recipe["datasets"] == [{"path": "data.jsonl", "format": "alpaca", "prompt_template": "alpaca"}]
+
+
+def _schema_names() -> dict[str, list[str]]:
+    names: dict[str, list[str]] = {}
+    section = None
+    for line in (FIXTURES / "schema_keys.txt").read_text(encoding="utf-8").splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            section = names.setdefault(line[1:-1], [])
+        elif line.strip() and not line.startswith("#"):
+            section.append(line.strip())
+    return names
+
+
+def test_every_axolotl_schema_field_is_in_exactly_one_table():
+    names = _schema_names()
+    assert len(names["top"]) > 450 and len(names["datasets"]) > 35
+    for level, tables in (("top", (MAPPED, DROPPED, APPROXIMATED, REFUSED)),
+                          ("datasets", (DATASET_MAPPED, DATASET_DROPPED, DATASET_REFUSED))):
+        for name in names[level]:
+            assert sum(name in table for table in tables) == 1, f"{level}: {name}"
+        extra = set().union(*tables) - set(names[level])
+        assert not extra, f"{level}: keys that are no Axolotl field: {extra}"
+
+
+class _Recording(dict):
+    """A config that remembers which keys the rules looked up."""
+
+    read: set[str] = set()
+
+    def get(self, key, default=None):
+        _Recording.read.add(key)
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("extra", ["", "rl: dpo\n", "rl: orpo\n", "tokens: [x]\n",
+                                   "adapter: lora\nlora_target_linear: true\n"])
+def test_every_mapped_key_is_read_by_a_rule(tmp_path, monkeypatch, extra):
+    real = converter.read_config
+    monkeypatch.setattr(converter, "read_config", lambda path: _Recording(real(path)))
+    text = MINIMAL.replace("type: alpaca", "type: chat_template.default" if "rl" in extra else "type: alpaca")
+    _convert(tmp_path, text + extra)
+    if extra.startswith("adapter"):  # the last case: by now every rule has run in some configuration
+        assert set(MAPPED) - _Recording.read == set()
+
+
+def test_strict_reading(tmp_path):
+    assert "duplicate key 'learning_rate'" in _error(tmp_path, MINIMAL + "learning_rate: 1e-4\nlearning_rate: 2e-4\n")
+    train = yaml.safe_load(_convert(tmp_path, MINIMAL + "learning_rate: 1e-4\n").text)["train"]
+    assert train["lr"] == 1e-4  # a number, as YAML 1.2 reads it
+    assert yaml.safe_load(_convert(tmp_path, MINIMAL + "learning_rate: '2e-5'\n").text)["train"]["lr"] == 2e-5
+    assert "micro_batch_size: got '2'; Axolotl expects a whole number" in _error(tmp_path, MINIMAL +
+                                                                                 "micro_batch_size: '2'\n")
+    assert "an Axolotl config is a mapping of keys" in _error(tmp_path, "- just\n- a list\n")
+    assert "output_dir: null: Axolotl expects a string" in _error(tmp_path, MINIMAL + "output_dir:\n")
+    assert "seed: 42" in _convert(tmp_path, MINIMAL + "seed:\n").text  # any other null is unset, as in Axolotl
+    assert "no such Axolotl config" in str(pytest.raises(UserError, convert_axolotl, tmp_path / "nope.yml").value)
+
+
+def test_unknown_keys_get_the_closest_axolotl_key(tmp_path):
+    message = _error(tmp_path, MINIMAL + "lerning_rate: 1e-4\ngptq_model_v1: true\n")
+    assert "lerning_rate: not an Axolotl key (Axolotl ignores it silently); did you mean 'learning_rate'?" in message
+    assert "gptq_model_v1: not an Axolotl key (Axolotl ignores it silently); remove it" in message
+    message = _error(tmp_path, MINIMAL.replace("type: alpaca", "type: alpaca, feild: text"))
+    assert "datasets.0.feild: not an Axolotl dataset key (Axolotl ignores it silently); did you mean 'field'?" in message
+
+
+_WEIRD = ({"a": 1}, [1, "x"], "text", -3, 2.5, True, [])
+
+
+def test_never_a_traceback_whatever_the_values(tmp_path):
+    """Every key of every table with values of the wrong kinds: a recipe or a UserError, nothing else."""
+    keys = [*MAPPED, *DROPPED, *APPROXIMATED, *REFUSED]
+    for i, key in enumerate(keys):
+        value = _WEIRD[i % len(_WEIRD)]
+        for text in (MINIMAL + yaml.safe_dump({key: value}), MINIMAL.replace(
+                "type: alpaca", f"type: chat_template, {list(DATASET_MAPPED)[i % len(DATASET_MAPPED)]}: "
+                                f"{yaml.safe_dump(value, default_flow_style=True).strip()}") + "rl: dpo\n"):
+            with contextlib.suppress(UserError):
+                _convert(tmp_path, text, allow_approx=True)
+
+
+def test_cli_converts_and_the_recipe_validates(tmp_path, capsys):
+    config = FIXTURES / "configs" / "llama-lora-alpaca.yml"
+    out = tmp_path / "recipe.yaml"
+    assert main(["convert", "axolotl", str(config), "-o", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().err
+    assert main(["validate", str(out)]) == 0
+    assert "prompt_template: alpaca" in capsys.readouterr().out
+    assert main(["convert", "axolotl", str(FIXTURES / "configs" / "refused-many.yml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "7 problems converting the Axolotl config" in err and "Traceback" not in err
+
+
+def test_migration_doc_is_current():
+    spec = importlib.util.spec_from_file_location("gen_migrating_doc", REPO_ROOT / "scripts" / "gen_migrating_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.DOC.read_text(encoding="utf-8") == module.render(), \
+        "docs/migrating-from-axolotl.md is stale: run python scripts/gen_migrating_doc.py"

@@ -1,0 +1,53 @@
+"""`finetune convert axolotl` over Axolotl's whole examples folder (slow; needs a checkout).
+
+    AXOLOTL_EXAMPLES=/path/to/axolotl/examples .venv/bin/python -m pytest -m slow tests/test_convert_corpus.py -s
+
+Every example config (*.yml, *.yaml, but the cloud/ launcher files) either converts to a recipe that validates or
+is refused with its reasons (a UserError naming each key); none crashes. The figure (converted / total, exactly and
+with --allow-approx) is printed; README.md quotes it for Axolotl at commit 067b021c8 (at least 100 of its 250).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.convert import convert_axolotl
+from finetune.errors import UserError
+from finetune.recipe import validate
+
+EXAMPLES = os.environ.get("AXOLOTL_EXAMPLES")
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not EXAMPLES, reason="set AXOLOTL_EXAMPLES to an Axolotl checkout's examples/")]
+
+
+def _configs(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.suffix in (".yml", ".yaml") and p.relative_to(root).parts[0] != "cloud")
+
+
+def test_the_examples_convert_or_are_refused_with_reasons():
+    root = Path(EXAMPLES)
+    configs = _configs(root)
+    counts, reasons = Counter(), Counter()
+    for config in configs:
+        for approx in (False, True):
+            try:
+                recipe = yaml.safe_load(convert_axolotl(config, allow_approx=approx).text)
+            except UserError as e:
+                lines = str(e).splitlines()
+                assert lines[0].endswith("converting the Axolotl config:") and len(lines) > 1, config
+                assert all(re.match(r"  - [\w.\[\]: -]+: \S", line) for line in lines[1:]), (config, lines)
+                if approx:
+                    reasons.update(re.sub(r"\.\d+\.", ".N.", line[4:].split(":")[0]) for line in lines[1:])
+                continue
+            validate(recipe)  # the recipe `finetune validate` accepts (local data files aside)
+            counts[approx] += 1
+    print(f"\n{counts[False]}/{len(configs)} convert exactly, {counts[True]}/{len(configs)} with --allow-approx")
+    print("refusals (with --allow-approx), by key:", ", ".join(f"{k} {n}" for k, n in reasons.most_common(25)))
+    assert counts[True] >= 100
