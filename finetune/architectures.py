@@ -127,7 +127,7 @@ def packing_refusal(model: torch.nn.Module, pad_token_id: int | None) -> str | N
     isolation check (finetune/isolation.py) measures the rest."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    stateful = _stateful_layer(model)
+    stateful = stateful_layer(model)
     if stateful:
         return (f"data.packing: {model_type} has layers that carry a state along the sequence ({stateful}); in a "
                 "packed row that state runs from one document into the next (transformers passes these layers no "
@@ -142,7 +142,7 @@ def packing_refusal(model: torch.nn.Module, pad_token_id: int | None) -> str | N
     return None
 
 
-def _stateful_layer(model: torch.nn.Module) -> str | None:
+def stateful_layer(model: torch.nn.Module) -> str | None:
     """The first layer that mixes positions outside attention, said in words: one holding a causal convolution
     over the sequence (Mamba, Gated DeltaNet, short convolutions, RG-LRU, CCA), or a recurrence without one (RWKV,
     xLSTM, lightning attention)."""

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from finetune import packed_kernels
 from finetune.packed_kernels import Documents, document_spans, packed_kwargs
 
-__all__ = ["ATTN_NAME", "Documents", "document_spans", "is_ours", "model_kwargs", "packed_kwargs", "register", "serves",
+__all__ = ["ATTN_NAME", "Documents", "document_spans", "is_ours", "packed_kwargs", "register", "serves",
            "sdpa_varlen_attention", "sdpa_varlen_mask"]
 
 # The name a model's config carries in `attn_implementation` when our function computes its attention.
@@ -49,12 +49,6 @@ def is_ours(model: torch.nn.Module) -> bool:
     """Whether the model's attention is ours, the one attention implementation given packed_kwargs (the others
     find the documents themselves, and some models refuse keywords they do not know)."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME
-
-
-def model_kwargs(model: torch.nn.Module, position_ids: torch.Tensor, device: torch.device | None = None) -> dict:
-    """The keyword arguments of a call of `model` on packed rows with these (CPU) position_ids: packed_kwargs where
-    the model's attention is ours, else none."""
-    return packed_kwargs(position_ids, device) if is_ours(model) else {}
 
 
 # Set by serves() while it probes a model: each attention call appends whether usable position_ids reached it.

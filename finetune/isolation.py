@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 
 from finetune.architectures import packing_refusal
-from finetune.attention import is_ours, model_kwargs
+from finetune.attention import is_ours, packed_kwargs
 from finetune.data.collate import collate_packed
 from finetune.errors import UserError
+from finetune.model_with_loss import takes_boundaries
 from finetune.packed_kernels import describe
 
 __all__ = ["check_packable", "check_packing_isolation", "default_tolerance", "is_ours", "packed_attention"]
@@ -70,9 +71,10 @@ def default_tolerance(dtype: torch.dtype, device: torch.device | None = None) ->
 def packed_attention(model: torch.nn.Module, device: torch.device) -> str:
     """The kernel our attention runs packed rows of this model with on `device` (for the run log)."""
     _, dtype = _input_device_dtype(model)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return describe(device, dtype, head_dim)
+    # From the attention modules, not the config: some configs (Gemma 4) vary head_dim by layer and refuse a
+    # global read. The largest decides, as each call checks its own.
+    dims = [m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)]
+    return describe(device, dtype, max(dims, default=64))
 
 
 def _input_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -103,7 +105,7 @@ def _packed_logits(model: torch.nn.Module, rows: list[dict], device: torch.devic
         input_ids=batch["input_ids"].to(device),
         position_ids=batch["position_ids"].to(device),
         use_cache=False,
-        **model_kwargs(model, batch["position_ids"], device),
+        **(packed_kwargs(batch["position_ids"], device) if takes_boundaries(model) else {}),
     )
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits.float()

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from finetune import attention
-from finetune.architectures import head_spec
+from finetune.architectures import head_spec, stateful_layer
 from finetune.logprobs import token_logprobs
 from finetune.loss import linear_cross_entropy
 from finetune.model import output_layer
@@ -34,6 +34,7 @@ class CausalLMWithLoss(torch.nn.Module):
         # else the run would train other logits than the model's (finetune/architectures.py).
         self.head = head_spec(lm.config, output_layer(lm)[1].weight.shape[0])
         self.softcap = softcap or self.head.softcap
+        self.takes_boundaries = takes_boundaries(lm)
 
     @classmethod
     def for_recipe(cls, lm: torch.nn.Module, loss: LossConfig, impl: str) -> CausalLMWithLoss:
@@ -47,9 +48,7 @@ class CausalLMWithLoss(torch.nn.Module):
         for objectives that score whole sequences. `targets` and `packed` (model_inputs: the target positions and
         the packed rows' document boundaries, found on the CPU) spare the loss and the attention host syncs."""
         decoder, head = output_layer(self.lm)
-        # Only our attention takes the boundaries (attention.packed_kwargs); other implementations find the
-        # documents themselves and some models refuse keywords they do not know.
-        extra = packed if packed and attention.is_ours(self.lm) else {}
+        extra = packed if packed and self.takes_boundaries else {}
         # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False, **extra).last_hidden_state
@@ -59,6 +58,14 @@ class CausalLMWithLoss(torch.nn.Module):
                                   softcap=self.softcap, targets=targets)
         return linear_cross_entropy(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
                                     z_loss=self.z_loss, softcap=self.softcap, targets=targets)
+
+
+def takes_boundaries(model: torch.nn.Module) -> bool:
+    """Whether packed rows' document boundaries (attention.packed_kwargs) go into this model's call: only to our
+    attention (other implementations find the documents themselves, some models refuse keywords they do not know),
+    and not where layers carry a state along the sequence (refused for packing: transformers' gated delta net takes
+    the boundaries as a request for kernels it may lack)."""
+    return attention.is_ours(model) and stateful_layer(model) is None
 
 
 _MODEL_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")

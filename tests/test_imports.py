@@ -33,7 +33,7 @@ ALLOWED = {
     "metrics": {"recipe", "rundir"},
     "checkpoint": {"dist", "recipe", "rundir"},
     "architectures": set(),  # per-model_type knowledge: output heads, what is refused, LoRA exclusions
-    "isolation": {"architectures", "attention", "data", "packed_kernels"},  # runs packed rows through a model as training collates them
+    "isolation": {"architectures", "attention", "data", "model_with_loss", "packed_kernels"},  # runs packed rows through a model as training collates them
     "logprobs": {"labels", "loss", "targets"},  # per-token log-probabilities through the fused head (preference objectives)
     "preference": set(),  # the per-pair DPO/ORPO losses, pure functions
     "model_with_loss": {"architectures", "attention", "logprobs", "loss", "model", "recipe", "targets"},
