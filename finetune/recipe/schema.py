@@ -243,7 +243,8 @@ class TrainConfig(Section):
     compilation: one compilation serves every layer; parameter names and checkpoints are unchanged). Packed rows'
     attention stays outside the compiled code, which covers the norms, projections, RoPE and MLP. The first
     micro-batch compiles (seconds to minutes), and the first one whose row length differs compiles once more with
-    symbolic sizes; after that no micro-batch recompiles. Training runs only (`finetune eval` and `verify` run
+    symbolic sizes; after that no micro-batch recompiles. Refused with model.gradient_checkpointing under
+    attn_implementation auto (nothing would be compiled). Training runs only (`finetune eval` and `verify` run
     uncompiled)."""
     trainable_parameters: list[str] | None = None
     """Full fine-tuning only: train just the parameters whose name (as in model.named_parameters(), e.g.
