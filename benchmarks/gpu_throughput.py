@@ -15,6 +15,10 @@ CUDA when liger-kernel imports), AdamW, micro-batch --micro, no accumulation, no
   micro8        default at micro-batch 2 x --micro: with `default`, the fixed per-step overhead
   padded16      data.packing=false, micro-batch 16
   lora          adapter.type=lora (rank 16, all linear layers)
+  liger         model.liger_kernels=true: Liger's fused RMSNorm, SwiGLU and RoPE (opt-in, unmeasured so far)
+  compile       train.compile=true: each decoder layer compiled, the packed attention left out (opt-in,
+                unmeasured so far; its first step holds the compilation)
+  liger+compile both
   trl-padded, trl-bfd, trl-wrapped   TRL's SFTTrainer (bf16, Liger when installed, sdpa): padded micro 16, bfd
                 padding-free packing (isolated), wrapped packing (documents attend to each other); only when `trl`
                 imports (`bash ../shared/gpu/prepare.sh --trl` carries it)
@@ -59,6 +63,9 @@ ROWS: dict[str, tuple[list[str], dict[str, str], int]] = {
     "micro8": ([], {}, 2),
     "padded16": (["data.packing=false"], {}, -16),
     "lora": (["adapter.type=lora", "adapter.r=16", "adapter.alpha=32"], {}, 1),
+    "liger": (["model.liger_kernels=true"], {}, 1),
+    "compile": (["train.compile=true"], {}, 1),
+    "liger+compile": (["model.liger_kernels=true", "train.compile=true"], {}, 1),
 }
 LONG_ROWS = {"long": (["model.gradient_checkpointing=true"], {}, -1),
              "long-sdpa-mask": (["model.gradient_checkpointing=true", "model.attn_implementation=sdpa"], {}, -1)}

@@ -102,6 +102,10 @@ def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: i
                      kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
 
 
+# Never traced by torch.compile (train.compile compiles each decoder layer around it): the documents are found on
+# the host by the identity of cu_seqlens and attended in a Python loop over their spans, which dynamo cannot trace
+# and would recompile for every new set of documents. The layer's code before and after it is compiled.
+@torch.compiler.disable
 def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           position_ids: torch.Tensor | None = None, sliding_window: int | None = None,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from finetune import architectures, attention, templates, vocab
+from finetune import architectures, attention, kernels, templates, vocab
 from finetune.errors import UserError, first_line
 from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
 
@@ -123,6 +123,8 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
     _check_fused_loss(model, tokenizer)
     _document_attention(model, cfg)
     model.config.use_cache = False
+    if cfg.liger_kernels:  # after the attention probe (a CPU forward: Liger's kernels need CUDA), before the adapter
+        kernels.apply_liger(model, device or torch.device("cpu"))
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen embeddings (LoRA). transformers 5 renamed
         # gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.

@@ -76,7 +76,7 @@ def _reference(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, device: torc
     else:
         cfg = recipe.model if path == "auto" else recipe.model.model_copy(
             update={"path": path, "init": "pretrained", "gguf_file": None})
-        ref = load_model(cfg, AdapterConfig(), tokenizer, recipe.seed).to(device)
+        ref = load_model(cfg, AdapterConfig(), tokenizer, recipe.seed, device).to(device)  # device: liger_kernels
         try:
             yield ref
         finally:

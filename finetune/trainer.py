@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from finetune import checkpoint, dist, versions
+from finetune import checkpoint, dist, kernels, versions
 from finetune.data import DataStats, StepPlan, collate, rank_micro_batches
 from finetune.data.cache import prepare
 from finetune.errors import UserError
@@ -173,6 +173,8 @@ def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch
     documents isolated from each other."""
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device,
                     trainable=recipe.train.trainable_parameters).to(device)
+    # Compiled before the isolation check, which then proves the compiled path, and before DDP/FSDP wrap it.
+    compiled = kernels.compile_layers(lm) if recipe.train.compile else 0
     trainable, total = count_parameters(lm)
     if world.is_main:
         check_disk_room(Path(recipe.output_dir), lm, checkpointing=checkpointing)
@@ -183,9 +185,11 @@ def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
     attn = getattr(lm.config, "_attn_implementation", "?")
     packed = f"; packed rows: {packed_attention(lm, device)}" if recipe.data.packing and is_ours(lm) else ""
+    liger = f"; liger kernels: {kernels.liger_summary(lm)}" if recipe.model.liger_kernels else ""
+    compiled_note = f"; compiled: {compiled} decoder layers" if compiled else ""
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
-                  f"{plan.global_batch} rows{packed}")
+                  f"{plan.global_batch} rows{packed}{liger}{compiled_note}")
     return lm, total
 
 

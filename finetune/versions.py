@@ -53,6 +53,7 @@ CORE: tuple[str, ...] = ("torch", "transformers", "peft")
 # Recipe feature -> the optional package it needs. Only required when a recipe turns the feature on.
 FEATURE_PACKAGES: dict[str, str] = {
     "liger": "liger-kernel",
+    "liger_kernels": "liger-kernel",
     "flash_attention_2": "flash-attn",
     "bnb": "bitsandbytes",
     "wandb": "wandb",

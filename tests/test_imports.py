@@ -10,7 +10,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention", "packed_kernels", "architectures", "templates"}
+LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention", "packed_kernels", "architectures", "templates",
+          "kernels"}
 SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
 # What each module may import from the package (beyond `errors`, which everything may import). A package (recipe,
 # data, metrics) is one module here: its files may import each other.
@@ -24,7 +25,8 @@ ALLOWED = {
     "attention": {"packed_kernels"},  # transformers' attention extension point, registered by model
     "packed_kernels": set(),  # a packed micro-batch's documents, found once, and the kernels that attend within them
     "data": {"recipe", "labels"},
-    "model": {"architectures", "attention", "recipe", "templates", "vocab"},
+    "model": {"architectures", "attention", "kernels", "recipe", "templates", "vocab"},
+    "kernels": {"attention"},  # opt-in: Liger's kernels on the model instance, each decoder layer compiled
     "vocab": {"recipe"},  # special-token overrides, added tokens, the embedding resized for them
     "loss": {"labels", "targets"},
     "targets": {"labels"},  # where a micro-batch's targets are, found on the CPU
@@ -44,8 +46,9 @@ ALLOWED = {
     "evaluate": {"data", "dist", "isolation", "loss", "model", "model_with_loss", "objective", "recipe", "reference",
                  "trained"},
     "step": {"dist", "objective", "parallel"},  # one optimizer step's figures on the device, read once
-    "trainer": {"checkpoint", "data", "dist", "evaluate", "isolation", "loss", "metrics", "model", "model_with_loss",
-                "objective", "optim", "parallel", "recipe", "reference", "rundir", "step", "versions"},
+    "trainer": {"checkpoint", "data", "dist", "evaluate", "isolation", "kernels", "loss", "metrics", "model",
+                "model_with_loss", "objective", "optim", "parallel", "recipe", "reference", "rundir", "step",
+                "versions"},
     "convert": {"recipe", "templates"},  # `finetune convert axolotl`: a config in, a recipe out
     "cli": {"checkpoint", "compare", "convert", "data", "evaluate", "generate", "merge", "model", "plot", "recipe", "rundir",
             "trainer", "verify", "versions", "__init__"},

@@ -42,6 +42,11 @@ class ModelConfig(Section):
     flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    liger_kernels: bool = False
+    """Opt-in, not yet measured on a GPU by finetune: replace the model's RMSNorm, SwiGLU MLP and RoPE with
+    Liger-Kernel's fused Triton kernels, through Liger's own API for a loaded model (the loss is already fused:
+    Liger's cross-entropy stays off). CUDA only; needs liger-kernel (pip install 'finetune[liger]') and an
+    architecture Liger supports (llama, mistral, qwen2, qwen3, gemma, phi3, ...: the error lists them)."""
     trust_remote_code: bool = False
     """Run model code shipped with a hub model. Off unless set; printed at start when on."""
     vocab_multiple_of: int | None = Field(None, gt=0)
@@ -233,6 +238,14 @@ class TrainConfig(Section):
     """AdamW epsilon."""
     max_bad_steps: int = Field(3, gt=0)
     """Abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
+    compile: bool = False
+    """Opt-in, not yet measured on a GPU by finetune: compile each decoder layer with torch.compile (regional
+    compilation: one compilation serves every layer; parameter names and checkpoints are unchanged). Packed rows'
+    attention stays outside the compiled code, which covers the norms, projections, RoPE and MLP. The first
+    micro-batch compiles (seconds to minutes), and the first one whose row length differs compiles once more with
+    symbolic sizes; after that no micro-batch recompiles. Refused with model.gradient_checkpointing under
+    attn_implementation auto (nothing would be compiled). Training runs only (`finetune eval` and `verify` run
+    uncompiled)."""
     trainable_parameters: list[str] | None = None
     """Full fine-tuning only: train just the parameters whose name (as in model.named_parameters(), e.g.
     model.layers.3.mlp.down_proj.weight) matches one of these regular expressions from its start (Python re.match);

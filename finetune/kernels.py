@@ -1,0 +1,160 @@
+"""Opt-in speed-ups of the model's own layers, both off by default: neither has been measured on a GPU in this
+project yet, and a choice becomes a default only where it is measured to win (benchmarks/gpu_throughput.py has
+the rows `liger`, `compile` and `liger+compile` for that).
+
+* `model.liger_kernels`: Liger-Kernel's fused RMSNorm, SwiGLU MLP and RoPE, applied to the loaded model through
+  Liger's own API for a model instance (`_apply_liger_kernel_to_instance`, what transformers' Trainer calls for
+  `use_liger_kernel`). Liger's cross-entropy and fused linear cross-entropy stay off: finetune/loss.py already
+  fuses the output layer with the loss and never calls the model's head.
+* `train.compile`: regional compilation (PyTorch's recipe "Reducing torch.compile cold start compilation time with
+  regional compilation"): each decoder layer compiled in place with `nn.Module.compile`, which keeps the module
+  and its parameter names, so state dicts and checkpoints are unchanged; the layers share one compiled code.
+  Packed rows' attention (finetune/attention.py) is excluded by `torch.compiler.disable` where it is defined: it
+  finds the micro-batch's documents on the host by the identity of cu_seqlens and loops over Python spans, which
+  cannot be traced; the rest of each layer (norms, projections, RoPE, MLP) is compiled around it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from finetune import attention
+from finetune.errors import UserError
+
+# Passed to Liger for every architecture; Liger drops the names an architecture's function does not take.
+LIGER_SETTINGS: dict[str, bool] = {"rope": True, "rms_norm": True, "swiglu": True,
+                                   "cross_entropy": False, "fused_linear_cross_entropy": False}
+LIGER_INSTALL = "pip install 'finetune[liger]' (liger-kernel==0.8.5; CUDA machines only)"
+
+
+# --- Liger ------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def liger_table() -> tuple[Mapping[str, Callable[..., None]] | None, str]:
+    """(Liger's model_type -> apply function table, "") or (None, why liger_kernel does not import)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception as e:  # noqa: BLE001 - ImportError, or Triton failing to initialise without a GPU
+        return None, f"{type(e).__name__}: {e}"
+    return MODEL_TYPE_TO_APPLY_LIGER_FN, ""
+
+
+def liger_problem(device: torch.device, table: Mapping[str, Any] | None, import_error: str,
+                  model_type: str | None) -> str | None:
+    """Why model.liger_kernels cannot run here, or None: a pure decision on the device, the result of importing
+    Liger (its table, or None and the import error) and the model's model_type."""
+    if table is None:
+        return f"model.liger_kernels: liger-kernel cannot be imported ({import_error}); install it: {LIGER_INSTALL}"
+    if device.type != "cuda":
+        return (f"model.liger_kernels: Liger's kernels are Triton kernels for CUDA, and this model runs on "
+                f"{device.type!r}; set model.liger_kernels: false")
+    if model_type not in table:
+        return (f"model.liger_kernels: Liger has no kernels for model_type {model_type!r}; it supports "
+                f"{', '.join(sorted(table))}. Set model.liger_kernels: false")
+    return None
+
+
+def liger_kernels_of(apply_fn: Callable[..., None]) -> list[str]:
+    """The kernels an architecture's apply function turns on with LIGER_SETTINGS: its boolean parameters, each
+    at our setting where we pass one, else at Liger's default (e.g. Gemma's geglu)."""
+    on = []
+    for name, param in inspect.signature(apply_fn).parameters.items():
+        if isinstance(param.default, bool) and LIGER_SETTINGS.get(name, param.default):
+            on.append(name)
+    return on
+
+
+def apply_liger(model: torch.nn.Module, device: torch.device) -> list[str]:
+    """Liger's kernels applied to `model` (before an adapter or a DDP/FSDP wrapper: Liger patches the model's own
+    modules); returns the kernels applied. A UserError when Liger cannot serve this model here."""
+    table, why = liger_table()
+    model_type = getattr(model.config, "model_type", None)
+    problem = liger_problem(device, table, why, model_type)
+    if problem:
+        raise UserError(problem)
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    # Liger's instance API also rebinds names in transformers' modeling module of this architecture (the RoPE
+    # function, the norm and MLP classes): models of the same architecture built later in this process get them.
+    _apply_liger_kernel_to_instance(model=model, **LIGER_SETTINGS)
+    return liger_kernels_of(table[model_type])
+
+
+def liger_summary(model: torch.nn.Module) -> str:
+    """What model.liger_kernels applied to this model, for the run log: "rope, rms_norm, swiglu"."""
+    table, _ = liger_table()
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if table is None or model_type not in table:
+        return "none"
+    return ", ".join(liger_kernels_of(table[model_type]))
+
+
+# --- regional compilation ---------------------------------------------------------------------------------------
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost transformers decoder layers of `model` (GradientCheckpointingLayer, the base class of every
+    decoder layer in transformers 5), looking through PEFT and any wrapper."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():  # parents come before their children
+        if id(module) in inside:
+            continue
+        if isinstance(module, GradientCheckpointingLayer):
+            layers.append(module)
+            inside.update(id(m) for m in module.modules())
+    return layers
+
+
+def compile_layers(model: torch.nn.Module, backend: str | Callable[..., Any] = "inductor") -> int:
+    """train.compile: every decoder layer compiled in place (nn.Module.compile); returns how many.
+
+    Sizes are left to torch's automatic dynamic shapes (dynamic=None), except the number of packed documents:
+    cu_seq_lens are marked dynamic before every call, since a packed micro-batch's document count changes every
+    time. A row length (packed rows are as long as the micro-batch's longest, padded batches vary) is compiled
+    static first; the first micro-batch of another length compiles once more with that length symbolic, and none
+    after it. dynamic=True instead would not help: the code after the attention's graph break (the rest of the
+    layer) is compiled static whatever it says (measured on torch 2.13), and it asks for every size symbolic from
+    the start. `backend` is torch.compile's (tests use "aot_eager" or a counting backend)."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise UserError(f"train.compile: {type(model).__name__} has no transformers decoder layers "
+                        "(GradientCheckpointingLayer) to compile; set train.compile: false")
+    if attention.is_ours(model) and any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+        # Dynamo cannot split a checkpointed layer around the attention's graph break, so it would compile nothing
+        # (measured: 0 graphs); with transformers' sdpa there is no break, and checkpointed layers compile.
+        raise UserError("train.compile with model.gradient_checkpointing: the packed-row attention of "
+                        "attn_implementation auto is never compiled, and inside a checkpointed layer that leaves "
+                        "nothing compiled at all. Turn one of them off, or set model.attn_implementation: sdpa "
+                        "(packed rows then pay a block mask over the whole row)")
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=None)
+    for holder in {id(h): h for h in (_holder(model, layer) for layer in layers)}.values():
+        holder.register_forward_pre_hook(_documents_dynamic, with_kwargs=True)
+    return len(layers)
+
+
+def _holder(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward calls `layer` (the decoder backbone): the one holding it, directly or in a list."""
+    for module in model.modules():
+        for child in module.children():
+            if child is layer or (isinstance(child, torch.nn.ModuleList) and any(x is layer for x in child)):
+                return module
+    return model
+
+
+def _documents_dynamic(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Runs eagerly before the backbone's forward: the packed documents' boundaries, one more every document, are
+    symbolic in the compiled layers from the first micro-batch on (attention.packed_kwargs)."""
+    import torch._dynamo
+
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(value, 0)

@@ -1,0 +1,214 @@
+"""finetune/kernels.py: the opt-in model.liger_kernels and train.compile.
+
+Liger's kernels are CUDA-only and liger-kernel is absent from the tested environment, so its decision (installed?
+CUDA? an architecture Liger supports?) is a pure function of the device and of the import's result, tested here on
+a CPU; the numbers are compared on a GPU only (`gpu`). Compilation runs on a CPU (inductor through gcc): one
+training step compiled equals the same step eager, packed and padded; parameter names stay; micro-batches with other
+document boundaries do not recompile.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from conftest import TINY_MODEL_CONFIG, TOKENIZER_DIR
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from finetune import attention, kernels
+from finetune.data.collate import collate_packed, collate_padded
+from finetune.errors import UserError
+from finetune.model import load_model, load_tokenizer
+from finetune.model_with_loss import CausalLMWithLoss, model_inputs
+from finetune.recipe import AdapterConfig, LossConfig, ModelConfig, Recipe, TokenizerConfig, features
+from finetune.versions import FEATURE_PACKAGES
+
+CPU = torch.device("cpu")
+
+
+def _llama_like(rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
+                rms_norm: bool = True, swiglu: bool = True, model: object = None) -> None:
+    """The signature of Liger 0.8.5's apply_liger_kernel_to_llama (a stand-in: only its signature is read)."""
+
+
+def _granite_like(rope: bool = True, cross_entropy: bool = True, fused_linear_cross_entropy: bool = False,
+                  rms_norm: bool = True, swiglu: bool = True, model: object = None) -> None:
+    """Liger 0.8.5's Granite function: its cross_entropy is on by default (we turn it off)."""
+
+
+def _gemma_like(rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
+                rms_norm: bool = True, geglu: bool = True, model: object = None) -> None:
+    """Liger 0.8.5's Gemma function: GeGLU instead of SwiGLU, on by default."""
+
+
+TABLE = {"llama": _llama_like, "granite": _granite_like, "gemma": _gemma_like}
+
+
+# --- model.liger_kernels --------------------------------------------------------------------------------------
+
+def test_liger_not_installed_says_how_to_install():
+    why = kernels.liger_problem(torch.device("cuda"), None, "ModuleNotFoundError: No module named 'liger_kernel'",
+                                "llama")
+    assert why and "model.liger_kernels" in why and "No module named 'liger_kernel'" in why
+    assert "pip install 'finetune[liger]'" in why
+
+
+def test_liger_on_a_cpu_is_refused():
+    why = kernels.liger_problem(CPU, TABLE, "", "llama")
+    assert why and "CUDA" in why and "'cpu'" in why and "model.liger_kernels: false" in why
+
+
+def test_liger_unsupported_architecture_names_the_supported_ones():
+    why = kernels.liger_problem(torch.device("cuda"), TABLE, "", "gpt2")
+    assert why and "'gpt2'" in why and "gemma, granite, llama" in why
+    assert kernels.liger_problem(torch.device("cuda", 0), TABLE, "", "llama") is None
+
+
+def test_liger_kernels_applied_never_include_a_loss():
+    assert kernels.liger_kernels_of(_llama_like) == ["rope", "rms_norm", "swiglu"]
+    assert kernels.liger_kernels_of(_granite_like) == ["rope", "rms_norm", "swiglu"]
+    assert kernels.liger_kernels_of(_gemma_like) == ["rope", "rms_norm", "geglu"]
+    # What we pass, for every architecture: our loss is already fused (finetune/loss.py).
+    assert kernels.LIGER_SETTINGS["cross_entropy"] is False
+    assert kernels.LIGER_SETTINGS["fused_linear_cross_entropy"] is False
+    assert set(kernels.LIGER_SETTINGS) <= set(inspect.signature(_llama_like).parameters)
+
+
+def test_liger_kernels_needs_liger_kernel_at_validation():
+    # cli.load_recipe_arg checks the packages of features(recipe) before anything loads.
+    assert "liger_kernels" in features(Recipe(model=ModelConfig(liger_kernels=True)))
+    assert "liger_kernels" not in features(Recipe())
+    assert FEATURE_PACKAGES["liger_kernels"] == "liger-kernel"
+
+
+def test_load_model_refuses_liger_here(tokenizer):
+    """On this CPU machine: refused at load, whichever reason comes first (not installed, or not CUDA)."""
+    cfg = ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), liger_kernels=True)
+    with pytest.raises(UserError, match="model.liger_kernels"):
+        load_model(cfg, AdapterConfig(), tokenizer, seed=0, device=CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.liger_table()[0] is None,
+                    reason="needs CUDA and liger-kernel")
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_liger_kernels_equal_torch(tokenizer, dtype: str, tolerance: float):
+    """A tiny Llama's summed loss and gradients with Liger's RMSNorm, SwiGLU and RoPE equal torch's: relative
+    difference at most 1e-4 in float32 (kernels that reorder sums), 3e-2 in bfloat16 (a few bf16 ulps)."""
+    device = torch.device("cuda")
+    results = []
+    for liger in (False, True):
+        cfg = ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), dtype=dtype, liger_kernels=liger)
+        lm = load_model(cfg, AdapterConfig(), tokenizer, seed=0, device=device).to(device)
+        if liger:
+            assert kernels.liger_summary(lm) == "rope, rms_norm, swiglu"
+        results.append(_step(lm, _packed_batch(tokenizer, [[5, 7, 10], [12, 3]]), device))
+    (loss0, grads0), (loss1, grads1) = results
+    assert abs(loss1 - loss0) <= tolerance * abs(loss0)
+    assert _rel(grads1, grads0) <= tolerance
+
+
+# --- train.compile --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TokenizerConfig(path=str(TOKENIZER_DIR)), ModelConfig())
+
+
+def _model(tokenizer, **model_keys) -> torch.nn.Module:
+    cfg = ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), **model_keys)
+    lm = load_model(cfg, AdapterConfig(), tokenizer, seed=0).train()
+    assert attention.is_ours(lm)  # packed rows go through our attention, the part left out of the compiled code
+    return lm
+
+
+def _packed_batch(tokenizer, rows: list[list[int]], width: int | None = None) -> dict:
+    """Packed rows of documents of these lengths (random ids, every token but a document's first trained)."""
+    gen = torch.Generator().manual_seed(sum(map(sum, rows)))
+    packed = []
+    for lengths in rows:
+        ids = torch.randint(3, 200, (sum(lengths),), generator=gen).tolist()
+        positions = [i for n in lengths for i in range(n)]
+        labels = [-100 if p == 0 else t for p, t in zip(positions, ids)]
+        packed.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+    batch = collate_packed(packed, tokenizer.pad_token_id)
+    assert width is None or batch["input_ids"].shape[1] == width
+    return batch
+
+
+def _step(lm: torch.nn.Module, batch: dict, device: torch.device = CPU) -> tuple[float, torch.Tensor]:
+    """One micro-batch's summed loss and the gradients of every parameter, as training computes them."""
+    net = CausalLMWithLoss.for_recipe(lm, LossConfig(), "chunked" if device.type == "cpu" else "torch")
+    lm.zero_grad(set_to_none=True)
+    loss_sum, _ = net(**model_inputs(batch, device))
+    loss_sum.backward()
+    return loss_sum.item(), torch.cat([p.grad.flatten().float() for p in lm.parameters() if p.grad is not None])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+def test_compiled_step_equals_eager(tokenizer, kind: str):
+    """One step: loss and gradients compiled (inductor) equal eager to 1e-5 relative in float32 (inductor fuses and
+    reorders the same float32 sums). About 25 s each on a busy 2-core CPU, compilation included."""
+    if kind == "packed":
+        batch = _packed_batch(tokenizer, [[5, 7, 10], [12, 3]])
+    else:
+        batch = collate_padded([{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))}
+                                for n in (9, 14, 5)], tokenizer.pad_token_id)
+    eager, compiled = _model(tokenizer), _model(tokenizer)
+    assert kernels.compile_layers(compiled) == TINY_MODEL_CONFIG["num_hidden_layers"]
+    (loss0, grads0), (loss1, grads1) = _step(eager, batch), _step(compiled, batch)
+    assert abs(loss1 - loss0) <= 1e-5 * abs(loss0), (loss0, loss1)
+    assert _rel(grads1, grads0) <= 1e-5
+
+
+def test_other_document_boundaries_do_not_recompile(tokenizer, monkeypatch):
+    """Packed micro-batches with other documents (another count, other lengths) reuse the compiled layers; a row
+    length compiles once more (then symbolic), a third length not at all. Counted by torch's CompileCounter backend
+    (graphs compiled by dynamo: the guards, what decides a recompile, are the backend's same for inductor)."""
+    lm = _model(tokenizer)
+    names = [name for name, _ in lm.named_parameters()]
+    keys = list(lm.state_dict())
+    counter = CompileCounterWithBackend("aot_eager")
+    kernels.compile_layers(lm, backend=counter)
+    # The documents reach the attention from the boundaries found on the CPU, under compile too: never re-read.
+    monkeypatch.setattr(attention, "document_spans", lambda *a: pytest.fail("documents re-read from position_ids"))
+    _step(lm, _packed_batch(tokenizer, [[5, 7, 10], [12, 3]], width=22))
+    first = counter.frame_count
+    assert first > 0
+    _step(lm, _packed_batch(tokenizer, [[4, 4, 4, 4, 6], [3, 1, 9, 2]], width=22))
+    _step(lm, _packed_batch(tokenizer, [[22], [1, 1, 1, 1, 1, 1, 1, 1]], width=22))
+    assert counter.frame_count == first, "other document boundaries recompiled"
+    _step(lm, _packed_batch(tokenizer, [[9, 9, 9, 3], [2, 2]], width=30))
+    second = counter.frame_count
+    _step(lm, _packed_batch(tokenizer, [[6, 7, 8, 4], [11]], width=25))
+    assert counter.frame_count == second, "a third row length recompiled"
+    # nn.Module.compile keeps the modules: parameter names and state dict keys (checkpoints) are unchanged.
+    assert [name for name, _ in lm.named_parameters()] == names
+    assert list(lm.state_dict()) == keys
+
+
+def test_compile_with_gradient_checkpointing_is_refused(tokenizer):
+    """Dynamo cannot split a checkpointed layer around our attention's graph break: nothing would be compiled."""
+    lm = _model(tokenizer, gradient_checkpointing=True)
+    with pytest.raises(UserError, match="train.compile with model.gradient_checkpointing"):
+        kernels.compile_layers(lm, backend="aot_eager")
+
+
+def test_compile_with_checkpointing_and_transformers_sdpa_compiles(tokenizer):
+    """With transformers' sdpa there is no graph break: checkpointed layers compile, and gradients match."""
+    cfg = {"attn_implementation": "sdpa", "gradient_checkpointing": True}
+    eager = load_model(ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), **cfg), AdapterConfig(),
+                       tokenizer, seed=0).train()
+    compiled = load_model(ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), **cfg), AdapterConfig(),
+                          tokenizer, seed=0).train()
+    counter = CompileCounterWithBackend("aot_eager")
+    kernels.compile_layers(compiled, backend=counter)
+    batch = _packed_batch(tokenizer, [[5, 7, 10], [12, 3]])
+    (loss0, grads0), (loss1, grads1) = _step(eager, batch), _step(compiled, batch)
+    assert counter.frame_count > 0
+    assert abs(loss1 - loss0) <= 1e-6 * abs(loss0) and _rel(grads1, grads0) <= 1e-6
