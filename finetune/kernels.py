@@ -45,9 +45,9 @@ def liger_table() -> tuple[Mapping[str, Callable[..., None]] | None, str]:
 
 
 def liger_problem(device: torch.device, table: Mapping[str, Any] | None, import_error: str,
-                  model_type: str | None) -> str | None:
+                  model_type: str | None, hidden_act: str | None = "silu") -> str | None:
     """Why model.liger_kernels cannot run here, or None: a pure decision on the device, the result of importing
-    Liger (its table, or None and the import error) and the model's model_type."""
+    Liger (its table, or None and the import error), the model's model_type and its MLP activation."""
     if table is None:
         return f"model.liger_kernels: liger-kernel cannot be imported ({import_error}); install it: {LIGER_INSTALL}"
     if device.type != "cuda":
@@ -56,6 +56,11 @@ def liger_problem(device: torch.device, table: Mapping[str, Any] | None, import_
     if model_type not in table:
         return (f"model.liger_kernels: Liger has no kernels for model_type {model_type!r}; it supports "
                 f"{', '.join(sorted(table))}. Set model.liger_kernels: false")
+    # Liger's SwiGLU MLP computes SiLU whatever the config says, and does not check when it replaces the MLP of an
+    # existing model: another activation would train other maths, silently.
+    if "swiglu" in liger_kernels_of(table[model_type]) and hidden_act not in ("silu", "swish", None):
+        return (f"model.liger_kernels: Liger's SwiGLU kernel computes SiLU, and this {model_type} model's MLP uses "
+                f"{hidden_act!r}; set model.liger_kernels: false")
     return None
 
 
@@ -74,7 +79,8 @@ def apply_liger(model: torch.nn.Module, device: torch.device) -> list[str]:
     modules); returns the kernels applied. A UserError when Liger cannot serve this model here."""
     table, why = liger_table()
     model_type = getattr(model.config, "model_type", None)
-    problem = liger_problem(device, table, why, model_type)
+    text = model.config.get_text_config()
+    problem = liger_problem(device, table, why, model_type, getattr(text, "hidden_act", None))
     if problem:
         raise UserError(problem)
     from liger_kernel.transformers import _apply_liger_kernel_to_instance

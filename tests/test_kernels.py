@@ -65,6 +65,14 @@ def test_liger_unsupported_architecture_names_the_supported_ones():
     assert kernels.liger_problem(torch.device("cuda", 0), TABLE, "", "llama") is None
 
 
+def test_liger_swiglu_on_an_mlp_that_is_not_silu_is_refused():
+    why = kernels.liger_problem(torch.device("cuda"), TABLE, "", "llama", "gelu_pytorch_tanh")
+    assert why and "SiLU" in why and "'gelu_pytorch_tanh'" in why
+    assert kernels.liger_problem(torch.device("cuda"), TABLE, "", "llama", "silu") is None
+    # Gemma's function has GeGLU, not SwiGLU: its gelu MLP is Liger's own kernel there.
+    assert kernels.liger_problem(torch.device("cuda"), TABLE, "", "gemma", "gelu_pytorch_tanh") is None
+
+
 def test_liger_kernels_applied_never_include_a_loss():
     assert kernels.liger_kernels_of(_llama_like) == ["rope", "rms_norm", "swiglu"]
     assert kernels.liger_kernels_of(_granite_like) == ["rope", "rms_norm", "swiglu"]
