@@ -79,7 +79,13 @@ def reference(request, tmp_path_factory) -> dict[str, Path | str]:
     return out
 
 
-def assert_same_training(run_dir: Path, ref: Path) -> None:
+# Final weights, relative. LoRA's B starts at 0 and AdamW's first steps move each entry by about lr * sign(g): an
+# entry whose gradient is within float-summation noise of 0 can move either way, so the summation order of 2
+# ranks shows in the weights more than in the loss and grad norm (1.06e-5 on an Intel Sapphire Rapids CPU).
+WEIGHT_TOLERANCE = {"lora": 5e-5}
+
+
+def assert_same_training(run_dir: Path, ref: Path, weight_tolerance: float = 1e-5) -> None:
     lines, ref_lines = train_lines(run_dir), train_lines(ref)
     assert [r["step"] for r in lines] == [r["step"] for r in ref_lines]
     for a, b in zip(lines, ref_lines):
@@ -89,7 +95,7 @@ def assert_same_training(run_dir: Path, ref: Path) -> None:
     got, want = final_weights(run_dir), final_weights(ref)
     assert set(got) == set(want)
     for name in want:
-        assert rel_diff(got[name], want[name]) <= 1e-5, name
+        assert rel_diff(got[name], want[name]) <= weight_tolerance, name
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -107,7 +113,7 @@ def test_two_ranks_equal_one_process(tmp_path, reference, strategy, case):
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "world size 2" in r.stdout
     assert f"device: {device}" in r.stdout  # rank 0's log: cpu, or cuda:0
-    assert_same_training(tmp_path / "run", reference[case])
+    assert_same_training(tmp_path / "run", reference[case], WEIGHT_TOLERANCE.get(case, 1e-5))
 
 
 def test_fsdp_checkpoint_resumes_on_another_world_size(tmp_path):
