@@ -10,7 +10,7 @@ exact, and no second model stays in memory while training. The reference (dpo.re
 * a model path: that model, loaded for the pass and freed after it.
 
 Cached under <data cache root>/reference/<key>.npz, keyed by the samples' identity, the reference's weights (a
-fingerprint of every tensor), the numerics (dtype, attention, loss implementation) and the library versions.
+digest of every byte of every tensor, taken from the reference as loaded: not its path), the numerics (dtype, attention, loss implementation) and the library versions.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from finetune.model_with_loss import CausalLMWithLoss
 from finetune.objective import pair_logps
 from finetune.recipe import AdapterConfig, Recipe
 
-REFERENCE_VERSION = 1  # bump when what is computed here changes
+REFERENCE_VERSION = 2  # bump when what is computed here changes
 
 
 def attach_reference_logps(recipe: Recipe, splits: dict[str, list[dict]], lm: torch.nn.Module, tokenizer: Any,
@@ -44,24 +44,26 @@ def attach_reference_logps(recipe: Recipe, splits: dict[str, list[dict]], lm: to
     """Give every pair sample of every split its reference log-probabilities (sample["ref_logps"]).
 
     `lm` is the policy as loaded; `fresh_model` says it has not trained yet (False on a resume, where the
-    reference for auto without an adapter is loaded again)."""
-    key = _cache_key(recipe, samples_key, lm)
-    file = cache_root(recipe) / "reference" / f"{key}.npz" if key else None
-    cached = _read(file, splits)
-    if cached is None:
-        with _reference(recipe, lm, tokenizer, device, fresh_model) as ref:
+    reference for auto without an adapter is loaded again). The reference is loaded (or switched on) first: the
+    cache is keyed by its weights as loaded, so a model replaced at dpo.reference's path is never mistaken for
+    the one that was cached."""
+    with _reference(recipe, lm, tokenizer, device, fresh_model) as ref:
+        key = _cache_key(recipe, samples_key, ref)
+        file = cache_root(recipe) / "reference" / f"{key}.npz" if key else None
+        cached = _read(file, splits)
+        if cached is not None:
+            say(f"reference log-probabilities reused from {file}")
+        else:
             net = CausalLMWithLoss.for_recipe(ref, recipe.loss, impl).eval()
             cached = {name: _compute(net, samples, recipe, tokenizer.pad_token_id, device)
                       for name, samples in splits.items()}
-        if file is not None and dist.from_env().is_main:
-            _write(file, cached)
-        say(f"reference log-probabilities computed for {sum(len(v) for v in cached.values())} pairs"
-            + (f"; cached at {file}" if file else ""))
-    else:
-        say(f"reference log-probabilities reused from {file}")
+            if file is not None and dist.from_env().is_main:
+                _write(file, cached)
+            say(f"reference log-probabilities computed for {sum(len(v) for v in cached.values())} pairs"
+                + (f"; cached at {file}" if file else ""))
     for name, samples in splits.items():
-        for sample, ref in zip(samples, cached[name].tolist()):
-            sample["ref_logps"] = ref
+        for sample, ref_logps in zip(samples, cached[name].tolist()):
+            sample["ref_logps"] = ref_logps
 
 
 @contextlib.contextmanager
@@ -106,26 +108,28 @@ def _compute(net: CausalLMWithLoss, samples: list[dict], recipe: Recipe, pad_id:
 
 
 def _fingerprint(model: torch.nn.Module) -> str:
-    """A digest of the weights: every tensor's name, shape, dtype and a strided sample of its values."""
+    """A digest of the weights as they will be run: every tensor's name, shape, dtype and every byte of it (one
+    changed weight changes the digest; a strided sample would miss it). Buffers count too (rotary tables)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        if not isinstance(tensor, torch.Tensor):
             continue
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode() + sample)
+        if flat.numel():
+            digest.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-def _cache_key(recipe: Recipe, samples_key: str | None, lm: torch.nn.Module) -> str | None:
-    """None when the samples have no identity (the data cache was not usable): then nothing is cached."""
+def _cache_key(recipe: Recipe, samples_key: str | None, ref: torch.nn.Module) -> str | None:
+    """None when the samples have no identity (the data cache was not usable): then nothing is cached. `ref` is
+    the reference as it will run (the base of an adapter model: its adapter is off)."""
     if samples_key is None:
         return None
     import transformers
 
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    weights = _fingerprint(base) if recipe.dpo.reference == "auto" else recipe.dpo.reference
-    inputs = {"version": REFERENCE_VERSION, "samples": samples_key, "reference": weights,
+    base = ref.get_base_model() if hasattr(ref, "get_base_model") else ref
+    inputs = {"version": REFERENCE_VERSION, "samples": samples_key, "reference": _fingerprint(base),
               "model": recipe.model.model_dump(mode="json"), "adapter_off": recipe.adapter.type,
               "loss": recipe.loss.model_dump(mode="json"), "torch": torch.__version__,
               "transformers": transformers.__version__}

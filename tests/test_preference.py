@@ -133,3 +133,40 @@ def test_preference_recipes_are_checked(write_recipe):
                            ([*PREF, "train.objective=orpo", "loss.z_loss=0.1"], "loss.z_loss: not with")):
         with pytest.raises(UserError, match=message):
             load_recipe(QUICKSTART, extra)
+
+
+def test_a_reference_replaced_at_its_path_is_computed_again(tmp_path):
+    """dpo.reference: PATH is cached by the weights found there, not by the path: change one weight of the model
+    at PATH and the reference log-probabilities are computed again (a stale reference would be reused)."""
+    from safetensors.torch import load_file, save_file
+
+    from finetune.data import build_samples
+    from finetune.model import load_model, load_tokenizer
+    from finetune.reference import attach_reference_logps
+
+    base = _recipe("train.objective=dpo", f"data.cache_dir={tmp_path / 'cache'}", "datasets.0.max_rows=8",
+                   "eval_datasets.0.max_rows=4")
+    tokenizer = load_tokenizer(base.tokenizer, base.model)
+    ref_dir = tmp_path / "reference"
+    load_model(base.model, base.adapter, tokenizer, 7, "cpu").save_pretrained(ref_dir)
+    recipe = _recipe("train.objective=dpo", f"data.cache_dir={tmp_path / 'cache'}", "datasets.0.max_rows=8",
+                     "eval_datasets.0.max_rows=4", f"dpo.reference={ref_dir}")
+    samples = build_samples(recipe, tokenizer)[0]
+    policy = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, "cpu")
+
+    def attach() -> tuple[str, list]:
+        said: list[str] = []
+        attach_reference_logps(recipe, {"train": samples}, policy, tokenizer, "chunked", torch.device("cpu"),
+                               samples_key="k" * 64, fresh_model=True, say=said.append)
+        return said[0], [s["ref_logps"] for s in samples]
+
+    first, logps = attach()
+    again, same = attach()
+    assert "computed" in first and "reused" in again and same == logps
+    weights = load_file(str(ref_dir / "model.safetensors"))
+    name = next(n for n in weights if "layers.0.mlp.down_proj" in n)
+    weights[name][0, 0] += 0.5  # one weight of one layer
+    save_file(weights, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    changed, new_logps = attach()
+    assert "computed" in changed, changed
+    assert new_logps != logps
