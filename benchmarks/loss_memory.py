@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout without an edit
 
 import torch  # noqa: E402
 
-from finetune.loss import linear_cross_entropy  # noqa: E402
+from finetune.loss.fused import linear_cross_entropy  # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -105,7 +105,7 @@ def run_cpu(args: argparse.Namespace) -> list[dict]:
 
 def run_cuda(args: argparse.Namespace) -> list[dict]:
     """All implementations in one process: peak allocated bytes are exact on CUDA, so no subprocesses."""
-    from finetune.loss import resolve_impl
+    from finetune.loss.fused import resolve_impl
 
     impls = [("torch", 0)] + [("chunked", c) for c in args.chunk_size]
     try:

@@ -173,7 +173,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         _preflight_output_dir(recipe, args.overwrite)
         return _exec_torchrun(args)
-    from finetune.trainer import train  # heavy: torch and transformers
+    from finetune.train.loop import train  # heavy: torch and transformers
 
     # FINETUNE_ALLOW_UNPINNED is read where the pins are enforced (versions.allow_unpinned_env), not here.
     train(recipe, overwrite=args.overwrite, allow_unpinned=args.allow_unpinned)
@@ -183,8 +183,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _preflight_output_dir(recipe: Recipe, overwrite: bool) -> None:
     """The output_dir check the trainer makes, made before torchrun starts: a refusal then ends with our message
     and exit code 2, not with torchrun's traceback of a failed worker. Nothing is removed here."""
-    from finetune.checkpoint import resume_path
-    from finetune.rundir import check_output_dir
+    from finetune.run.checkpoint import resume_path
+    from finetune.run.directory import check_output_dir
 
     out = Path(recipe.output_dir)
     resume_from = resume_path(recipe, out, warn=lambda message: None)  # the trainer says it again, once
@@ -204,7 +204,7 @@ def _exec_torchrun(args: argparse.Namespace) -> int:
 def cmd_preprocess(args: argparse.Namespace) -> int:
     recipe = load_recipe_arg(args)
     from finetune.data.report import preprocess  # heavy: transformers (the tokenizer)
-    from finetune.model import load_tokenizer
+    from finetune.model.loading import load_tokenizer
 
     preprocess(recipe, load_tokenizer(recipe.tokenizer, recipe.model), show=args.show, rebuild=args.rebuild)
     return 0
@@ -221,7 +221,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.model:
         overrides += [f"model.path={args.model}", "model.init=pretrained", "adapter.type=none"]
-    from finetune.rundir import RunDir, is_run
+    from finetune.run.directory import RunDir, is_run
 
     run = Path(args.recipe).expanduser()
     run_dir = run if is_run(run) else None
@@ -231,7 +231,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         recipe = load_recipe(RunDir(run_dir).recipe, overrides, check_inputs=True)
     else:
         recipe = load_recipe_arg(args, overrides)
-    from finetune.evaluate import run_eval
+    from finetune.train.evaluate import run_eval
 
     result = run_eval(recipe, run_dir=run_dir)
     units = ", ".join(f"{n} {'target tokens' if u == 'tokens' else u.replace('_', ' ')}" for u, n in result.counts.items())
@@ -245,7 +245,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     recipe = load_recipe_arg(args)
-    from finetune.verify import verify
+    from finetune.commands.verify import verify
 
     result = verify(recipe, world_size=args.world, reference_micro_batch=args.reference_micro_batch)
     table = Table(title=f"first step: {result.rows} rows, {result.micro_batches} micro-batches, "
@@ -265,7 +265,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from finetune.merge import merge_run
+    from finetune.commands.merge import merge_run
 
     out = merge_run(args.run_dir, args.out)
     print(f"merged model written to {out}")
@@ -273,7 +273,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from finetune.generate import GenerationOptions, chat, generate
+    from finetune.commands.generate import GenerationOptions, chat, generate
 
     options = GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed, system=args.system)
@@ -285,7 +285,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from finetune.plot import plot_runs
+    from finetune.commands.plot import plot_runs
 
     print(f"wrote {plot_runs(args.run_dirs, args.out, x=args.x)}")
     return 0
@@ -294,7 +294,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from finetune.compare import compare_runs
+    from finetune.commands.compare import compare_runs
 
     Console().print(compare_runs(args.run_a, args.run_b))
     return 0

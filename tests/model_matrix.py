@@ -3,7 +3,7 @@ weights through finetune's own load path, and what finetune does with it (tests/
 scripts/gen_models_doc.py writes it to docs/models.md).
 
 For each architecture, in fp32 on the CPU (`evaluate`, computed once and cached):
-  1. load: `finetune.model.load_model` (attn_implementation auto) builds it, or refuses it with a message;
+  1. load: `finetune.model.loading.load_model` (attn_implementation auto) builds it, or refuses it with a message;
   2. loss: the fused loss (chunked and torch) against the model's own `model(labels=...)`, loss and gradients;
   3. packing: refused from the model's structure, or the isolation check's exact change of a neighbour's logits;
   4. LoRA: `target_modules: all-linear` through finetune's adapter path, and one optimizer step;
@@ -120,7 +120,7 @@ def _quiet_transformers():
 
 
 def _load(model_type: str) -> torch.nn.Module:
-    from finetune.model import load_model
+    from finetune.model.loading import load_model
     from finetune.recipe import AdapterConfig, ModelConfig
 
     config = ModelConfig(init="random", config={"model_type": model_type, **tiny_kwargs(model_type)})
@@ -153,7 +153,7 @@ def _relative(ours: dict, own: dict) -> float:
 
 def _check_loss(row: Row, model: torch.nn.Module) -> None:
     """The fused loss and its gradients against the model's own loss with labels, in train mode (dropout is 0)."""
-    from finetune.model_with_loss import CausalLMWithLoss
+    from finetune.model.with_loss import CausalLMWithLoss
 
     ids, labels = _batch()
     model.train()
@@ -197,8 +197,8 @@ def _packed_batch() -> dict:
 def _check_packing(row: Row, model: torch.nn.Module) -> None:
     """The structural refusal, and the isolation check's measured change with the tolerance off: 0.0 exactly
     where packing is allowed, and > 0 (or NaN gradients) where it is refused, so no refusal is for nothing."""
-    from finetune.architectures import packing_refusal
-    from finetune.isolation import check_packing_isolation
+    from finetune.model.architectures import packing_refusal
+    from finetune.model.isolation import check_packing_isolation
 
     row.attention = model.config._attn_implementation
     row.packing_refused = packing_refusal(model, StubTokenizer.pad_token_id)
@@ -215,7 +215,7 @@ def _inputs(batch: dict) -> dict:
 
 
 def _gradients_finite(model: torch.nn.Module, batch: dict) -> bool:
-    from finetune.model_with_loss import CausalLMWithLoss
+    from finetune.model.with_loss import CausalLMWithLoss
 
     loss_sum, count = CausalLMWithLoss(model, "chunked", 16, 0.0, None).train()(**_inputs(batch))
     (loss_sum / count).backward()
@@ -224,9 +224,9 @@ def _gradients_finite(model: torch.nn.Module, batch: dict) -> bool:
 
 def _step(model: torch.nn.Module, batch: dict, lr: float) -> tuple[float, float]:
     """One AdamW step on `batch` through the fused loss: (the loss before, the loss after)."""
-    from finetune.model_with_loss import CausalLMWithLoss
-    from finetune.optim import build_optimizer
+    from finetune.model.with_loss import CausalLMWithLoss
     from finetune.recipe import TrainConfig
+    from finetune.train.optim import build_optimizer
 
     net = CausalLMWithLoss(model, "chunked", 16, 0.0, None).train()
     optimizer = build_optimizer(model.named_parameters(), TrainConfig(lr=lr, weight_decay=0.0))
@@ -250,8 +250,8 @@ def _check_lora(row: Row, model: torch.nn.Module) -> None:
     """all-linear through finetune's adapter path, then one step (packed where packing is allowed)."""
     from peft.tuners.lora import LoraLayer
 
-    from finetune.architectures import lora_exclusions
-    from finetune.model import _apply_adapter
+    from finetune.model.architectures import lora_exclusions
+    from finetune.model.loading import _apply_adapter
     from finetune.recipe import AdapterConfig
 
     try:
@@ -265,12 +265,12 @@ def _check_lora(row: Row, model: torch.nn.Module) -> None:
 
 
 def _check_trainer(row: Row) -> None:
-    """One optimizer step of finetune.trainer.train on the quickstart data and tokenizer (1024 tokens), packed
+    """One optimizer step of finetune.train.loop.train on the quickstart data and tokenizer (1024 tokens), packed
     unless packing is refused: its packing refusal and isolation check, its loss, its update."""
     from rich.console import Console
 
-    from finetune import trainer
     from finetune.recipe import load_recipe
+    from finetune.train import loop as trainer
 
     row.trainer_packed = row.packing_refused is None
     kwargs = {k: v for k, v in tiny_kwargs(row.model_type, vocab=1024).items() if k not in IDS}

@@ -20,10 +20,10 @@ from helpers import QUICKSTART, TINY
 from finetune.data import build_samples, collate, epoch_rows
 from finetune.dist import default_device
 from finetune.errors import UserError
-from finetune.model import load_base, load_model, load_tokenizer, resolve_path, save_final
-from finetune.model_with_loss import CausalLMWithLoss
-from finetune.optim import build_optimizer, parameter_groups
+from finetune.model.loading import load_base, load_model, load_tokenizer, resolve_path, save_final
+from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import load_recipe
+from finetune.train.optim import build_optimizer, parameter_groups
 
 # Fewer rows than the quickstart's 3000 (tokenizing them would dominate), no packing check (tested elsewhere).
 FAST = [*TINY, "datasets.0.max_rows=48", "eval_datasets.0.max_rows=8", "data.packing_check=false",
@@ -131,7 +131,7 @@ def test_modules_to_save_on_tied_embeddings_loss_save_and_merge(data, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from finetune import versions
-    from finetune.merge import merge_run
+    from finetune.commands.merge import merge_run
     from finetune.recipe import to_yaml
 
     tokenizer, batch = data
@@ -202,7 +202,7 @@ def test_norms_and_biases_get_no_weight_decay():
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A real LoRA run through the trainer (3 steps), for merge and generate."""
-    from finetune.trainer import train
+    from finetune.train.loop import train
 
     out = tmp_path_factory.mktemp("lora-run")
     recipe = _recipe(f"output_dir={out}", "adapter.type=lora", "adapter.r=4", "train.max_steps=3",
@@ -214,8 +214,8 @@ def lora_run(tmp_path_factory):
 def test_merge_equals_base_plus_adapter(lora_run, data):
     from transformers import AutoModelForCausalLM
 
-    from finetune.generate import load_for_inference
-    from finetune.merge import merge_run
+    from finetune.commands.generate import load_for_inference
+    from finetune.commands.merge import merge_run
 
     out, recipe = lora_run
     _, batch = data
@@ -234,7 +234,7 @@ def test_merge_equals_base_plus_adapter(lora_run, data):
 
 
 def test_generate_through_an_adapter_run(lora_run, capsys):
-    from finetune.generate import GenerationOptions, generate
+    from finetune.commands.generate import GenerationOptions, generate
 
     out, _ = lora_run
     text = generate(str(out / "final"), "What is 2 + 3?", GenerationOptions(max_new_tokens=8, min_new_tokens=8))
@@ -243,7 +243,7 @@ def test_generate_through_an_adapter_run(lora_run, capsys):
 
 
 def test_merge_errors_are_clear(lora_run, tmp_path):
-    from finetune.merge import merge_run
+    from finetune.commands.merge import merge_run
 
     out, _ = lora_run
     with pytest.raises(UserError, match="not a run directory"):
@@ -397,7 +397,7 @@ def test_qlora_bf16_adapter_gradients_equal_a_dequantized_fp32_reference(data, d
     """QLoRA in bf16 (NF4 base, bf16 compute, the device's training loss) gives the adapter the gradients of plain
     float32 math on the dequantized weights, within bf16 tolerance (relative Frobenius <= 3e-2 per tensor)."""
     needs("bitsandbytes")
-    from finetune.loss import resolve_impl
+    from finetune.loss.fused import resolve_impl
 
     tokenizer, batch = data
     recipe = _recipe("adapter.type=qlora", "adapter.r=8", "model.dtype=bfloat16")
@@ -432,9 +432,9 @@ def test_qlora_bf16_run_merges_into_base_plus_adapter(data, tmp_path, monkeypatc
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from finetune.generate import load_for_inference
-    from finetune.merge import merge_run
-    from finetune.trainer import train
+    from finetune.commands.generate import load_for_inference
+    from finetune.commands.merge import merge_run
+    from finetune.train.loop import train
 
     tokenizer, batch = data
     monkeypatch.setenv("FINETUNE_DEVICE", device)

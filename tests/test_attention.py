@@ -13,8 +13,8 @@ import transformers
 from test_pack import VOCAB, packed_batch, packed_vs_alone, tiny_model
 from transformers import AutoModelForCausalLM
 
-from finetune import attention
-from finetune.isolation import check_packing_isolation, default_tolerance
+from finetune.attention import dispatch as attention
+from finetune.model.isolation import check_packing_isolation, default_tolerance
 
 VARLEN = attention.ATTN_NAME
 attention.register()
@@ -133,7 +133,7 @@ def test_auto_upgrades_sdpa_and_keeps_eager_where_sdpa_is_unsupported(model_type
     Either way the packed documents stay apart."""
     from conftest import REPO_ROOT
 
-    from finetune.model import load_model, load_tokenizer
+    from finetune.model.loading import load_model, load_tokenizer
     from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
 
     tokenizer = load_tokenizer(TokenizerConfig(path=str(REPO_ROOT / "examples" / "tokenizer")), ModelConfig())

@@ -14,7 +14,7 @@ docs/bad-inputs.md is generated from the same table and the real outputs (`pytho
 --regen`); `test_docs_table_is_current` fails when it drifts.
 
 Speed: a fresh `python -m finetune train` spends seconds importing torch before it reaches the bad input. The
-cases therefore run in processes forked from one server that has imported `finetune.trainer` once: each case is
+cases therefore run in processes forked from one server that has imported `finetune.train.loop` once: each case is
 still its own process running `python -m finetune ARGS` (runpy), with its own cwd, stdout, stderr and exit
 status. Set FINETUNE_TEST_PLAIN_CLI=1 to run every case as a plain subprocess instead (same results, slower).
 """
@@ -276,7 +276,7 @@ def snapshot(d: Path) -> dict[str, bytes]:
 SERVER = r'''
 import json, os, runpy, signal, sys, traceback
 sys.path.insert(0, os.getcwd())  # the repository, absolute: each case runs in its own cwd
-import finetune.trainer  # noqa: F401  the heavy imports (torch, transformers), paid once
+import finetune.train.loop  # noqa: F401  the heavy imports (torch, transformers), paid once
 # transformers imports lazily: touch what every case needs so its import is paid once too. Only modules are
 # shared with the cases; each still loads its own tokenizer and model.
 import datasets, transformers  # noqa: E401,F401

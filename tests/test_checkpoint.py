@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import tiny_recipe
 
-from finetune import checkpoint
 from finetune.errors import UserError
 from finetune.recipe import validate
+from finetune.run import checkpoint
 
 
 def _training(seed: int):

@@ -26,8 +26,8 @@ from finetune.data.samples import row_example
 from finetune.data.sources import RawRow
 from finetune.data.tokenize import tokenize_example
 from finetune.labels import IGNORE_INDEX
-from finetune.optim import lr_factor, warmup_steps
 from finetune.recipe import Recipe, validate
+from finetune.train.optim import lr_factor, warmup_steps
 
 SYSTEM_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
                      "context. Write a response that appropriately completes the request.")

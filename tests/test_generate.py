@@ -13,8 +13,7 @@ import sys
 import pytest
 from helpers import QUICKSTART, TINY, run_cli
 
-from finetune.errors import UserError
-from finetune.generate import (
+from finetune.commands.generate import (
     GenerationOptions,
     chat,
     chat_session,
@@ -23,6 +22,7 @@ from finetune.generate import (
     load_for_inference,
     render_prompt,
 )
+from finetune.errors import UserError
 from finetune.recipe import load_recipe
 
 QUESTION = "What is 2 + 3?"
@@ -30,7 +30,7 @@ QUESTION = "What is 2 + 3?"
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from finetune.trainer import train
+    from finetune.train.loop import train
 
     out = tmp_path_factory.mktemp("gen-run")
     recipe = load_recipe(QUICKSTART, [*TINY, f"output_dir={out}", "datasets.0.max_rows=64", "eval_datasets.0.max_rows=8",
@@ -58,7 +58,7 @@ def test_prompt_goes_through_the_chat_template_and_tokens_come_out(loaded):
 def test_chat_template_kwargs_reach_the_prompt(loaded, monkeypatch):
     import copy
 
-    from finetune import generate as generate_module
+    from finetune.commands import generate as generate_module
 
     model, tokenizer = loaded
     tokenizer = copy.deepcopy(tokenizer)

@@ -1,8 +1,8 @@
 """The import direction of docs/design.md ("Layout"), checked by parsing every module's imports with ast.
 
-recipe -> data -> model -> loss -> trainer -> metrics. Leaves (errors, labels, versions, recipe, dist, attention,
-architectures) import nothing from the package but `errors` (recipe: versions); data, model, loss, optim, metrics
-and checkpoint never import each other; only cli imports the trainer, and lazily.
+recipe -> data -> attention -> model -> loss -> objectives -> train -> commands. Leaves (errors, labels, versions,
+dist, templates, batch) import nothing from the package but `errors` (batch: labels); data, loss, metrics and run
+never import each other's internals beyond this table; only cli imports the training loop, and lazily.
 """
 
 import ast
@@ -10,53 +10,28 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "labels", "versions", "recipe", "dist", "attention", "packed_kernels", "architectures", "templates",
-          "kernels"}
-SIBLINGS = {"data", "model", "loss", "optim", "metrics", "checkpoint"}
-# What each module may import from the package (beyond `errors`, which everything may import). A package (recipe,
-# data, metrics) is one module here: its files may import each other.
+LEAVES = {"errors", "labels", "versions", "dist", "templates", "attention"}
+SIBLINGS = {"data", "loss", "metrics"}
+# What each top-level module or package may import from the package (beyond `errors`, which everything may
+# import). A package is one module here: its files may import each other.
 ALLOWED = {
     "errors": set(),
     "labels": set(),  # IGNORE_INDEX, shared by the data pipeline and the loss
     "versions": set(),
-    "recipe": {"versions", "templates"},  # `requires:` is checked by the version rules; chat template names
+    "dist": set(),  # rank and world facts, each rank's device, the few collectives
     "templates": set(),  # the chat templates shipped by name (tokenizer.chat_template: chatml)
-    "dist": set(),
-    "attention": {"packed_kernels"},  # transformers' attention extension point, registered by model
-    "packed_kernels": set(),  # a packed micro-batch's documents, found once, and the kernels that attend within them
-    "data": {"recipe", "labels"},
-    "model": {"architectures", "attention", "kernels", "recipe", "templates", "vocab"},
-    "kernels": {"attention"},  # opt-in: Liger's kernels on the model instance, each decoder layer compiled
-    "vocab": {"recipe"},  # special-token overrides, added tokens, the embedding resized for them
-    "loss": {"labels", "targets"},
-    "targets": {"labels"},  # where a micro-batch's targets are, found on the CPU
-    "optim": {"recipe"},
-    "rundir": {"recipe"},  # the run directory's layout and readers
-    "metrics": {"recipe", "rundir"},
-    "checkpoint": {"dist", "recipe", "rundir"},
-    "architectures": set(),  # per-model_type knowledge: output heads, what is refused, LoRA exclusions
-    "isolation": {"architectures", "attention", "data", "model_with_loss", "packed_kernels"},  # runs packed rows through a model as training collates them
-    "logprobs": {"labels", "loss", "targets"},  # per-token log-probabilities through the fused head (preference objectives)
-    "preference": set(),  # the per-pair DPO/ORPO losses, pure functions
-    "model_with_loss": {"architectures", "attention", "logprobs", "loss", "model", "recipe", "targets"},
-    "objective": {"model_with_loss", "preference", "recipe"},
-    "parallel": {"dist", "model", "recipe"},
-    "reference": {"data", "dist", "model", "model_with_loss", "objective", "recipe"},
-    "trained": {"model", "recipe", "rundir"},
-    "evaluate": {"data", "dist", "isolation", "loss", "model", "model_with_loss", "objective", "recipe", "reference",
-                 "trained"},
-    "step": {"dist", "objective", "parallel"},  # one optimizer step's figures on the device, read once
-    "trainer": {"checkpoint", "data", "dist", "evaluate", "isolation", "kernels", "loss", "metrics", "model",
-                "model_with_loss", "objective", "optim", "parallel", "recipe", "reference", "rundir", "step",
-                "versions"},
+    "recipe": {"versions", "templates"},  # `requires:` is checked by the version rules; chat template names
+    "data": {"recipe", "labels"},  # recipe datasets -> samples -> rows -> micro-batches
+    "attention": set(),  # packed attention: transformers' extension point and the kernels behind it
+    "loss": {"labels"},  # the fused linear cross-entropy, targets, per-token log-probabilities
+    "model": {"attention", "data", "loss", "recipe", "templates"},  # loading, the model with its loss, kernels
+    "objectives": {"data", "dist", "loss", "model", "recipe"},  # the seam, SFT, DPO/ORPO, the reference pass
+    "run": {"dist", "model", "recipe"},  # the run directory, checkpoints, a finished run's model
+    "metrics": {"recipe", "run"},
+    "train": {"data", "dist", "loss", "metrics", "model", "objectives", "recipe", "run", "versions"},
+    "commands": {"data", "dist", "loss", "metrics", "model", "objectives", "recipe", "run", "train"},
     "convert": {"recipe", "templates"},  # `finetune convert axolotl`: a config in, a recipe out
-    "cli": {"checkpoint", "compare", "convert", "data", "evaluate", "generate", "merge", "model", "plot", "recipe", "rundir",
-            "trainer", "verify", "versions", "__init__"},
-    "merge": {"model", "rundir", "trained"},
-    "generate": {"dist", "rundir", "trained"},  # dist: the device (FINETUNE_DEVICE)
-    "plot": {"metrics", "rundir"},
-    "compare": {"recipe", "rundir"},
-    "verify": {"data", "dist", "loss", "model", "model_with_loss", "objective", "recipe", "reference"},
+    "cli": {"commands", "convert", "data", "model", "recipe", "run", "train", "versions", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),
 }
@@ -112,12 +87,12 @@ def test_siblings_never_import_each_other():
             assert not bad, f"{path.name} imports {bad}"
 
 
-def test_only_cli_imports_trainer_and_lazily():
+def test_only_cli_and_commands_import_train_and_lazily():
     for path in PACKAGE.rglob("*.py"):
         for name, top_level in _imports(path):
-            if name == "trainer":
-                assert _top(path) == "cli", f"{path.name} imports the trainer"
-                assert not top_level, "cli must import the trainer inside the command (lazily)"
+            if name == "train" and _top(path) not in ("train", "commands"):
+                assert _top(path) == "cli", f"{path.name} imports the training package"
+                assert not top_level, "cli must import training inside the command (lazily)"
 
 
 def _files(module: str) -> list[Path]:

@@ -16,11 +16,12 @@ import torch
 from conftest import TINY_MODEL_CONFIG, TOKENIZER_DIR
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from finetune import attention, kernels
+from finetune.attention import dispatch as attention
 from finetune.data.collate import collate_packed, collate_padded
 from finetune.errors import UserError
-from finetune.model import load_model, load_tokenizer
-from finetune.model_with_loss import CausalLMWithLoss, model_inputs
+from finetune.model import kernels
+from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.with_loss import CausalLMWithLoss, model_inputs
 from finetune.recipe import AdapterConfig, LossConfig, ModelConfig, Recipe, TokenizerConfig, features
 from finetune.versions import FEATURE_PACKAGES
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetune.labels import IGNORE_INDEX
-from finetune.logprobs import token_logprobs
+from finetune.loss.logprobs import token_logprobs
 
 
 def _inputs(dtype=torch.float64, seed=0, bias=True):

@@ -1,4 +1,4 @@
-"""finetune.loss: the chunked fused linear cross-entropy against the naive reference (and Liger on a GPU)."""
+"""finetune.loss.fused: the chunked fused linear cross-entropy against the naive reference (and Liger on a GPU)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from finetune.errors import UserError
-from finetune.loss import IGNORE_INDEX, IMPLS, linear_cross_entropy, resolve_impl, shift_labels
+from finetune.loss.fused import IGNORE_INDEX, IMPLS, linear_cross_entropy, resolve_impl, shift_labels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -378,10 +378,10 @@ def test_liger_impl_on_cpu_is_a_user_error():
 
 def test_import_is_light():
     code = (
-        "import sys, time; import torch; t = time.perf_counter(); import finetune.loss; "
+        "import sys, time; import torch; t = time.perf_counter(); import finetune.loss.fused; "
         "dt = time.perf_counter() - t; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'liger_kernel', 'triton')"
-        " or (m.startswith('finetune.') and m not in ('finetune.loss', 'finetune.errors', 'finetune.labels'))]; "
+        " or (m.startswith('finetune.') and m not in ('finetune.loss.fused', 'finetune.errors', 'finetune.labels'))]; "
         "assert not bad, bad; assert dt < 0.5, dt"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

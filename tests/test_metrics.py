@@ -34,7 +34,7 @@ from finetune.metrics import (
     window_loss,
 )
 from finetune.recipe import LoggingConfig
-from finetune.rundir import RunDir, read_metrics, total_elapsed
+from finetune.run.directory import RunDir, read_metrics, total_elapsed
 
 # Few rows, so data building and the final eval cost little; no packing, so a step's rows are whole samples.
 OVERRIDES = [*TINY, "train.max_steps=2", "data.packing=false", "datasets.0.max_rows=64",
@@ -69,7 +69,7 @@ def test_logged_step_loss_equals_independent_recomputation(cli_run):
     step's rows through the plain HF forward, and torch's own cross_entropy summed over every target token.
     """
     from finetune.data import StepPlan, build_samples
-    from finetune.model import load_model, load_tokenizer
+    from finetune.model.loading import load_model, load_tokenizer
     from finetune.recipe import load_recipe
 
     out, _ = cli_run

@@ -18,9 +18,9 @@ from model_matrix import TOLERANCE, architectures, evaluate, problems
 from tiny_configs import StubTokenizer, tiny_kwargs
 
 from finetune.errors import UserError
-from finetune.isolation import check_packing_isolation
-from finetune.model import load_model
-from finetune.model_with_loss import CausalLMWithLoss
+from finetune.model.isolation import check_packing_isolation
+from finetune.model.loading import load_model
+from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, ModelConfig
 
 ARCHITECTURES = architectures()
@@ -147,7 +147,7 @@ def test_trainer_refuses_packing_a_stateful_model_even_without_the_check(tmp_pat
 
     from rich.console import Console
 
-    from finetune import trainer
+    from finetune.train import loop as trainer
 
     with pytest.raises(UserError) as info:
         trainer.train(_stateful_recipe(tmp_path, "data.packing_check=false"), console=Console(file=io.StringIO()))
@@ -157,7 +157,7 @@ def test_trainer_refuses_packing_a_stateful_model_even_without_the_check(tmp_pat
 
 
 def test_eval_refuses_packing_a_stateful_model(tmp_path):
-    from finetune.evaluate import run_eval
+    from finetune.train.evaluate import run_eval
 
     with pytest.raises(UserError, match="data.packing: false"):
         run_eval(_stateful_recipe(tmp_path))

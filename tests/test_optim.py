@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from finetune.optim import build_optimizer, build_scheduler, lr_factor
 from finetune.recipe import TrainConfig
+from finetune.train.optim import build_optimizer, build_scheduler, lr_factor
 
 
 def _cfg(**kw) -> TrainConfig:

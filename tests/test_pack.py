@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from finetune import attention
+from finetune.attention import dispatch as attention
 from finetune.data.collate import collate_packed
 from finetune.data.pack import IGNORE_INDEX, PackStats, pack_samples
 from finetune.errors import UserError
-from finetune.isolation import check_packing_isolation, default_tolerance
+from finetune.model.isolation import check_packing_isolation, default_tolerance
 
 VOCAB = 64
 

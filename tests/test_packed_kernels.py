@@ -17,10 +17,11 @@ import torch.nn.functional as F
 import transformers
 from test_pack import VOCAB, packed_batch, tiny_model
 
-from finetune import attention, packed_kernels
+from finetune.attention import dispatch as attention
+from finetune.attention import kernels as packed_kernels
+from finetune.attention.kernels import Documents, packed_kwargs
 from finetune.errors import UserError
-from finetune.isolation import check_packing_isolation, default_tolerance
-from finetune.packed_kernels import Documents, packed_kwargs
+from finetune.model.isolation import check_packing_isolation, default_tolerance
 
 OURS = attention.ATTN_NAME
 attention.register()

@@ -16,12 +16,12 @@ import pytest
 from helpers import QUICKSTART, run_cli
 from rich.console import Console
 
-from finetune.compare import compare_runs
+from finetune.commands.compare import compare_runs
+from finetune.commands.plot import _series, plot_runs
 from finetune.errors import UserError
 from finetune.metrics import INSTALL_HINT, JsonlSink
-from finetune.plot import _series, plot_runs
 from finetune.recipe import load_recipe, to_yaml
-from finetune.rundir import read_metrics
+from finetune.run.directory import read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import QUICKSTART, ROOT, TINY, eval_lines, run_cli, train_lines
 
-from finetune.preference import dpo_losses, orpo_log_odds, orpo_ratio_losses
+from finetune.objectives.pair_losses import dpo_losses, orpo_log_odds, orpo_ratio_losses
 from finetune.recipe import load_recipe
 
 DATA = ROOT / "examples" / "data"
@@ -61,7 +61,7 @@ def test_gradient_accumulation_and_ranks_are_exact(objective, packing):
     """The first step's gradient, split 2 ranks x 2 micro-batches x 3 rows, equals one batch of all its rows
     within verify's float32 tolerance (1e-5 relative); each micro-batch's own mean divided by their number (the
     naive scheme) does not."""
-    from finetune.verify import verify
+    from finetune.commands.verify import verify
 
     recipe = _recipe(f"train.objective={objective}", f"data.packing={packing}", "train.micro_batch_size=3",
                      "train.gradient_accumulation_steps=2", "dpo.loss=sigmoid")
@@ -77,7 +77,7 @@ def test_gradient_accumulation_and_ranks_are_exact(objective, packing):
 
 @pytest.mark.parametrize("loss", ["ipo", "hinge"])
 def test_other_dpo_losses_are_exact_too(loss):
-    from finetune.verify import verify
+    from finetune.commands.verify import verify
 
     recipe = _recipe("train.objective=dpo", f"dpo.loss={loss}", "train.micro_batch_size=2",
                      "train.gradient_accumulation_steps=3")
@@ -141,8 +141,8 @@ def test_a_reference_replaced_at_its_path_is_computed_again(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from finetune.data import build_samples
-    from finetune.model import load_model, load_tokenizer
-    from finetune.reference import attach_reference_logps
+    from finetune.model.loading import load_model, load_tokenizer
+    from finetune.objectives.reference import attach_reference_logps
 
     base = _recipe("train.objective=dpo", f"data.cache_dir={tmp_path / 'cache'}", "datasets.0.max_rows=8",
                    "eval_datasets.0.max_rows=4")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import QUICKSTART, ROOT, TEST_ENV, TINY, final_weights, run_cli, train_lines
 
-from finetune import checkpoint
+from finetune.run import checkpoint
 
 RUN = [*TINY, "train.max_steps=6", "checkpoint.every_steps=3", "checkpoint.keep_last=2"]
 

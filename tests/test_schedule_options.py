@@ -10,10 +10,10 @@ from helpers import QUICKSTART, TINY, eval_lines, final_weights, run_cli, train_
 
 from finetune.data import StepPlan
 from finetune.errors import UserError
-from finetune.model import load_model, load_tokenizer
-from finetune.optim import lr_factor, warmup_steps
+from finetune.model.loading import load_model, load_tokenizer
 from finetune.recipe import TrainConfig, validate
-from finetune.rundir import read_recipe
+from finetune.run.directory import read_recipe
+from finetune.train.optim import lr_factor, warmup_steps
 
 
 @pytest.mark.parametrize(("ratio", "total", "expected"), [(0.1, 100, 10), (0.1, 9, 0), (0.03, 250, 7),

@@ -25,14 +25,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from finetune import dist
 from finetune.data.collate import collate
 from finetune.data.pack import pack_samples
-from finetune.loss import resolve_impl
+from finetune.loss.fused import resolve_impl
 from finetune.metrics import update_ratio, update_sums, weight_sample
-from finetune.model import load_model, load_tokenizer
-from finetune.model_with_loss import CausalLMWithLoss, to_device
-from finetune.objective import SFT
-from finetune.optim import build_optimizer
+from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.with_loss import CausalLMWithLoss, to_device
+from finetune.objectives.base import SFT
 from finetune.recipe import AdapterConfig, DataConfig, LossConfig, ModelConfig, TokenizerConfig, TrainConfig
-from finetune.step import clip_gradients, forward_backward, read_step, step_counts
+from finetune.train.optim import build_optimizer
+from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
 
 # Ops that make the host wait for a GPU (a read, or an output whose shape depends on the values).
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.bincount.default",

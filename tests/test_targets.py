@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from finetune.errors import UserError
-from finetune.logprobs import token_logprobs
-from finetune.loss import IGNORE_INDEX, linear_cross_entropy, shift_labels
-from finetune.model_with_loss import model_inputs, to_device
-from finetune.targets import find_targets
+from finetune.loss.fused import IGNORE_INDEX, linear_cross_entropy, shift_labels
+from finetune.loss.logprobs import token_logprobs
+from finetune.loss.targets import find_targets
+from finetune.model.with_loss import model_inputs, to_device
 
 
 @settings(max_examples=60, deadline=None)

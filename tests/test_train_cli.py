@@ -12,7 +12,7 @@ import yaml
 from helpers import QUICKSTART, TINY, eval_lines, final_weights, rel_diff, run_cli, train_lines
 
 from finetune.dist import default_device
-from finetune.loss import resolve_impl
+from finetune.loss.fused import resolve_impl
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +131,8 @@ def test_bad_override_exits_2_without_traceback():
 def test_verify_gradients_elementwise(packing):
     """`finetune verify`: the configured step's gradient equals the one-batch gradient elementwise (fp32 <= 1e-5)
     and the naive mean-of-means does not, on the same rows (so the check has power), also with 2 ranks."""
+    from finetune.commands.verify import verify
     from finetune.recipe import load_recipe
-    from finetune.verify import verify
 
     recipe = load_recipe(QUICKSTART, [*TINY, f"data.packing={packing}", "train.micro_batch_size=1",
                                       "train.gradient_accumulation_steps=4"])

@@ -10,8 +10,8 @@ from conftest import TINY_MODEL_CONFIG, TOKENIZER_DIR
 
 from finetune import templates
 from finetune.errors import UserError
-from finetune.model import load_model, load_tokenizer, output_layer
-from finetune.model_with_loss import CausalLMWithLoss
+from finetune.model.loading import load_model, load_tokenizer, output_layer
+from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig, validate
 
 BASE_ROWS = 1024  # the example tokenizer's length, and so the tiny model's vocabulary

@@ -140,7 +140,7 @@ def tiny_kwargs(model_type: str, vocab: int = VOCAB) -> dict:
 
 
 class StubTokenizer:
-    """What finetune.model reads from a tokenizer when it builds a random-init model."""
+    """What finetune.model.loading reads from a tokenizer when it builds a random-init model."""
 
     pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
 

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from finetune.errors import first_line
 from finetune.recipe import LoggingConfig, to_yaml
-from finetune.rundir import RunDir, is_eval, number
+from finetune.run.directory import RunDir, is_eval, number
 
 INSTALL_HINT = "pip install 'finetune[tracking]'"
 

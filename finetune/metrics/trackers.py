@@ -14,7 +14,7 @@ from typing import Any
 
 from finetune.metrics.sinks import scalars
 from finetune.recipe import flatten
-from finetune.rundir import RunDir
+from finetune.run.directory import RunDir
 
 
 class TensorBoardSink:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from finetune import attention
+from finetune.attention import dispatch as attention
 from finetune.errors import UserError
 
 # Passed to Liger for every architecture; Liger drops the names an architecture's function does not take.

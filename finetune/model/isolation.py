@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from finetune.architectures import packing_refusal
-from finetune.attention import is_ours, packed_kwargs
+from finetune.attention.dispatch import is_ours, packed_kwargs
+from finetune.attention.kernels import describe
 from finetune.data.collate import collate_packed
 from finetune.errors import UserError
-from finetune.model_with_loss import takes_boundaries
-from finetune.packed_kernels import describe
+from finetune.model.architectures import packing_refusal
+from finetune.model.with_loss import takes_boundaries
 
 __all__ = ["check_packable", "check_packing_isolation", "default_tolerance", "is_ours", "packed_attention"]
 

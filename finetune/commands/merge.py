@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from finetune.errors import UserError
-from finetune.model import DTYPES
-from finetune.rundir import finished_run
-from finetune.trained import has_adapter, load_adapted_model
+from finetune.model.loading import DTYPES
+from finetune.run.directory import finished_run
+from finetune.run.trained import has_adapter, load_adapted_model
 
 
 def merge_run(run_dir: str, out: str | None = None) -> Path:

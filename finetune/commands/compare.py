@@ -16,7 +16,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from finetune.recipe import flatten
-from finetune.rundir import RunDir, RunMetrics, read_metrics, read_recipe_dict, read_versions, total_elapsed
+from finetune.run.directory import (
+    RunDir,
+    RunMetrics,
+    read_metrics,
+    read_recipe_dict,
+    read_versions,
+    total_elapsed,
+)
 
 ABSENT = "[dim](absent)[/dim]"
 # Keys every pair of runs differs in by construction; the table's column headers already name the runs.

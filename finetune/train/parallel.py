@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from finetune.dist import World, is_sharded
-from finetune.model import DTYPES
+from finetune.model.loading import DTYPES
 from finetune.recipe import Recipe
 
 

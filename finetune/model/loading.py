@@ -34,8 +34,10 @@ from typing import Any
 
 import torch
 
-from finetune import architectures, attention, kernels, templates, vocab
+from finetune import templates
+from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
+from finetune.model import architectures, kernels, vocab
 from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

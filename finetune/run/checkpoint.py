@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from finetune import dist
 from finetune.errors import UserError
 from finetune.recipe import Recipe, default_training_keys, recipe_hash, training_keys
-from finetune.rundir import RunDir
+from finetune.run.directory import RunDir
 
 MARKER = "COMPLETE"
 PREFIX = "step-"

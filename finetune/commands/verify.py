@@ -19,12 +19,12 @@ import torch
 
 from finetune.data import build_samples, collate, epoch_rows, rank_micro_batches
 from finetune.dist import default_device
-from finetune.loss import resolve_impl
-from finetune.model import load_model, load_tokenizer
-from finetune.model_with_loss import CausalLMWithLoss
-from finetune.objective import objective_for
+from finetune.loss.fused import resolve_impl
+from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.with_loss import CausalLMWithLoss
+from finetune.objectives.base import objective_for
+from finetune.objectives.reference import attach_reference_logps
 from finetune.recipe import Recipe
-from finetune.reference import attach_reference_logps
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 

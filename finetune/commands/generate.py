@@ -19,8 +19,8 @@ import torch
 
 from finetune.dist import default_device
 from finetune.errors import UserError
-from finetune.rundir import finished_run, is_run
-from finetune.trained import has_adapter, load_trained
+from finetune.run.directory import finished_run, is_run
+from finetune.run.trained import has_adapter, load_trained
 
 
 @dataclass

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError, first_line
-from finetune.model import load_base, load_tokenizer, quiet_peft
+from finetune.model.loading import load_base, load_tokenizer, quiet_peft
 from finetune.recipe import Recipe, TokenizerConfig
-from finetune.rundir import RunDir, finished_run, read_versions
+from finetune.run.directory import RunDir, finished_run, read_versions
 
 
 def load_trained(run_dir: str | Path, recipe: Recipe | None = None) -> tuple[torch.nn.Module, Any]:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from finetune import packed_kernels
-from finetune.packed_kernels import Documents, document_spans, packed_kwargs
+from finetune.attention import kernels as packed_kernels
+from finetune.attention.kernels import Documents, document_spans, packed_kwargs
 
 __all__ = ["ATTN_NAME", "Documents", "document_spans", "is_ours", "packed_kwargs", "register", "serves",
            "sdpa_varlen_attention", "sdpa_varlen_mask"]

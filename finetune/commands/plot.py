@@ -21,7 +21,7 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.metrics import INSTALL_HINT
-from finetune.rundir import RunMetrics, read_metrics, read_recipe_dict
+from finetune.run.directory import RunMetrics, read_metrics, read_recipe_dict
 
 X_AXES = {
     "steps": ("step", "optimizer step"),

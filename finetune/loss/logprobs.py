@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
-from finetune.loss import acc_dtype, compute_dtype, liger_import, mm_f32, resolve_impl, shift_labels
-from finetune.targets import Targets
+from finetune.loss.fused import acc_dtype, compute_dtype, liger_import, mm_f32, resolve_impl, shift_labels
+from finetune.loss.targets import Targets
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from finetune import attention
-from finetune.architectures import head_spec, stateful_layer
-from finetune.logprobs import token_logprobs
-from finetune.loss import linear_cross_entropy
-from finetune.model import output_layer
+from finetune.attention import dispatch as attention
+from finetune.loss.fused import linear_cross_entropy
+from finetune.loss.logprobs import token_logprobs
+from finetune.loss.targets import Targets, find_targets
+from finetune.loss.targets import to_device as to_device_tensor
+from finetune.model.architectures import head_spec, stateful_layer
+from finetune.model.loading import output_layer
 from finetune.recipe import LossConfig
-from finetune.targets import Targets, find_targets
-from finetune.targets import to_device as to_device_tensor
 
 
 class CausalLMWithLoss(torch.nn.Module):

@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from finetune.model_with_loss import model_inputs
-from finetune.preference import dpo_losses, orpo_log_odds, orpo_ratio_losses
+from finetune.model.with_loss import model_inputs
+from finetune.objectives.pair_losses import dpo_losses, orpo_log_odds, orpo_ratio_losses
 from finetune.recipe import Recipe
 
 

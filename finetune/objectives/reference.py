@@ -30,9 +30,9 @@ import torch
 from finetune import dist
 from finetune.data import collate, rank_micro_batches
 from finetune.data.cache import cache_root
-from finetune.model import load_model
-from finetune.model_with_loss import CausalLMWithLoss
-from finetune.objective import pair_logps
+from finetune.model.loading import load_model
+from finetune.model.with_loss import CausalLMWithLoss
+from finetune.objectives.base import pair_logps
 from finetune.recipe import AdapterConfig, Recipe
 
 REFERENCE_VERSION = 2  # bump when what is computed here changes

@@ -19,13 +19,11 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from finetune import checkpoint, dist, kernels, versions
+from finetune import dist, versions
 from finetune.data import DataStats, StepPlan, collate, rank_micro_batches
 from finetune.data.cache import prepare
 from finetune.errors import UserError
-from finetune.evaluate import evaluate_loss
-from finetune.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
-from finetune.loss import resolve_impl
+from finetune.loss.fused import resolve_impl
 from finetune.metrics import (
     MetricsLogger,
     Stopwatch,
@@ -35,14 +33,15 @@ from finetune.metrics import (
     update_ratio,
     weight_sample,
 )
-from finetune.model import count_parameters, load_model, load_tokenizer, save_final
-from finetune.model_with_loss import CausalLMWithLoss, to_device
-from finetune.objective import Objective, objective_for
-from finetune.optim import build_optimizer, build_scheduler
-from finetune.parallel import gather_full_state, wrap_model
+from finetune.model import kernels
+from finetune.model.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
+from finetune.model.loading import count_parameters, load_model, load_tokenizer, save_final
+from finetune.model.with_loss import CausalLMWithLoss, to_device
+from finetune.objectives.base import Objective, objective_for
+from finetune.objectives.reference import attach_reference_logps
 from finetune.recipe import Recipe, features, to_yaml
-from finetune.reference import attach_reference_logps
-from finetune.rundir import (
+from finetune.run import checkpoint
+from finetune.run.directory import (
     RunDir,
     check_disk_room,
     check_output_dir,
@@ -50,7 +49,10 @@ from finetune.rundir import (
     truncate_metrics,
     write_run_header,
 )
-from finetune.step import clip_gradients, forward_backward, read_step, step_counts
+from finetune.train.evaluate import evaluate_loss
+from finetune.train.optim import build_optimizer, build_scheduler
+from finetune.train.parallel import gather_full_state, wrap_model
+from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
 
 
 def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = False,

@@ -14,14 +14,14 @@ import torch
 from finetune import dist
 from finetune.data import build_samples, collate, eval_rows, rank_micro_batches
 from finetune.errors import UserError
-from finetune.isolation import check_packable
-from finetune.loss import resolve_impl
-from finetune.model import load_model, load_tokenizer
-from finetune.model_with_loss import CausalLMWithLoss
-from finetune.objective import Objective, objective_for
+from finetune.loss.fused import resolve_impl
+from finetune.model.isolation import check_packable
+from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.with_loss import CausalLMWithLoss
+from finetune.objectives.base import Objective, objective_for
+from finetune.objectives.reference import attach_reference_logps
 from finetune.recipe import Recipe
-from finetune.reference import attach_reference_logps
-from finetune.trained import load_trained
+from finetune.run.trained import load_trained
 
 
 @dataclass

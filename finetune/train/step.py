@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from finetune import dist
-from finetune.objective import Objective
-from finetune.parallel import gradient_sync
+from finetune.objectives.base import Objective
+from finetune.train.parallel import gradient_sync
 
 
 def step_counts(objective: Objective, micro: list[dict], world: dist.World,

@@ -1,0 +1,1 @@
+"""The commands beside training: verify (the accumulation proof), generate/chat, merge, plot, runs compare."""
