@@ -181,7 +181,7 @@ def _head_words(spec) -> str:
     return ", ".join(words + ([f"logits[:{spec.vocab}]"] if spec.vocab is not None else []))
 
 
-def _packed_batch() -> dict:
+def _packed_batch():
     from finetune.data.collate import collate_packed
 
     g = torch.Generator().manual_seed(7)
@@ -210,7 +210,11 @@ def _check_packing(row: Row, model: torch.nn.Module) -> None:
         row.loss_error = row.loss_error or f"packing: {_short(e)}"
 
 
-def _inputs(batch: dict) -> dict:
+def _inputs(batch) -> dict:
+    """The model call's keywords: a collated MicroBatch's as the trainer passes them (documents found on the CPU),
+    or a hand-built dict's tensors."""
+    if not isinstance(batch, dict):
+        return batch.to("cpu").model_inputs()
     return {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch}
 
 

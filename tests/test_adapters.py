@@ -52,9 +52,9 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _on(model, batch: dict) -> dict:
-    """The batch's tensors on the model's device."""
-    return {k: v.to(_device(model)) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def _on(model, batch):
+    """The micro-batch on the model's device."""
+    return batch.to(_device(model))
 
 
 def _steps(lm, batch, recipe, n: int) -> list[float]:
@@ -65,8 +65,8 @@ def _steps(lm, batch, recipe, n: int) -> list[float]:
     net.train()
     losses = []
     for _ in range(n):
-        loss_sum, count = net(input_ids=batch["input_ids"], labels=batch["labels"],
-                              position_ids=batch.get("position_ids"))
+        loss_sum, count = net(input_ids=batch.input_ids, labels=batch.labels,
+                              position_ids=batch.position_ids)
         (loss_sum / count).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -80,8 +80,8 @@ def _assert_fused_loss_is_the_models(lm, batch) -> None:
     lm.eval()
     with torch.no_grad():
         loss_sum, n = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)(
-            input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
-        own = lm(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
+            input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids)
+        own = lm(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids).loss
     assert abs(float(loss_sum / n) - float(own)) <= 1e-5
 
 
@@ -90,7 +90,7 @@ def _logits(model, batch) -> torch.Tensor:
     batch = _on(model, batch)
     model.eval()
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits.cpu()
+        return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits.cpu()
 
 
 def _base_state(model) -> dict[str, torch.Tensor]:
@@ -347,7 +347,7 @@ def test_qlora_gradients_survive_an_eval_forward(data):
     adapter's gradients afterwards were 0.79 (relative) off. Where the CPU lacks it, this holds trivially."""
     needs("bitsandbytes")
     tokenizer, batch = data
-    batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = batch.to(DEVICE)
     recipe = _recipe("adapter.type=qlora", "adapter.r=8")
     lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, DEVICE)
 
@@ -355,15 +355,15 @@ def test_qlora_gradients_survive_an_eval_forward(data):
         lm.train()
         lm.zero_grad(set_to_none=True)
         net = CausalLMWithLoss(lm, "chunked", 64, 0.0, None)
-        loss_sum, count = net(input_ids=batch["input_ids"], labels=batch["labels"],
-                              position_ids=batch.get("position_ids"))
+        loss_sum, count = net(input_ids=batch.input_ids, labels=batch.labels,
+                              position_ids=batch.position_ids)
         (loss_sum / count).backward()
         return torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None])
 
     before = grads()
     lm.eval()
     with torch.no_grad():
-        lm(input_ids=batch["input_ids"][:1, :8], use_cache=False)
+        lm(input_ids=batch.input_ids[:1, :8], use_cache=False)
     after = grads()
     assert before.numel() > 0 and torch.equal(before, after)
     # load_model itself runs an eval forward (the attention probe): so check the cause too, not only the effect.
@@ -412,7 +412,7 @@ def test_qlora_bf16_adapter_gradients_equal_a_dequantized_fp32_reference(data, d
         model.train()
         b = _on(model, batch)
         loss_sum, count = CausalLMWithLoss(model, impl, 64, 0.0, None)(
-            input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"])
+            input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids)
         (loss_sum / count).backward()
         return {n: p.grad.float().cpu() for n, p in model.named_parameters() if "lora_" in n}
 

@@ -43,8 +43,8 @@ def test_packed_gradients_equal_sdpa(config_cls: type):
     grads = {}
     for impl in ("sdpa", VARLEN):
         model = tiny_model(config_cls, impl).train()
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        labels = batch["labels"][:, 1:].flatten()
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        labels = batch.labels[:, 1:].flatten()
         torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels, ignore_index=-100).backward()
         grads[impl] = torch.cat([p.grad.flatten() for p in model.parameters()])
     diff = (grads["sdpa"] - grads[VARLEN]).norm() / grads["sdpa"].norm()
@@ -97,7 +97,7 @@ def test_sliding_window_within_documents(config_cls: type):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
         with torch.no_grad():
-            logits[impl] = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+            logits[impl] = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                  use_cache=False).logits
     assert (logits["sdpa"] - logits[VARLEN]).abs().max() <= 1e-5
     # The window matters here: without it the per-document results differ.
@@ -105,7 +105,7 @@ def test_sliding_window_within_documents(config_cls: type):
     wide = AutoModelForCausalLM.from_config(config_cls(**{**config.to_dict(), "sliding_window": 64}),
                                             attn_implementation=VARLEN).eval()
     with torch.no_grad():
-        unwindowed = wide(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        unwindowed = wide(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     assert (unwindowed - logits[VARLEN]).abs().max() > 1e-3
 
 
@@ -156,7 +156,7 @@ DEVICES = [
 
 def _packed_logits(model: torch.nn.Module, batch: dict, device: str) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+        return model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
                      use_cache=False).logits.float()
 
 

@@ -233,25 +233,27 @@ def test_no_target_tokens_is_an_error(tmp_path, tokenizer):
 def test_collate_padded_right_pads_with_ignored_labels():
     samples = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [-100]}]
     batch = collate_padded(samples, pad_token_id=0)
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["seq_tokens"] == 4 and batch["padded_tokens"] == 6
+    assert batch.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch.labels.tolist() == [[-100, 6, 7], [-100, -100, -100]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch.seq_tokens == 4 and batch.padded_tokens == 6
 
 
 def test_collate_padded_to_a_multiple():
     samples = [{"input_ids": list(range(1, 6)), "labels": list(range(1, 6))}, {"input_ids": [1], "labels": [1]}]
     batch = collate_padded(samples, pad_token_id=0, pad_to_multiple_of=4)
-    assert batch["input_ids"].shape == (2, 8)
-    assert batch["seq_tokens"] == 6 and batch["padded_tokens"] == 16
-    assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
-    assert batch["input_ids"].dtype == torch.long
+    assert batch.input_ids.shape == (2, 8)
+    assert batch.seq_tokens == 6 and batch.padded_tokens == 16
+    assert (batch.labels[batch.attention_mask == 0] == IGNORE_INDEX).all()
+    assert batch.input_ids.dtype == torch.long
 
 
 def test_collate_dispatches_on_packing():
     samples = [{"input_ids": [5, 6], "labels": [-100, 6]}]
     padded = collate(samples, DataConfig(packing=False), pad_token_id=0)
-    assert "attention_mask" in padded
+    assert padded.attention_mask is not None and not padded.packed
+    packed = collate([{**samples[0], "position_ids": [0, 1]}], DataConfig(packing=True), pad_token_id=0)
+    assert packed.attention_mask is None and packed.packed
 
 
 # --- steps and ranks -------------------------------------------------------------------------------------
@@ -284,7 +286,7 @@ def test_short_last_step_gives_a_filler_with_no_targets():
     filler = rank1[1]
     assert all(lab == IGNORE_INDEX for row in filler for lab in row["labels"])
     batch = collate_padded(filler, pad_token_id=0)
-    assert int((batch["labels"] != IGNORE_INDEX).sum()) == 0
+    assert int((batch.labels != IGNORE_INDEX).sum()) == 0
 
 
 def test_one_row_on_two_ranks():

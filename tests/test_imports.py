@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "labels", "versions", "dist", "templates", "attention"}
+LEAVES = {"errors", "labels", "versions", "dist", "templates", "batch", "attention"}
 SIBLINGS = {"data", "loss", "metrics"}
 # What each top-level module or package may import from the package (beyond `errors`, which everything may
 # import). A package is one module here: its files may import each other.
@@ -21,15 +21,17 @@ ALLOWED = {
     "dist": set(),  # rank and world facts, each rank's device, the few collectives
     "templates": set(),  # the chat templates shipped by name (tokenizer.chat_template: chatml)
     "recipe": {"versions", "templates"},  # `requires:` is checked by the version rules; chat template names
-    "data": {"recipe", "labels"},  # recipe datasets -> samples -> rows -> micro-batches
-    "attention": set(),  # packed attention: transformers' extension point and the kernels behind it
-    "loss": {"labels"},  # the fused linear cross-entropy, targets, per-token log-probabilities
-    "model": {"attention", "data", "loss", "recipe", "templates"},  # loading, the model with its loss, kernels
-    "objectives": {"data", "dist", "loss", "model", "recipe"},  # the seam, SFT, DPO/ORPO, the reference pass
+    "batch": {"labels"},  # the micro-batch: what collate makes and the objectives and the model read
+    "data": {"recipe", "labels", "batch"},  # recipe datasets -> samples -> rows -> micro-batches
+    "attention": {"batch"},  # packed attention: transformers' extension point and the kernels behind it
+    "loss": {"labels", "batch"},  # the fused linear cross-entropy, per-token log-probabilities
+    "model": {"attention", "batch", "data", "loss", "recipe", "templates"},  # loading, the model with its loss
+    "objectives": {"batch", "data", "dist", "loss", "model", "recipe"},  # the seam, SFT, DPO/ORPO, the reference
     "run": {"dist", "model", "recipe"},  # the run directory, checkpoints, a finished run's model
     "metrics": {"recipe", "run"},
-    "train": {"data", "dist", "loss", "metrics", "model", "objectives", "recipe", "run", "versions"},
-    "commands": {"data", "dist", "loss", "metrics", "model", "objectives", "recipe", "run", "train"},
+    "train": {"attention", "batch", "data", "dist", "loss", "metrics", "model", "objectives", "recipe", "run",
+              "versions"},
+    "commands": {"batch", "data", "dist", "loss", "metrics", "model", "objectives", "recipe", "run", "train"},
     "convert": {"recipe", "templates"},  # `finetune convert axolotl`: a config in, a recipe out
     "cli": {"commands", "convert", "data", "model", "recipe", "run", "train", "versions", "__init__"},
     "__main__": {"cli"},

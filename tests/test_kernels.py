@@ -21,7 +21,7 @@ from finetune.data.collate import collate_packed, collate_padded
 from finetune.errors import UserError
 from finetune.model import kernels
 from finetune.model.loading import load_model, load_tokenizer
-from finetune.model.with_loss import CausalLMWithLoss, model_inputs
+from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, LossConfig, ModelConfig, Recipe, TokenizerConfig, features
 from finetune.versions import FEATURE_PACKAGES
 
@@ -132,7 +132,7 @@ def _model(tokenizer, **model_keys) -> torch.nn.Module:
     return lm
 
 
-def _packed_batch(tokenizer, rows: list[list[int]], width: int | None = None) -> dict:
+def _packed_batch(tokenizer, rows: list[list[int]], width: int | None = None):
     """Packed rows of documents of these lengths (random ids, every token but a document's first trained)."""
     gen = torch.Generator().manual_seed(sum(map(sum, rows)))
     packed = []
@@ -142,15 +142,15 @@ def _packed_batch(tokenizer, rows: list[list[int]], width: int | None = None) ->
         labels = [-100 if p == 0 else t for p, t in zip(positions, ids)]
         packed.append({"input_ids": ids, "labels": labels, "position_ids": positions})
     batch = collate_packed(packed, tokenizer.pad_token_id)
-    assert width is None or batch["input_ids"].shape[1] == width
+    assert width is None or batch.input_ids.shape[1] == width
     return batch
 
 
-def _step(lm: torch.nn.Module, batch: dict, device: torch.device = CPU) -> tuple[float, torch.Tensor]:
+def _step(lm: torch.nn.Module, batch, device: torch.device = CPU) -> tuple[float, torch.Tensor]:
     """One micro-batch's summed loss and the gradients of every parameter, as training computes them."""
     net = CausalLMWithLoss.for_recipe(lm, LossConfig(), "chunked" if device.type == "cpu" else "torch")
     lm.zero_grad(set_to_none=True)
-    loss_sum, _ = net(**model_inputs(batch, device))
+    loss_sum, _ = net(**batch.to(device).model_inputs())
     loss_sum.backward()
     return loss_sum.item(), torch.cat([p.grad.flatten().float() for p in lm.parameters() if p.grad is not None])
 

@@ -206,26 +206,26 @@ def test_collate_packed_pads_as_an_isolated_document():
     lengths = sorted(len(r["input_ids"]) for r in rows)
     assert lengths == [12, 23]  # BFD: [11, 9, 3] and [7, 5]
     batch = collate_packed(rows, pad_token_id=-1)
-    assert set(batch) == {"input_ids", "labels", "position_ids", "seq_tokens", "padded_tokens"}  # no mask
-    assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (2, 23)
-    assert all(batch[k].dtype == torch.long for k in ("input_ids", "labels", "position_ids"))
-    assert batch["seq_tokens"] == 35 and batch["padded_tokens"] == 46
+    assert batch.packed and batch.attention_mask is None  # documents are told apart by position_ids, not a mask
+    assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (2, 23)
+    assert all(t.dtype == torch.long for t in (batch.input_ids, batch.labels, batch.position_ids))
+    assert batch.seq_tokens == 35 and batch.padded_tokens == 46
     short = min(range(2), key=lambda i: len(rows[i]["input_ids"]))
-    assert batch["input_ids"][short, 12:].tolist() == [-1] * 11
-    assert batch["labels"][short, 12:].tolist() == [IGNORE_INDEX] * 11
-    assert batch["position_ids"][short].tolist() == rows[short]["position_ids"] + list(range(11))
+    assert batch.input_ids[short, 12:].tolist() == [-1] * 11
+    assert batch.labels[short, 12:].tolist() == [IGNORE_INDEX] * 11
+    assert batch.position_ids[short].tolist() == rows[short]["position_ids"] + list(range(11))
     # The padding's restart at 0 is what ends the last real document.
-    assert batch["position_ids"][short, 12].item() == 0
+    assert batch.position_ids[short, 12].item() == 0
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
-        assert batch["input_ids"][i, :n].tolist() == row["input_ids"]
-        assert batch["labels"][i, :n].tolist() == row["labels"]
+        assert batch.input_ids[i, :n].tolist() == row["input_ids"]
+        assert batch.labels[i, :n].tolist() == row["labels"]
 
 
 def test_collate_packed_full_rows_have_no_padding():
     rows = [{"input_ids": [1, 2], "labels": [-100, 2], "position_ids": [0, 1], "doc_lengths": [2]}] * 3
     batch = collate_packed(rows, pad_token_id=0)
-    assert batch["input_ids"].shape == (3, 2) and batch["seq_tokens"] == batch["padded_tokens"] == 6
+    assert batch.input_ids.shape == (3, 2) and batch.seq_tokens == batch.padded_tokens == 6
     with pytest.raises(ValueError):
         collate_packed([], pad_token_id=0)
 
@@ -268,7 +268,7 @@ def packed_batch() -> tuple[list[dict], dict, list[tuple[int, int, list[int], li
         samples.append({"input_ids": ids, "labels": ids})
     rows, _ = pack_samples(samples, 23, seed=0)
     batch = collate_packed(rows, pad_token_id=0)
-    assert batch["padded_tokens"] > batch["seq_tokens"]  # the short row really is padded
+    assert batch.padded_tokens > batch.seq_tokens  # the short row really is padded
     spans = []  # (row, start, input_ids, original labels)
     for r, row in enumerate(rows):
         start = 0
@@ -282,7 +282,7 @@ def packed_batch() -> tuple[list[dict], dict, list[tuple[int, int, list[int], li
 def packed_vs_alone(model: torch.nn.Module, **kwargs) -> float:
     _, batch, spans = packed_batch()
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **kwargs).logits
+        packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **kwargs).logits
         error = 0.0
         for r, start, ids, _ in spans:
             alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
@@ -318,9 +318,9 @@ def test_packed_loss_equals_unpacked_loss(config_cls: type, impl: str):
     _, batch, spans = packed_batch()
     with torch.no_grad():
         logits = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
         ).logits
-        labels = batch["labels"][:, 1:]
+        labels = batch.labels[:, 1:]
         packed_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), reduction="sum")
         packed_count = int((labels != IGNORE_INDEX).sum())
         alone_sum, alone_count = 0.0, 0

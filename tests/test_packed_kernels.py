@@ -1,8 +1,9 @@
-"""finetune/packed_kernels.py: a packed micro-batch's documents found once on the CPU, and the kernels that attend
-within them (torch's varlen_attn and flex_attention on CUDA, sdpa per document on a CPU).
+"""finetune/attention/kernels.py and the Documents of finetune/batch.py: a packed micro-batch's documents found once
+on the CPU, and the kernels that attend within them (torch's varlen_attn and flex_attention on CUDA, sdpa per
+document on a CPU), chosen by the run's setting that the Documents carry.
 
-On a CPU: the boundaries passed as transformers' `cu_seq_lens_*` keywords give the same logits and gradients as
-the boundaries read from position_ids in every layer (fp32), and are the ones used; the varlen wrapper (layouts,
+On a CPU: the documents passed with the model call give the same logits and gradients as the boundaries read
+from position_ids in every layer (fp32), and are the ones used; the varlen wrapper (layouts,
 grouped-query heads, windows, both signatures of torch's varlen_attn) is run against a kernel of the same contract
 made of sdpa; flex_attention's forward (torch runs it uncompiled on a CPU, without backward) checks the document
 BlockMask and isolation. On CUDA (`gpu`): varlen_attn and flex_attention against transformers' sdpa with its
@@ -17,9 +18,10 @@ import torch.nn.functional as F
 import transformers
 from test_pack import VOCAB, packed_batch, tiny_model
 
+from finetune import batch as batch_module
 from finetune.attention import dispatch as attention
 from finetune.attention import kernels as packed_kernels
-from finetune.attention.kernels import Documents, packed_kwargs
+from finetune.batch import DOCUMENTS_KWARG, Documents, document_spans
 from finetune.errors import UserError
 from finetune.model.isolation import check_packing_isolation, default_tolerance
 
@@ -27,23 +29,23 @@ OURS = attention.ATTN_NAME
 attention.register()
 
 
-def test_packed_kwargs_are_the_documents_of_the_position_ids():
+def test_documents_of_the_position_ids_and_their_model_kwargs():
     pos = torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]])
-    kwargs = packed_kwargs(pos)
-    cu = kwargs["cu_seq_lens_q"]
-    assert cu is kwargs["cu_seq_lens_k"] and cu.dtype == torch.int32
-    assert cu.tolist() == [0, 3, 4, 6, 12]  # over the flattened rows: row 1 starts at 6
+    docs = Documents.of(pos)
+    assert docs.spans == document_spans(pos, 2) == [[(0, 3), (3, 4), (4, 6)], [(0, 6)]]
+    assert docs.cu_seqlens.dtype == torch.int32 and docs.cu_seqlens.tolist() == [0, 3, 4, 6, 12]  # flattened rows
+    kwargs = docs.model_kwargs("flex")
+    assert kwargs["cu_seq_lens_q"] is kwargs["cu_seq_lens_k"] is docs.cu_seqlens
     assert kwargs["max_length_q"] == kwargs["max_length_k"] == 6
-    docs = Documents.of(cu, 2, 6)
-    assert docs is not None and docs.spans == attention.document_spans(pos, 2) == [[(0, 3), (3, 4), (4, 6)], [(0, 6)]]
-    # Only the tensor packed_kwargs made, for rows of its shape: anything else reads position_ids instead.
-    assert Documents.of(cu.clone(), 2, 6) is None and Documents.of(cu, 1, 12) is None and Documents.of(None, 2, 6) is None
+    # The run's setting travels with the documents; the micro-batch's own Documents are left as they were.
+    assert kwargs[DOCUMENTS_KWARG].kernel == "flex" and docs.kernel == "auto"
+    assert kwargs[DOCUMENTS_KWARG].spans is docs.spans
 
 
-def _forward_backward(model: torch.nn.Module, batch: dict, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_backward(model: torch.nn.Module, batch, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **kwargs).logits
-    labels = batch["labels"][:, 1:].flatten()
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **kwargs).logits
+    labels = batch.labels[:, 1:].flatten()
     F.cross_entropy(logits[:, :-1].flatten(0, 1), labels, ignore_index=-100).backward()
     return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -55,23 +57,25 @@ def test_boundaries_passed_once_equal_boundaries_read_per_layer(config_cls: type
     _, batch, _ = packed_batch()
     model = tiny_model(config_cls, OURS).train()
     read_logits, read_grads = _forward_backward(model, batch)
+    kwargs = Documents.of(batch.position_ids).model_kwargs()
     calls = []
     monkeypatch.setattr(attention, "document_spans", lambda *a: calls.append(a) or [])  # ours: never called now
-    kw_logits, kw_grads = _forward_backward(model, batch, **packed_kwargs(batch["position_ids"]))
+    monkeypatch.setattr(batch_module, "document_spans", lambda *a: calls.append(a) or [])
+    kw_logits, kw_grads = _forward_backward(model, batch, **kwargs)
     assert calls == []
     assert (kw_logits - read_logits).abs().max() <= 1e-5
     assert (kw_grads - read_grads).norm() <= 1e-5 * read_grads.norm()
 
 
 def test_boundaries_from_another_source_are_ignored():
-    # A cu_seq_lens tensor packed_kwargs did not make (another library's) is not trusted: position_ids decide.
+    # cu_seq_lens without our Documents (another library's) are not trusted: position_ids decide.
     _, batch, _ = packed_batch()
     model = tiny_model(transformers.LlamaConfig, OURS)
-    b, length = batch["input_ids"].shape
+    b, length = batch.input_ids.shape
     foreign = torch.tensor([0, b * length], dtype=torch.int32)  # "one document": would leak if it were used
     with torch.no_grad():
-        a = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        c = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+        a = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        c = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
                   cu_seq_lens_q=foreign, cu_seq_lens_k=foreign, max_length_q=b * length,
                   max_length_k=b * length).logits
     assert torch.equal(a, c)
@@ -105,8 +109,8 @@ def _legacy_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=
                              window_size=(-1, 0) if is_causal else (-1, -1))
 
 
-def _qkv(batch: dict, heads: int = 4, kv_heads: int = 2, dim: int = 8):
-    b, length = batch["input_ids"].shape
+def _qkv(batch, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    b, length = batch.input_ids.shape
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(b, length, heads, dim, generator=gen).transpose(1, 2)  # transformers' layout: a transposed view
     k, v = (torch.randn(b, length, kv_heads, dim, generator=gen).transpose(1, 2) for _ in range(2))
@@ -124,10 +128,9 @@ def test_varlen_wrapper_equals_sdpa_per_document(kernel, window):
         pytest.skip("that signature has no window: kernel_for keeps sdpa per document there")
     _, batch, _ = packed_batch()
     q, k, v = _qkv(batch)
-    docs = Documents.of(packed_kwargs(batch["position_ids"])["cu_seq_lens_q"], *batch["input_ids"].shape)
-    assert docs is not None
+    docs = Documents.of(batch.position_ids)
     want, _ = attention.sdpa_varlen_attention(_Module(), q, k, v, None, scaling=0.3,
-                                              position_ids=batch["position_ids"], sliding_window=window)
+                                              position_ids=batch.position_ids, sliding_window=window)
     got = packed_kernels.varlen(q, k, v, docs, 0.3, window, kernel=kernel)
     assert got.shape == want.shape == (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     assert (got - want).abs().max() <= 1e-6
@@ -136,22 +139,28 @@ def test_varlen_wrapper_equals_sdpa_per_document(kernel, window):
 def test_kernel_choice_and_its_switch(monkeypatch):
     _, batch, _ = packed_batch()
     q, _, _ = _qkv(batch)
-    docs = Documents.of(packed_kwargs(batch["position_ids"])["cu_seq_lens_q"], *batch["input_ids"].shape)
+    docs = Documents.of(batch.position_ids)
     monkeypatch.delenv(packed_kernels.KERNEL_ENV, raising=False)
     assert packed_kernels.kernel_for(q, 0.0, None, docs) == "sdpa"  # a CPU: sdpa per document
     assert "CUDA only" in packed_kernels.varlen_problem(torch.device("cpu"), torch.bfloat16, 64)
     assert "bfloat16" in packed_kernels.varlen_problem(torch.device("cuda"), torch.float32, 64)
-    assert packed_kernels.describe(torch.device("cpu"), torch.float32, 64) == "sdpa per document"
-    monkeypatch.setenv(packed_kernels.KERNEL_ENV, "flex")
-    assert packed_kernels.kernel_for(q, 0.0, None, docs) == "flex"
+    kernel, why = packed_kernels.describe(torch.device("cpu"), torch.float32, 64)
+    assert kernel == "sdpa per document" and "CUDA only" in why
+    flex = Documents.of(batch.position_ids)
+    flex.kernel = "flex"
+    assert packed_kernels.kernel_for(q, 0.0, None, flex) == "flex"
     with pytest.raises(UserError, match="dropout"):
-        packed_kernels.kernel_for(q, 0.1, None, docs)
-    monkeypatch.setenv(packed_kernels.KERNEL_ENV, "varlen")
+        packed_kernels.kernel_for(q, 0.1, None, flex)
+    flex.kernel = "varlen"
     with pytest.raises(UserError, match="CUDA only"):
-        packed_kernels.kernel_for(q, 0.0, None, docs)
+        packed_kernels.kernel_for(q, 0.0, None, flex)
+    # The setting: the recipe's, unless the environment overrides it (read once per run, by the model with loss).
+    assert packed_kernels.setting("flex") == "flex"
+    monkeypatch.setenv(packed_kernels.KERNEL_ENV, "sdpa")
+    assert packed_kernels.setting("flex") == "sdpa"
     monkeypatch.setenv(packed_kernels.KERNEL_ENV, "fast")
     with pytest.raises(UserError, match="auto, varlen, flex, sdpa"):
-        packed_kernels.kernel_for(q, 0.0, None, docs)
+        packed_kernels.setting()
 
 
 # --- flex_attention: forward on a CPU -------------------------------------------------------------------------
@@ -159,8 +168,8 @@ def test_kernel_choice_and_its_switch(monkeypatch):
 @pytest.mark.parametrize("window", [None, 4])
 def test_flex_block_mask_is_causal_within_each_document(window):
     _, batch, _ = packed_batch()
-    b, length = batch["input_ids"].shape
-    docs = Documents.of(packed_kwargs(batch["position_ids"])["cu_seq_lens_q"], b, length)
+    b, length = batch.input_ids.shape
+    docs = Documents.of(batch.position_ids)
     mask = packed_kernels.block_mask(docs, torch.device("cpu"), window)
     assert packed_kernels.block_mask(docs, torch.device("cpu"), window) is mask  # one per micro-batch, shared
     dense = mask.to_dense()  # which blocks are computed: every allowed score must be in one
@@ -176,32 +185,30 @@ def test_flex_block_mask_is_causal_within_each_document(window):
         assert dense[row, 0, q_blocks, k_blocks].all()
     q, k, v = _qkv(batch)
     want, _ = attention.sdpa_varlen_attention(_Module(), q, k, v, None, scaling=0.3,
-                                              position_ids=batch["position_ids"], sliding_window=window)
+                                              position_ids=batch.position_ids, sliding_window=window)
     got = packed_kernels.flex(q, k, v, docs, 0.3, window)
     assert (got - want).abs().max() <= 1e-5
 
 
 def test_flex_keeps_documents_apart_in_a_model(monkeypatch):
-    """The whole model with FINETUNE_PACKED_ATTENTION=flex, forward on a CPU: the same logits as sdpa per document
+    """The whole model with model.packed_attention flex, forward on a CPU: the same logits as sdpa per document
     (fp32) and the start-of-run isolation check finds no leak."""
     _, batch, _ = packed_batch()
     model = tiny_model(transformers.LlamaConfig, OURS)
-    kwargs = packed_kwargs(batch["position_ids"])
+    docs = Documents.of(batch.position_ids)
     with torch.no_grad():
-        want = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                     **kwargs).logits
-        monkeypatch.setenv(packed_kernels.KERNEL_ENV, "flex")
-        got = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                    **kwargs).logits
+        want = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                     **docs.model_kwargs("sdpa")).logits
+        got = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                    **docs.model_kwargs("flex")).logits
     assert (got - want).abs().max() <= 1e-5
-    assert check_packing_isolation(model, VOCAB) <= default_tolerance(torch.float32)
+    assert check_packing_isolation(model, VOCAB, kernel="flex") <= default_tolerance(torch.float32)
 
 
 # --- CUDA --------------------------------------------------------------------------------------------------------
 
-def _gpu_forward_backward(model: torch.nn.Module, batch: dict, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    cuda = {k: batch[k].cuda() for k in ("input_ids", "position_ids", "labels")}
-    return _forward_backward(model, cuda, **kwargs)
+def _gpu_forward_backward(model: torch.nn.Module, batch, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_backward(model, batch.to("cuda"), **kwargs)
 
 
 @pytest.mark.gpu
@@ -213,7 +220,6 @@ def test_cuda_kernels_equal_sdpa_with_a_block_mask(kernel: str, config_cls: type
     sdpa behind its block-diagonal mask to bf16 precision, and the isolation check passes."""
     if kernel == "varlen" and packed_kernels.varlen_problem(torch.device("cuda"), torch.bfloat16, 8):
         pytest.skip(packed_kernels.varlen_problem(torch.device("cuda"), torch.bfloat16, 8))
-    monkeypatch.setenv(packed_kernels.KERNEL_ENV, kernel)
     _, batch, _ = packed_batch()
     config = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)  # head_dim 16: flash attention's multiple of 8
@@ -222,9 +228,9 @@ def test_cuda_kernels_equal_sdpa_with_a_block_mask(kernel: str, config_cls: type
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl,
                                                               dtype=torch.bfloat16).cuda().train()
-        kwargs = packed_kwargs(batch["position_ids"], "cuda") if impl == OURS else {}
+        kwargs = Documents.of(batch.position_ids, "cuda").model_kwargs(kernel) if impl == OURS else {}
         results[impl] = _gpu_forward_backward(model, batch, **kwargs)
     (ref_logits, ref_grads), (logits, grads) = results["sdpa"], results[OURS]
     assert (logits.float() - ref_logits.float()).abs().max() <= 1e-2 * ref_logits.float().abs().max()
     assert (grads.float() - ref_grads.float()).norm() <= 2e-2 * ref_grads.float().norm()
-    assert check_packing_isolation(model, VOCAB) <= default_tolerance(torch.bfloat16)
+    assert check_packing_isolation(model, VOCAB, kernel=kernel) <= default_tolerance(torch.bfloat16)

@@ -28,8 +28,8 @@ from finetune.data.pack import pack_samples
 from finetune.loss.fused import resolve_impl
 from finetune.metrics import update_ratio, update_sums, weight_sample
 from finetune.model.loading import load_model, load_tokenizer
-from finetune.model.with_loss import CausalLMWithLoss, to_device
-from finetune.objectives.base import SFT
+from finetune.model.with_loss import CausalLMWithLoss
+from finetune.objectives.sft import SFT
 from finetune.recipe import AdapterConfig, DataConfig, LossConfig, ModelConfig, TokenizerConfig, TrainConfig
 from finetune.train.optim import build_optimizer
 from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
@@ -78,7 +78,7 @@ def _steps(device: torch.device, n_steps: int, accumulation: int, around_step,
     params = [p for p in net.parameters() if p.requires_grad]
     world, objective, late, losses = dist.World(), SFT(), [], []
     for i in range(n_steps):
-        micro = [to_device(b, device) for b in micro_batches[i * accumulation:(i + 1) * accumulation]]
+        micro = [b.to(device) for b in micro_batches[i * accumulation:(i + 1) * accumulation]]
         counts, _, _ = step_counts(objective, micro, world, device)
         with around_step(i):
             sums = forward_backward(net, objective, micro, counts, world, device)

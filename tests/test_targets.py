@@ -1,7 +1,7 @@
-"""finetune/targets.py: a micro-batch's target positions and id range found on the CPU, so the fused loss and the
-per-token log-probabilities need no host sync. With them the results are the same numbers, bit for bit, as
-when the loss finds the targets itself; bad ids are still refused; and model_inputs prepares a micro-batch ahead
-(finetune/model_with_loss.to_device) with the same tensors."""
+"""finetune/batch.py's Targets: a micro-batch's target positions and id range found on the CPU, so the fused loss
+and the per-token log-probabilities need no host sync. With them the results are the same numbers, bit for bit,
+as when the loss finds the targets itself; bad ids are still refused; and MicroBatch.to prepares a micro-batch
+ahead with the same tensors."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from finetune.batch import find_targets
 from finetune.errors import UserError
 from finetune.loss.fused import IGNORE_INDEX, linear_cross_entropy, shift_labels
 from finetune.loss.logprobs import token_logprobs
-from finetune.loss.targets import find_targets
-from finetune.model.with_loss import model_inputs, to_device
 
 
 @settings(max_examples=60, deadline=None)
@@ -81,13 +80,15 @@ def test_a_batch_prepared_ahead_is_the_same_batch():
     rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, 6, 7, -100, 9], "position_ids": [0, 1, 2, 0, 1]},
             {"input_ids": [3, 4], "labels": [-100, 4], "position_ids": [0, 1]}]
     batch = collate_packed(rows, pad_token_id=0)
-    batch["targets"] = 4
-    ready = to_device(batch, torch.device("cpu"))
-    assert to_device(ready, torch.device("cpu")) is ready  # prepared once
-    assert ready["targets"] == 4 and ready["seq_tokens"] == batch["seq_tokens"]  # the host counts stay
-    inputs, again = model_inputs(ready, torch.device("cpu")), model_inputs(batch, torch.device("cpu"))
-    assert set(inputs) == set(again) == {"input_ids", "labels", "position_ids", "targets", "packed"}
+    assert batch.targets == 4 and batch.device is None
+    ready = batch.to("cpu")
+    assert ready.to(torch.device("cpu")) is ready  # prepared once
+    assert ready.targets == 4 and ready.seq_tokens == batch.seq_tokens  # the host counts stay
+    inputs = ready.model_inputs()
+    assert set(inputs) == {"input_ids", "labels", "position_ids", "targets", "documents"}
     for key in ("input_ids", "labels", "position_ids"):
-        assert torch.equal(inputs[key], batch[key]) and torch.equal(again[key], batch[key])
-    assert torch.equal(inputs["targets"].index, again["targets"].index)
-    assert inputs["packed"]["cu_seq_lens_q"].tolist() == [0, 3, 5, 7, 10]  # the padding is one more document
+        assert torch.equal(inputs[key], getattr(batch, key))
+    assert torch.equal(inputs["targets"].index, find_targets(batch.labels).index)
+    assert inputs["documents"].cu_seqlens.tolist() == [0, 3, 5, 7, 10]  # the padding is one more document
+    with pytest.raises(AssertionError, match="to\\(device\\)"):
+        batch.model_inputs()

@@ -7,11 +7,12 @@ every masked score). Attending within each document costs the sum of the squared
 less than the padded batch's rows x longest-sample squared, so packing keeps its padding saving.
 
 How: `register()` adds ATTN_NAME to transformers' AttentionInterface and AttentionMaskInterface, the library's
-extension points for custom attention (nothing of transformers is replaced). The document boundaries come, once
-per micro-batch, from `packed_kwargs`: `cu_seq_lens_q/k` and `max_length_q/k`, transformers' own names for
-precomputed variable-length boundaries, built on the CPU from the collated position_ids and passed to the model
-call, which hands them to every attention layer (finetune/packed_kernels.py runs them: torch's varlen_attn or
-flex_attention on CUDA, sdpa per document on a CPU). Without them (a caller that passes only position_ids, the
+extension points for custom attention (nothing of transformers is replaced). The documents come, once per
+micro-batch, from the micro-batch itself (finetune/batch.py, `Documents`: found on the CPU from the collated
+position_ids): the model call passes them with transformers' own names for precomputed variable-length boundaries
+(`cu_seq_lens_q/k`, `max_length_q/k`) and as the Documents object, which transformers hands every attention layer
+(kernels.py runs them: torch's varlen_attn or flex_attention on CUDA, sdpa per document on a CPU, as the run's
+setting in Documents.kernel says). Without them (a caller that passes only position_ids, the
 start-up probe) the boundaries are read from `position_ids` in each call: a document starts wherever a position
 does not follow the previous one (the rule of transformers' own `find_packed_sequence_indices`). Isolation is
 structural either way: a document's queries only ever see its own keys, with the cache on or off. Batches with a
@@ -27,10 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from finetune.attention import kernels as packed_kernels
-from finetune.attention.kernels import Documents, document_spans, packed_kwargs
+from finetune.batch import DOCUMENTS_KWARG, Documents, document_spans
 
-__all__ = ["ATTN_NAME", "Documents", "document_spans", "is_ours", "packed_kwargs", "register", "serves",
-           "sdpa_varlen_attention", "sdpa_varlen_mask"]
+__all__ = ["ATTN_NAME", "is_ours", "register", "serves", "sdpa_varlen_attention", "sdpa_varlen_mask"]
 
 # The name a model's config carries in `attn_implementation` when our function computes its attention.
 ATTN_NAME = "finetune_sdpa_varlen"
@@ -46,7 +46,7 @@ def register() -> None:
 
 
 def is_ours(model: torch.nn.Module) -> bool:
-    """Whether the model's attention is ours, the one attention implementation given packed_kwargs (the others
+    """Whether the model's attention is ours, the one attention implementation given the Documents (the others
     find the documents themselves, and some models refuse keywords they do not know)."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME
 
@@ -128,7 +128,9 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"{ATTN_NAME} does not support {unsupported}; set model.attn_implementation: eager")
-    docs = Documents.of(kwargs.get("cu_seq_lens_q"), batch, q_length)
+    docs = kwargs.get(DOCUMENTS_KWARG)
+    if not isinstance(docs, Documents) or (docs.batch, docs.length) != (batch, q_length):
+        docs = None
     if docs is not None:
         kernel = packed_kernels.kernel_for(query, dropout, sliding_window, docs)
         if kernel == "varlen":

@@ -1,20 +1,16 @@
-"""The documents of a packed micro-batch, found once on the CPU, and the kernels that attend within them.
+"""The kernels that attend within each packed document, and the run's choice among them.
 
-A packed micro-batch's documents are known on the host before it reaches the model (the collated position_ids
-restart at 0 for each). `packed_kwargs` turns them into `cu_seq_lens_q/k` and `max_length_q/k`, the keyword
-arguments transformers forwards to every attention call for precomputed variable-length boundaries, and keeps
-the host-side facts of the same micro-batch (`Documents`: each row's spans, the longest document, a flex
-BlockMask once one is built) for the attention function to find from the tensor it is handed. So no attention
-layer reads a device tensor back (no host sync per layer) and no layer repeats the work.
-
-The kernels (finetune/attention.py picks one per call with `kernel_for`):
+A packed micro-batch's documents are found once on the CPU (finetune/batch.py, `Documents`) and reach every
+attention call through the model call, so no attention layer reads a device tensor back and none repeats the work.
+The kernels (dispatch.py picks one per call with `kernel_for`, under the run's setting carried by the Documents):
 - `varlen`: torch.nn.attention.varlen.varlen_attn (flash attention over the flattened rows with cu_seqlens;
   CUDA, bf16/fp16): the default for packed rows on CUDA;
 - `flex`: flex_attention with one document BlockMask per micro-batch (compiled on CUDA; forward only on a CPU);
 - `sdpa`: torch's sdpa one document at a time, a Python loop over the host spans: the CPU's fastest (measured,
   README "Packing") and the fallback wherever the others do not apply (fp32 on CUDA, attention dropout, a
   sliding window this torch's varlen_attn cannot express).
-FINETUNE_PACKED_ATTENTION=auto|varlen|flex|sdpa overrides the choice (benchmarks, or a kernel that misbehaves).
+The setting is model.packed_attention (auto|varlen|flex|sdpa); FINETUNE_PACKED_ATTENTION overrides it, read once
+per run (`setting`).
 """
 
 from __future__ import annotations
@@ -22,103 +18,43 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from finetune.batch import Documents
 from finetune.errors import UserError
 
 KERNEL_ENV = "FINETUNE_PACKED_ATTENTION"
 KERNELS = ("auto", "varlen", "flex", "sdpa")
 
 
-def document_spans(position_ids: torch.Tensor, batch_size: int) -> list[list[tuple[int, int]]]:
-    """[(start, end), ...] of the documents of each row: a document starts where a position does not follow
-    the previous one (0 after 57, or 0 after 0). A host sync when position_ids are on a GPU."""
-    position_ids = position_ids.expand(batch_size, -1)
-    length = position_ids.shape[1]
-    restarts = (position_ids[:, 1:] != position_ids[:, :-1] + 1).nonzero().tolist()
-    starts: list[list[int]] = [[0] for _ in range(batch_size)]
-    for row, col in restarts:
-        starts[row].append(col + 1)
-    return [list(zip(s, [*s[1:], length])) for s in starts]
-
-
-@dataclass(eq=False)
-class Documents:
-    """One packed micro-batch's documents: each row's (start, end) spans on the host, and `cu_seqlens`, their
-    cumulative lengths over the flattened rows (int32 [documents + 1], on the model's device)."""
-
-    spans: list[list[tuple[int, int]]]
-    cu_seqlens: torch.Tensor
-    max_length: int
-    batch: int
-    length: int
-    block_masks: dict[Any, Any] = field(default_factory=dict)  # (device, window) -> flex BlockMask, built once
-
-    @staticmethod
-    def of(cu_seqlens: Any, batch: int, length: int) -> Documents | None:
-        """The Documents that packed_kwargs made with this very tensor, for rows of this shape; else None (the
-        caller then reads the documents from position_ids)."""
-        entry = _MADE.get(id(cu_seqlens)) if isinstance(cu_seqlens, torch.Tensor) else None
-        if entry is None or entry[0]() is not cu_seqlens:
-            return None
-        docs = entry[1]
-        return docs if (docs.batch, docs.length) == (batch, length) else None
-
-
-# id(cu_seqlens) -> (a weak reference to it, its Documents); an entry goes when its tensor does.
-_MADE: dict[int, tuple[weakref.ref, Documents]] = {}
-
-
-def packed_kwargs(position_ids: torch.Tensor, device: torch.device | str | None = None) -> dict[str, Any]:
-    """The model-call keyword arguments of packed rows with these position_ids (on the CPU: no host sync),
-    [b, S] or [S]: cu_seq_lens_q/k on `device` (copied without blocking from pinned memory on CUDA) and
-    max_length_q/k as ints, over the b x S flattened tokens (a row's padding is one more document)."""
-    pos = position_ids if position_ids.ndim == 2 else position_ids[None]
-    batch, length = pos.shape
-    spans = document_spans(pos.cpu(), batch)
-    lengths = torch.tensor([end - start for row in spans for start, end in row], dtype=torch.int32)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    torch.cumsum(lengths, 0, out=cu[1:])
-    target = torch.device(device) if device is not None else torch.device("cpu")
-    if target.type == "cuda":
-        cu = cu.pin_memory().to(target, non_blocking=True)
-    elif target.type != "cpu":
-        cu = cu.to(target)
-    longest = int(lengths.max())
-    docs = Documents(spans, cu, longest, batch, length)
-    key, made = id(cu), _MADE  # the dict itself, not the module global (gone at interpreter exit)
-    made[key] = (weakref.ref(cu, lambda _: made.pop(key, None)), docs)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
-
-
 # --- which kernel -----------------------------------------------------------------------------------------------
 
-def setting() -> str:
-    """FINETUNE_PACKED_ATTENTION, lower-cased; unset or empty is auto."""
-    value = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
+def setting(recipe_value: str = "auto") -> str:
+    """The run's packed-attention setting: FINETUNE_PACKED_ATTENTION when set (an override for benchmarks, or a
+    kernel that misbehaves), else the recipe's model.packed_attention. Read once per run, when the model is wrapped
+    with its loss; the attention reads it from each micro-batch's Documents."""
+    value = os.environ.get(KERNEL_ENV, "").strip().lower() or recipe_value
     if value not in KERNELS:
         raise UserError(f"{KERNEL_ENV}={os.environ[KERNEL_ENV]!r}: choose one of {', '.join(KERNELS)}")
     return value
 
 
 def kernel_for(query: torch.Tensor, dropout: float, sliding_window: int | None, docs: Documents) -> str:
-    """varlen, flex or sdpa (one document at a time) for this attention call: FINETUNE_PACKED_ATTENTION, or under
-    auto varlen where it applies (varlen_problem) and sdpa elsewhere."""
-    choice = setting()
+    """varlen, flex or sdpa (one document at a time) for this attention call: the run's setting (docs.kernel), or
+    under auto varlen where it applies (varlen_problem) and sdpa elsewhere."""
+    choice = docs.kernel
     if choice == "sdpa":
         return "sdpa"
     if choice != "auto" and dropout:
-        raise UserError(f"{KERNEL_ENV}={choice}: the kernel has no attention dropout and this model trains with "
-                        f"{dropout}; unset {KERNEL_ENV}")
+        raise UserError(f"packed attention {choice}: the kernel has no attention dropout and this model trains with "
+                        f"{dropout}; set model.packed_attention: auto")
     if choice == "flex":
         return "flex"
     problem = varlen_problem(query.device, query.dtype, query.shape[-1], sliding_window, docs.max_length)
     if choice == "varlen" and problem:
-        raise UserError(f"{KERNEL_ENV}=varlen: {problem}; unset {KERNEL_ENV}")
+        raise UserError(f"packed attention varlen: {problem}; set model.packed_attention: auto")
     return "sdpa" if problem or dropout else "varlen"
 
 
@@ -139,12 +75,18 @@ def varlen_problem(device: torch.device, dtype: torch.dtype, head_dim: int, slid
     return None
 
 
-def describe(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """What packed rows of a model on this device and dtype run by default, for the run log."""
-    choice = setting()
-    if choice == "auto":
-        choice = "sdpa" if varlen_problem(device, dtype, head_dim) else "varlen"
-    return {"varlen": "varlen_attn", "flex": "flex_attention + BlockMask", "sdpa": "sdpa per document"}[choice]
+KERNEL_NAMES = {"varlen": "varlen_attn", "flex": "flex_attention + BlockMask", "sdpa": "sdpa per document"}
+
+
+def describe(device: torch.device, dtype: torch.dtype, head_dim: int, choice: str = "auto") -> tuple[str, str]:
+    """(the kernel packed rows of a model on this device and dtype run under the setting `choice`, why), for the
+    run log and the run directory's record."""
+    if choice != "auto":
+        return KERNEL_NAMES[choice], f"model.packed_attention {choice} (or {KERNEL_ENV})"
+    problem = varlen_problem(device, dtype, head_dim)
+    if problem:
+        return KERNEL_NAMES["sdpa"], f"auto: {problem}"
+    return KERNEL_NAMES["varlen"], f"auto: {device.type}, {str(dtype).replace('torch.', '')}, head_dim {head_dim}"
 
 
 # --- the kernels ------------------------------------------------------------------------------------------------

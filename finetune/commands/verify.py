@@ -17,14 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from finetune.data import build_samples, collate, epoch_rows, rank_micro_batches
-from finetune.dist import default_device
-from finetune.loss.fused import resolve_impl
-from finetune.model.loading import load_model, load_tokenizer
-from finetune.model.with_loss import CausalLMWithLoss
-from finetune.objectives.base import objective_for
-from finetune.objectives.reference import attach_reference_logps
+from finetune import dist
+from finetune.batch import MicroBatch
+from finetune.data import collate, epoch_rows, rank_micro_batches
+from finetune.objectives import Objective
 from finetune.recipe import Recipe
+from finetune.train.parts import load_parts
+from finetune.train.step import forward_backward, step_counts
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
@@ -57,42 +56,29 @@ class VerifyResult:
 def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | None = None) -> VerifyResult:
     """Gradients of the first optimizer step: configured vs reference vs naive (one process, W simulated)."""
     torch.manual_seed(recipe.seed)
-    device = default_device()
-    tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
-    samples, _, _, _ = build_samples(recipe, tokenizer)
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device,
-                    trainable=recipe.train.trainable_parameters).to(device)
-    # Dropout would make the three passes differ for reasons unrelated to accumulation.
-    lm.eval()
-    impl = resolve_impl(recipe.loss.impl, device)
-    if recipe.train.objective == "dpo":
-        attach_reference_logps(recipe, {"train": samples}, lm, tokenizer, impl, device, samples_key=None,
-                               fresh_model=True, say=lambda message: None)
-    net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl)
-    objective = objective_for(recipe)
+    device = dist.default_device()
+    parts = load_parts(recipe, dist.from_env(), device, lambda message: None, splits=("train",))
+    lm, net, objective = parts.lm, parts.net, parts.objective
+    lm.eval()  # dropout would make the three passes differ for reasons unrelated to accumulation
     t = recipe.train
-    step_rows = epoch_rows(samples, recipe.data, recipe.seed, 0)[: t.micro_batch_size * t.gradient_accumulation_steps
-                                                                  * world_size]
-    pad = tokenizer.pad_token_id
-
-    configured = [collate(rows, recipe.data, pad) for rank in range(world_size)
-                  for rows in rank_micro_batches(step_rows, t.micro_batch_size, world_size, rank)]
+    step_rows = epoch_rows(parts.train, recipe.data, recipe.seed, 0)[
+        : t.micro_batch_size * t.gradient_accumulation_steps * world_size]
+    pad = parts.tokenizer.pad_token_id
+    ranks = [[collate(rows, recipe.data, pad) for rows in
+              rank_micro_batches(step_rows, t.micro_batch_size, world_size, rank, recipe.data.group_by_length)]
+             for rank in range(world_size)]
     size = reference_micro_batch or len(step_rows)
     reference = [collate(step_rows[i: i + size], recipe.data, pad) for i in range(0, len(step_rows), size)]
-    totals = {u: sum(objective.counts(b)[u] for b in configured) for u in objective.units}
+    configured = [batch for rank in ranks for batch in rank]
+    totals = step_counts(objective, configured, dist.World(), device)[0]
 
-    def gradients(batches: list[dict], naive: bool) -> dict[str, torch.Tensor]:
-        lm.zero_grad(set_to_none=True)
-        for batch in batches:
-            terms = objective.forward(net, batch, device).terms
-            # naive: each micro-batch's own mean, divided by the number of micro-batches (what many trainers do)
-            counts = {u: objective.counts(batch)[u] * len(batches) for u in terms} if naive else totals
-            sum(terms[u] / max(counts[u], 1) for u in objective.units).backward()
-        return {name: p.grad.detach().clone() for name, p in lm.named_parameters() if p.grad is not None}
-
-    ref = gradients(reference, naive=False)
-    got = gradients(configured, naive=False)
-    naive = gradients(configured, naive=True)
+    ref = _gradients(lm, lambda: _backward(net, objective, reference, device, naive=False))
+    # The trainer's own step, rank by rank: each backpropagates its micro-batches over the step's counts (one
+    # process: no DDP average to undo), so the ranks' gradients add up as DDP's all-reduce would.
+    got = _gradients(lm, lambda: [forward_backward(net, objective, rank, totals, dist.World(), device)
+                                  for rank in ranks])
+    naive = _gradients(lm, lambda: _backward(net, objective, configured, device, naive=True))
+    lm.eval()  # forward_backward switches the model to training mode
     groups: dict[str, tuple[float, float]] = defaultdict(lambda: (0.0, 0.0))
     for name, g_ref in ref.items():
         scale = g_ref.abs().max().clamp_min(1e-30)
@@ -103,6 +89,24 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     dtype = next(lm.parameters()).dtype
     return VerifyResult(dict(groups), TOLERANCE.get(dtype, 1e-5), len(step_rows), len(configured),
                         totals[objective.units[0]], objective.units[0])
+
+
+def _gradients(lm: torch.nn.Module, backward: object) -> dict[str, torch.Tensor]:
+    """The gradients `backward()` leaves on the trainable parameters, starting from none."""
+    lm.zero_grad(set_to_none=True)
+    backward()
+    return {name: p.grad.detach().clone() for name, p in lm.named_parameters() if p.grad is not None}
+
+
+def _backward(net: torch.nn.Module, objective: Objective, batches: list[MicroBatch], device: torch.device,
+              naive: bool) -> None:
+    """verify's own passes: the one-batch reference (each batch over the counts of all of them) and the naive
+    scheme (each micro-batch's own mean, divided by the number of micro-batches: what many trainers do)."""
+    totals = {u: sum(objective.counts(b)[u] for b in batches) for u in objective.units}
+    for batch in batches:
+        terms = objective.forward(net, batch, device).terms
+        counts = {u: objective.counts(batch)[u] * len(batches) for u in terms} if naive else totals
+        sum(terms[u] / max(counts[u], 1) for u in objective.units).backward()
 
 
 def _group_of(name: str) -> str:

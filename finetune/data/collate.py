@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
+from finetune.batch import MicroBatch, PairFields
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
 
-def collate_padded(samples: Sequence[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict:
+def collate_padded(samples: Sequence[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> MicroBatch:
     """Right-pad samples to the longest in the micro-batch (rounded up to `pad_to_multiple_of`).
 
     Padding carries label -100 and attention_mask 0, so it changes neither the loss nor the gradient.
@@ -26,19 +27,18 @@ def collate_padded(samples: Sequence[dict], pad_token_id: int, pad_to_multiple_o
         ids[i, :n] = torch.tensor(sample["input_ids"], dtype=torch.long)
         labels[i, :n] = torch.tensor(sample["labels"], dtype=torch.long)
         mask[i, :n] = 1
-    seq_tokens = int(mask.sum())
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask,
-            "seq_tokens": seq_tokens, "padded_tokens": ids.numel()}
+    return MicroBatch(ids, labels, targets=_targets(labels), seq_tokens=int(mask.sum()), padded_tokens=ids.numel(),
+                      attention_mask=mask)
 
 
-def collate_packed(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor | int]:
+def collate_packed(rows: Sequence[dict], pad_token_id: int) -> MicroBatch:
     """Stack packed rows into [b, L] tensors, L = the longest row of this micro-batch.
 
     Shorter rows are padded at the end with ``pad_token_id``, labels -100 and position_ids 0..p-1, so
     the padding is one more isolated "document" (its restart at 0 ends the last real document). No
     attention_mask is returned on purpose: passing one would turn off transformers' packed-sequence
     detection. The model must be called with ``use_cache=False``.
-    Also returns ``seq_tokens`` (real tokens) and ``padded_tokens`` (b * L) as ints.
+    Its counts: ``seq_tokens`` (real tokens) and ``padded_tokens`` (b * L).
     """
     if not rows:
         raise ValueError("collate_packed needs at least one row")
@@ -54,21 +54,23 @@ def collate_packed(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.T
         input_ids.append(list(r["input_ids"]) + [pad_token_id] * p)
         labels.append(list(r["labels"]) + [IGNORE_INDEX] * p)
         position_ids.append(list(r["position_ids"]) + list(range(p)))
-    return {
-        "input_ids": torch.tensor(input_ids, dtype=torch.long),
-        "labels": torch.tensor(labels, dtype=torch.long),
-        "position_ids": torch.tensor(position_ids, dtype=torch.long),
-        "seq_tokens": seq_tokens,
-        "padded_tokens": len(rows) * width,
-    }
+    label_tensor = torch.tensor(labels, dtype=torch.long)
+    return MicroBatch(torch.tensor(input_ids, dtype=torch.long), label_tensor, targets=_targets(label_tensor),
+                      seq_tokens=seq_tokens, padded_tokens=len(rows) * width,
+                      position_ids=torch.tensor(position_ids, dtype=torch.long))
 
 
-def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
-    """Tensors for one micro-batch: packed rows (no attention mask, position ids per document) or padded.
+def _targets(labels: torch.Tensor) -> int:
+    """Tokens that carry a loss after the shift (position t scores label t + 1)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> MicroBatch:
+    """One micro-batch: packed rows (no attention mask, position ids per document) or padded.
 
     `targets` counts the tokens that carry a loss after the shift (what N_step sums). A filler micro-batch (see
     rank_micro_batches) is computed, so its tokens count as padded tokens, but it is no data: its seq_tokens are 0.
-    Preference pairs also get their documents numbered (`doc_index`, chosen 2i, rejected 2i+1; see pair_fields).
+    Preference pairs also get their documents numbered (`pairs.doc_index`, chosen 2i, rejected 2i+1; pair_fields).
     """
     filler = bool(rows and rows[0].get("filler"))
     pairs = bool(rows) and ("pairs" in rows[0] or "docs" in rows[0])
@@ -76,11 +78,11 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> dict:
         rows = [doc for sample in rows for doc in split_pair(sample)]  # a pair is two padded rows
     batch = collate_packed(rows, pad_token_id) if data.packing else collate_padded(
         rows, pad_token_id, data.pad_to_multiple_of)
-    batch["targets"] = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    batch.filler = filler
     if filler:
-        batch["seq_tokens"] = 0
+        batch.seq_tokens = 0
     if pairs:
-        batch.update(pair_fields(rows, batch["labels"], data.packing, filler))
+        batch.pairs = pair_fields(rows, batch.labels, data.packing, filler)
     return batch
 
 
@@ -93,10 +95,9 @@ def split_pair(sample: dict) -> list[dict]:
     return [{**chosen, "filler": sample.get("filler")}, {**rejected, "filler": sample.get("filler")}]
 
 
-def pair_fields(rows: Sequence[dict], labels: torch.Tensor, packed: bool, filler: bool) -> dict:
-    """doc_index [b, L] (each position's document in the micro-batch, -1 for padding; pair i's chosen document
-    is 2i, its rejected 2i+1), pairs (how many), chosen_tokens (targets in chosen documents, after the shift) and
-    ref_logps [pairs, 2] (the reference's log-probabilities, zeros until they are computed)."""
+def pair_fields(rows: Sequence[dict], labels: torch.Tensor, packed: bool, filler: bool) -> PairFields:
+    """The pairs of a preference micro-batch: each position's document, how many pairs, the chosen documents'
+    target tokens and the reference's log-probabilities (zeros until they are computed)."""
     doc_index = torch.full(labels.shape, -1, dtype=torch.long)
     lengths = [r["doc_lengths"] for r in rows] if packed else [[len(r["input_ids"])] for r in rows]
     doc = 0
@@ -110,6 +111,5 @@ def pair_fields(rows: Sequence[dict], labels: torch.Tensor, packed: bool, filler
     scored = torch.zeros_like(labels, dtype=torch.bool)
     scored[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position t scores label t + 1
     chosen = scored & (doc_index >= 0) & (doc_index % 2 == 0)
-    return {"doc_index": doc_index, "pairs": doc // 2, "chosen_tokens": int(chosen.sum()),
-            "ref_logps": torch.tensor([ref if ref is not None else (0.0, 0.0) for ref in refs],
-                                      dtype=torch.float64).reshape(-1, 2)}
+    ref_logps = torch.tensor([ref if ref is not None else (0.0, 0.0) for ref in refs], dtype=torch.float64)
+    return PairFields(doc_index, doc // 2, int(chosen.sum()), ref_logps.reshape(-1, 2))

@@ -1,3 +1,3 @@
 """The loss: the fused linear cross-entropy that never builds the full logits (fused.py: Liger, chunked torch,
-naive reference), where a micro-batch's targets are (targets.py), and per-token log-probabilities through the
+naive reference), and per-token log-probabilities through the
 same head (logprobs.py)."""

@@ -35,7 +35,7 @@ from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:  # only a type here: the loss module stays light to import
-    from finetune.loss.targets import Targets
+    from finetune.batch import Targets
 
 IMPLS = ("auto", "liger", "chunked", "torch")
 

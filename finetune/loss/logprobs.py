@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from finetune.batch import Targets
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 from finetune.loss.fused import acc_dtype, compute_dtype, liger_import, mm_f32, resolve_impl, shift_labels
-from finetune.loss.targets import Targets
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

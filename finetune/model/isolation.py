@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from finetune.attention.dispatch import is_ours, packed_kwargs
+from finetune.attention.dispatch import is_ours
 from finetune.attention.kernels import describe
+from finetune.batch import Documents
 from finetune.data.collate import collate_packed
 from finetune.errors import UserError
 from finetune.model.architectures import packing_refusal
@@ -68,13 +69,14 @@ def default_tolerance(dtype: torch.dtype, device: torch.device | None = None) ->
     return 1e-5
 
 
-def packed_attention(model: torch.nn.Module, device: torch.device) -> str:
-    """The kernel our attention runs packed rows of this model with on `device` (for the run log)."""
+def packed_attention(model: torch.nn.Module, device: torch.device, kernel: str = "auto") -> tuple[str, str]:
+    """(the kernel our attention runs packed rows of this model with on `device` under the run's setting `kernel`,
+    why), for the run log and the run directory's record."""
     _, dtype = _input_device_dtype(model)
     # From the attention modules, not the config: some configs (Gemma 4) vary head_dim by layer and refuse a
     # global read. The largest decides, as each call checks its own.
     dims = [m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)]
-    return describe(device, dtype, max(dims, default=64))
+    return describe(device, dtype, max(dims, default=64), kernel)
 
 
 def _input_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -96,17 +98,14 @@ def _input_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dty
     return device or torch.device("cpu"), dtype
 
 
-def _packed_logits(model: torch.nn.Module, rows: list[dict], device: torch.device) -> torch.Tensor:
+def _packed_logits(model: torch.nn.Module, rows: list[dict], device: torch.device, kernel: str) -> torch.Tensor:
     # Exactly how packed micro-batches are run in training: collate_packed's padding, keyword args
     # (works for PEFT wrappers too), the documents' boundaries found on the CPU (our attention's kernel for the
     # device: varlen_attn, flex_attention or sdpa per document), no attention_mask, no cache.
     batch = collate_packed(rows, pad_token_id=_PAD_ID)
-    out = model(
-        input_ids=batch["input_ids"].to(device),
-        position_ids=batch["position_ids"].to(device),
-        use_cache=False,
-        **(packed_kwargs(batch["position_ids"], device) if takes_boundaries(model) else {}),
-    )
+    documents = Documents.of(batch.position_ids, device).model_kwargs(kernel) if takes_boundaries(model) else {}
+    out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device), use_cache=False,
+                **documents)
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits.float()
 
@@ -117,7 +116,7 @@ def _row(*docs: list[int]) -> dict:
 
 
 def check_packing_isolation(
-    model: torch.nn.Module, vocab_size: int, *, tolerance: float | None = None
+    model: torch.nn.Module, vocab_size: int, *, tolerance: float | None = None, kernel: str = "auto"
 ) -> float:
     """Return the max abs change of a packed document's logits caused by its neighbours.
 
@@ -126,7 +125,7 @@ def check_packing_isolation(
     not change: row 0 catches attention across documents, row 1 attention across batch rows. Runs on
     the model's own device and dtype, under no_grad in eval mode (every module's training flag is
     restored afterwards). Raises :class:`UserError` when the change exceeds ``tolerance`` (default:
-    :func:`default_tolerance` of the model's dtype).
+    :func:`default_tolerance` of the model's dtype). `kernel`: the run's packed-attention setting.
     """
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2 to build two different documents, got {vocab_size}")
@@ -153,8 +152,8 @@ def check_packing_isolation(
     model.eval()
     try:
         with torch.no_grad():
-            first = _packed_logits(model, [_row(a, b), _row(b)], device)
-            second = _packed_logits(model, [_row(a2, b), _row(b)], device)
+            first = _packed_logits(model, [_row(a, b), _row(b)], device, kernel)
+            second = _packed_logits(model, [_row(a2, b), _row(b)], device, kernel)
     finally:
         for m, was_training in modes:
             m.training = was_training

@@ -32,7 +32,7 @@ from finetune.data import collate, rank_micro_batches
 from finetune.data.cache import cache_root
 from finetune.model.loading import load_model
 from finetune.model.with_loss import CausalLMWithLoss
-from finetune.objectives.base import pair_logps
+from finetune.objectives.pairs import pair_logps
 from finetune.recipe import AdapterConfig, Recipe
 
 REFERENCE_VERSION = 2  # bump when what is computed here changes
@@ -100,7 +100,7 @@ def _compute(net: CausalLMWithLoss, samples: list[dict], recipe: Recipe, pad_id:
         for rows in rank_micro_batches(tagged, micro, world.size, world.rank):
             batch = collate(rows, data, pad_id)
             p = pair_logps(net, batch, device)
-            if batch["pairs"]:
+            if batch.pairs.count:
                 index = torch.tensor([r["index"] for r in rows], device=device)
                 out[index] = torch.stack([p.chosen, p.rejected], dim=1).double()
     net.train(training)

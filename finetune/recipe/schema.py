@@ -34,12 +34,19 @@ class ModelConfig(Section):
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """auto: packed rows attend within each document only (no [S, S] mask, so a packed row costs attention
     within its documents only; the documents found once per micro-batch on the CPU): torch's varlen_attn on CUDA
-    in bfloat16/float16, sdpa one document at a time elsewhere (environment FINETUNE_PACKED_ATTENTION=varlen|
-    flex|sdpa overrides), transformers' sdpa for padded batches and
+    in bfloat16/float16, sdpa one document at a time elsewhere (model.packed_attention chooses), transformers' sdpa
+    for padded batches and
     generation; eager for architectures without sdpa support (e.g. Gemma2); sdpa for those whose attention gets
     no position_ids or builds its own mask (e.g. GPTBigCode, Llama4, Doge). sdpa: transformers' sdpa, packed rows
     isolated by a block-diagonal mask over the whole row. eager: the same mask in plain torch ops.
     flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
+    packed_attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
+    """The kernel that attends within each packed document under attn_implementation auto. auto: torch's varlen_attn
+    on CUDA in bfloat16/float16 with a head size up to 256, else sdpa one document at a time; varlen: always
+    varlen_attn (an error where it cannot run); flex: flex_attention with one document mask per micro-batch
+    (compiled on CUDA; forward only on a CPU); sdpa: one document at a time. The environment variable
+    FINETUNE_PACKED_ATTENTION overrides it (read once per run). The kernel that ran, and why, is in the run log and in
+    versions.json ("run")."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     liger_kernels: bool = False

@@ -6,22 +6,20 @@ whatever the micro-batch size, the number of ranks and whether packing is on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from finetune import dist
-from finetune.data import build_samples, collate, eval_rows, rank_micro_batches
+from finetune.data import collate, eval_rows, rank_micro_batches
 from finetune.errors import UserError
-from finetune.loss.fused import resolve_impl
 from finetune.model.isolation import check_packable
-from finetune.model.loading import load_model, load_tokenizer
-from finetune.model.with_loss import CausalLMWithLoss
-from finetune.objectives.base import Objective, objective_for
-from finetune.objectives.reference import attach_reference_logps
+from finetune.objectives import Objective
 from finetune.recipe import Recipe
-from finetune.run.trained import load_trained
+from finetune.train.parts import load_parts
 
 
 @dataclass
@@ -69,24 +67,17 @@ def run_eval(recipe: Recipe, run_dir: Path | None = None) -> EvalResult:
     recipe's eval data, in one process."""
     world = dist.from_env()
     with dist.process_group(world) as device:
-        if run_dir is not None:
-            lm, tokenizer = load_trained(run_dir, recipe)
-        else:
-            tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
-            lm = None
-        _, eval_samples, _, _ = build_samples(recipe, tokenizer)
-        if not eval_samples:
+        parts = load_parts(recipe, world, device, lambda message: None, trained_run=run_dir,
+                           fresh_model=run_dir is None, splits=("eval",), check_model=_check_packable(recipe))
+        if not parts.evals:
             raise UserError("the recipe has no eval data: set eval_datasets or data.val_fraction")
-        if lm is None:
-            lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device)
+        micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
+        return evaluate_loss(parts.objective, parts.net, parts.evals, recipe, micro, parts.tokenizer.pad_token_id,
+                             world, device)
+
+
+def _check_packable(recipe: Recipe) -> Callable[[torch.nn.Module, Any], None]:
+    def check(lm: torch.nn.Module, tokenizer: Any) -> None:
         if recipe.data.packing:
             check_packable(lm, tokenizer.pad_token_id)
-        lm = lm.to(device)
-        impl = resolve_impl(recipe.loss.impl, device)
-        if recipe.train.objective == "dpo":  # a trained run's reference is its initial model (or base), reloaded
-            attach_reference_logps(recipe, {"eval": eval_samples}, lm, tokenizer, impl, device, samples_key=None,
-                                   fresh_model=run_dir is None, say=lambda message: None)
-        net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl)
-        micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
-        return evaluate_loss(objective_for(recipe), net, eval_samples, recipe, micro, tokenizer.pad_token_id,
-                             world, device)
+    return check

@@ -6,7 +6,7 @@ micro-batches first, the step's counts (target tokens for SFT) are all-reduced b
 each micro-batch backpropagates its summed loss over those counts (times the world size, because DDP/FSDP
 average gradients over ranks). The logged loss is the step's summed loss over its counts: exactly the quantity
 whose gradient is applied. What a micro-batch's loss and counts are is the objective's business
-(finetune/objective.py); the mechanics here are the same for every objective.
+(finetune/objectives/); the mechanics here are the same for every objective.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 from rich.console import Console
 
 from finetune import dist, versions
-from finetune.data import DataStats, StepPlan, collate, rank_micro_batches
-from finetune.data.cache import prepare
+from finetune.attention.kernels import setting
+from finetune.batch import MicroBatch
+from finetune.data import StepPlan, collate, rank_micro_batches
 from finetune.errors import UserError
 from finetune.loss.fused import resolve_impl
 from finetune.metrics import (
@@ -33,12 +34,10 @@ from finetune.metrics import (
     update_ratio,
     weight_sample,
 )
-from finetune.model import kernels
+from finetune.model import kernels as model_kernels
 from finetune.model.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
-from finetune.model.loading import count_parameters, load_model, load_tokenizer, save_final
-from finetune.model.with_loss import CausalLMWithLoss, to_device
-from finetune.objectives.base import Objective, objective_for
-from finetune.objectives.reference import attach_reference_logps
+from finetune.model.loading import count_parameters, save_final
+from finetune.objectives import Objective
 from finetune.recipe import Recipe, features, to_yaml
 from finetune.run import checkpoint
 from finetune.run.directory import (
@@ -52,6 +51,7 @@ from finetune.run.directory import (
 from finetune.train.evaluate import evaluate_loss
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import gather_full_state, wrap_model
+from finetune.train.parts import Parts, load_parts
 from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
 
 
@@ -129,33 +129,29 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     torch.manual_seed(recipe.seed)
     if recipe.model.trust_remote_code:  # said before the tokenizer and the model load, i.e. before that code runs
         console.print("[yellow]model.trust_remote_code is on: running code shipped with the model[/yellow]")
-    tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
-    # Under torchrun rank 0 tokenizes and writes the cache while the others wait, then they read it.
-    with dist.main_first(world, "rank 0 to preprocess the data"):
-        prepared = prepare(recipe, tokenizer)
-    console.print(prepared.note, markup=False, highlight=False)  # reused the preprocessed-data cache, or wrote it
-    _report_data(console, prepared.train_stats, len(prepared.evals))
-    plan = StepPlan(prepared.train, recipe, world.size)
+    compiled: list[int] = []
+    parts = load_parts(recipe, world, device, lambda m: console.print(m, markup=False, highlight=False),
+                       fresh_model=resume_from is None,
+                       check_model=lambda lm, tokenizer: compiled.append(_check_model(recipe, lm, tokenizer, console)))
+    plan = StepPlan(parts.train, recipe, world.size)
     checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
-
-    lm, n_params = _load_model(recipe, tokenizer, world, device, console, impl, plan,
-                               checkpointing=checkpoint_every is not None)
-    if recipe.train.objective == "dpo":  # before wrapping: every rank runs the whole model for its share
-        attach_reference_logps(recipe, {"train": prepared.train, "eval": prepared.evals}, lm, tokenizer, impl,
-                               device, samples_key=prepared.samples_key, fresh_model=resume_from is None,
-                               say=console.print)
-    net = wrap_model(CausalLMWithLoss.for_recipe(lm, recipe.loss, impl), recipe, world, device)
+    lm = parts.lm
+    if world.is_main:
+        check_disk_room(Path(recipe.output_dir), lm, checkpointing=checkpoint_every is not None)
+    n_params, kernels_used = _report_model(recipe, parts, world, plan, compiled[0], console)
+    net = wrap_model(parts.net, recipe, world, device)
     optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
     scheduler = build_scheduler(optimizer, plan.total, recipe.train)
     start = Progress()
     if resume_from is not None:
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
-        checkpoint.check_resume_recipe(recipe, state, plan.global_batch, prepared.samples_key)
+        checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key)
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
         console.print(f"resumed from {resume_from} at step {start.step}")
-    logger = _open_run_dir(recipe, out, world, console, replaced, warnings, plan, start) if world.is_main else None
-    return Run(recipe, world, device, console, out, tokenizer, lm, net, objective_for(recipe), optimizer, scheduler, plan,
-               prepared.evals, prepared.samples_key, logger, start, n_params,
+    logger = _open_run_dir(recipe, out, console, replaced, versions.snapshot(warnings) | {"run": kernels_used}, plan,
+                           start) if world.is_main else None
+    return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
+               plan, parts.evals, parts.samples_key, logger, start, n_params,
                plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every)
 
 
@@ -169,38 +165,45 @@ def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: 
     return warnings
 
 
-def _load_model(recipe: Recipe, tokenizer: Any, world: dist.World, device: torch.device, console: Console,
-                impl: str, plan: StepPlan, *, checkpointing: bool) -> tuple[torch.nn.Module, int]:
-    """(the model, its number of parameters), checked: room on disk for what the run will write, and packed
-    documents isolated from each other."""
-    lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device,
-                    trainable=recipe.train.trainable_parameters).to(device)
-    # Compiled before the isolation check, which then proves the compiled path, and before DDP/FSDP wrap it.
-    compiled = kernels.compile_layers(lm) if recipe.train.compile else 0
-    trainable, total = count_parameters(lm)
-    if world.is_main:
-        check_disk_room(Path(recipe.output_dir), lm, checkpointing=checkpointing)
+def _check_model(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, console: Console) -> int:
+    """The loaded model, before anything runs it: compiled (train.compile; returns how many layers), and its packed
+    documents isolated from each other. Compiled first, so that the isolation check proves the compiled path."""
+    compiled = model_kernels.compile_layers(lm) if recipe.train.compile else 0
     if recipe.data.packing:
         check_packable(lm, tokenizer.pad_token_id)
     if recipe.data.packing and recipe.data.packing_check:
-        err = check_packing_isolation(lm, len(tokenizer))
+        err = check_packing_isolation(lm, len(tokenizer), kernel=setting(recipe.model.packed_attention))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
+    return compiled
+
+
+def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPlan, compiled: int,
+                  console: Console) -> tuple[int, dict[str, Any]]:
+    """Print what runs (parameters, loss, attention and its packed kernel, device, steps); returns the number of
+    parameters and the record of what runs (versions.json "run": the loss, the attention, the packed kernel and
+    why it was chosen), which `finetune runs compare` shows."""
+    lm, device = parts.lm, parts.device
+    trainable, total = count_parameters(lm)
     attn = getattr(lm.config, "_attn_implementation", "?")
-    packed = f"; packed rows: {packed_attention(lm, device)}" if recipe.data.packing and is_ours(lm) else ""
-    liger = f"; liger kernels: {kernels.liger_summary(lm)}" if recipe.model.liger_kernels else ""
+    packed, record = "", {"loss": parts.impl, "attention": attn, "packed_kernel": None, "packed_kernel_why": None}
+    if recipe.data.packing and is_ours(lm):
+        kernel, why = packed_attention(lm, device, setting(recipe.model.packed_attention))
+        packed = f"; packed rows: {kernel} ({why})"
+        record |= {"packed_kernel": kernel, "packed_kernel_why": why}
+    liger = f"; liger kernels: {model_kernels.liger_summary(lm)}" if recipe.model.liger_kernels else ""
     compiled_note = f"; compiled: {compiled} decoder layers" if compiled else ""
-    console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {impl}; "
+    console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {parts.impl}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
                   f"{plan.global_batch} rows{packed}{liger}{compiled_note}")
-    return lm, total
+    return total, record
 
 
-def _open_run_dir(recipe: Recipe, out: RunDir, world: dist.World, console: Console, replaced: list[str],
-                  warnings: list[str], plan: StepPlan, start: Progress) -> MetricsLogger:
+def _open_run_dir(recipe: Recipe, out: RunDir, console: Console, replaced: list[str], snapshot: dict[str, Any],
+                  plan: StepPlan, start: Progress) -> MetricsLogger:
     """Rank 0, once everything has loaded: replace an earlier run (--overwrite), record the recipe and the
     versions, drop metrics lines a resume re-runs, and open the metrics sinks."""
     remove_previous_run(out.root, replaced)
-    write_run_header(out, to_yaml(recipe), versions.snapshot(warnings))
+    write_run_header(out, to_yaml(recipe), snapshot)
     if start.step:
         truncate_metrics(out, start.step)
     return open_sinks(out, recipe.logging, console, plan.total, start.step, config=recipe.model_dump(mode="json"))
@@ -219,6 +222,7 @@ def train_loop(run: Run) -> None:
     done = run.start
     if done.step == 0 and recipe.eval.at_start:
         _evaluate(run, 0)
+    run.net.train()  # once: an eval switches it back when done
     clock, bad_streak, pending = Stopwatch(), 0, None
     depth_width = _depth_width(run.lm)
     upcoming = _micro_batches(run, done.step) if done.step < plan.total else None
@@ -299,11 +303,11 @@ def _write_line(run: Run, line: _Line, ratio: float) -> None:
         run.logger.log(record)
 
 
-def _micro_batches(run: Run, step: int) -> tuple[int, list[dict], list[dict]]:
+def _micro_batches(run: Run, step: int) -> tuple[int, list[dict], list[MicroBatch]]:
     """(epoch, the step's rows, this rank's micro-batches of them collated and on the device)."""
     recipe, world = run.recipe, run.world
     epoch, step_rows = run.plan.step(step)
-    micro = [to_device(collate(rows, recipe.data, run.tokenizer.pad_token_id), run.device)
+    micro = [collate(rows, recipe.data, run.tokenizer.pad_token_id).to(run.device)
              for rows in rank_micro_batches(step_rows, recipe.train.micro_batch_size, world.size, world.rank,
                                             recipe.data.group_by_length)]
     return epoch, step_rows, micro
@@ -338,6 +342,7 @@ def _evaluate(run: Run, step: int) -> None:
     micro = run.recipe.eval.micro_batch_size or run.recipe.train.micro_batch_size
     result = evaluate_loss(run.objective, run.net, run.eval_samples, run.recipe, micro,
                            run.tokenizer.pad_token_id, run.world, run.device)
+    run.net.train()
     if run.logger:
         run.logger.log(result.record(step))
 
@@ -360,15 +365,3 @@ def _save_final(run: Run) -> None:
 
 def _warn(console: Console, message: str) -> None:
     console.print(message, style="yellow", markup=False, highlight=False)
-
-
-def _report_data(console: Console, stats: DataStats, n_eval: int) -> None:
-    line = (f"data: {stats.samples} samples, {stats.tokens} tokens, {stats.target_tokens} target tokens; "
-            f"{n_eval} eval samples")
-    if stats.truncated or stats.dropped_too_long:
-        line += f"; {stats.truncated} truncated, {stats.dropped_too_long} dropped (too long)"
-    if stats.bad_rows_skipped:
-        line += f"; [yellow]{stats.bad_rows_skipped} bad rows skipped[/yellow]"
-    console.print(line)
-    for example in stats.bad_row_examples:  # the first few, so a user can see which rows and why
-        console.print(f"  skipped: {example}", markup=False)

@@ -17,33 +17,34 @@ from dataclasses import dataclass
 import torch
 
 from finetune import dist
-from finetune.objectives.base import Objective
+from finetune.batch import MicroBatch
+from finetune.objectives import Objective
 from finetune.train.parallel import gradient_sync
 
 
-def step_counts(objective: Objective, micro: list[dict], world: dist.World,
+def step_counts(objective: Objective, micro: list[MicroBatch], world: dist.World,
                 device: torch.device) -> tuple[dict[str, int], int, int]:
     """(the objective's counts and the target tokens, real input tokens, tokens computed), each summed over the
     step's micro-batches on every rank: host integers from the collated batches, one all-reduce under torchrun."""
     names = [*objective.units, *(("tokens",) if "tokens" not in objective.units else ())]
-    local = [sum((objective.counts(m) if u in objective.units else {"tokens": m["targets"]})[u] for m in micro)
+    local = [sum((objective.counts(m) if u in objective.units else {"tokens": m.targets})[u] for m in micro)
              for u in names]
-    local += [sum(m["seq_tokens"] for m in micro), sum(m["padded_tokens"] for m in micro)]
+    local += [sum(m.seq_tokens for m in micro), sum(m.padded_tokens for m in micro)]
     totals = local
     if world.distributed:  # the contract's one host sync before the backward: every rank needs the step's counts
         totals = [int(x) for x in dist.all_reduce_sum(torch.tensor(local, device=device)).tolist()]
     return dict(zip(names, totals)), totals[-2], totals[-1]
 
 
-def forward_backward(net: torch.nn.Module, objective: Objective, micro: list[dict], counts: dict[str, int],
+def forward_backward(net: torch.nn.Module, objective: Objective, micro: list[MicroBatch], counts: dict[str, int],
                      world: dist.World, device: torch.device) -> torch.Tensor:
     """Backpropagate every micro-batch's loss terms over the step's counts (times the world size: DDP and FSDP
-    average gradients over ranks), reducing gradients only after the last one (parallel.gradient_sync). Returns
+    average gradients over ranks), reducing gradients only after the last one (parallel.gradient_sync). The model
+    runs in the mode the caller set (the loop: training; verify: eval, without dropout). Returns
     [the step's summed loss terms..., its summed metrics...] (float64, on the device, summed over ranks)."""
     units = objective.units
     totals = torch.zeros(len(units), device=device, dtype=torch.float32)
     metric_sums = torch.zeros(len(objective.metrics), device=device, dtype=torch.float64)
-    net.train()
     for i, batch in enumerate(micro):
         with gradient_sync(net, last=i == len(micro) - 1):
             result = objective.forward(net, batch, device)

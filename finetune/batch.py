@@ -1,0 +1,189 @@
+"""The micro-batch: what the collate functions make, the loop counts and moves, and the objectives and the model read.
+
+One type with typed fields instead of a dict of string keys. The collate step (finetune/data/collate.py) fills the
+tensors and the host counts; an objective's extra inputs ride in their own typed section (`pairs` for DPO and
+ORPO), and an objective names the sections it needs (Objective.needs), so a batch without them is refused with
+a clear message rather than a KeyError deep in a forward.
+
+`MicroBatch.to(device)` is the one move to the device. What the model call needs is found on the CPU first,
+while the labels and positions are still there: the target positions and their id range (`Targets`: the loss and
+the per-token log-probabilities then make no host sync) and, for packed rows, the documents (`Documents`: their
+boundaries, `cu_seqlens`, handed to every attention layer by the model call). On CUDA the copies come from pinned
+memory without blocking, so a step can prepare its next micro-batches while the device works on this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from finetune.labels import IGNORE_INDEX
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """A CPU tensor on `device`: from pinned memory without blocking the host on CUDA, else a plain copy."""
+    target = torch.device(device) if device is not None else tensor.device
+    if target.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(target, non_blocking=True)
+    return tensor.to(target)
+
+
+# --- targets ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class Targets:
+    """The flat positions in [B*T] whose next token is a target (ascending, on the device: what the loss
+    index_selects), how many there are, and the smallest and largest target id (0, 0 when there are none)."""
+
+    index: torch.Tensor
+    count: int
+    low: int
+    high: int
+
+
+def find_targets(labels: torch.Tensor, device: torch.device | str | None = None) -> Targets:
+    """The Targets of UNSHIFTED labels [B, T] (or [T]) on the CPU: position t scores labels[..., t + 1]. Finding
+    them on the device would be a dynamic shape (`nonzero`) and a read: two host syncs per micro-batch."""
+    rows = labels.reshape(-1, labels.shape[-1]).cpu()
+    scored = rows[:, 1:] != IGNORE_INDEX
+    where = scored.nonzero()
+    index = where[:, 0] * rows.shape[1] + where[:, 1]
+    ids = rows[:, 1:][scored]
+    low, high = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
+    return Targets(to_device(index, device), int(index.numel()), low, high)
+
+
+# --- packed documents --------------------------------------------------------------------------------------------
+
+def document_spans(position_ids: torch.Tensor, batch_size: int) -> list[list[tuple[int, int]]]:
+    """[(start, end), ...] of the documents of each row: a document starts where a position does not follow
+    the previous one (0 after 57, or 0 after 0). A host sync when position_ids are on a GPU."""
+    position_ids = position_ids.expand(batch_size, -1)
+    length = position_ids.shape[1]
+    restarts = (position_ids[:, 1:] != position_ids[:, :-1] + 1).nonzero().tolist()
+    starts: list[list[int]] = [[0] for _ in range(batch_size)]
+    for row, col in restarts:
+        starts[row].append(col + 1)
+    return [list(zip(s, [*s[1:], length])) for s in starts]
+
+
+# The keyword that carries a micro-batch's Documents through the model call to every attention layer (transformers
+# forwards unknown keyword arguments to the attention function).
+DOCUMENTS_KWARG = "finetune_documents"
+
+
+@dataclass(eq=False)
+class Documents:
+    """One packed micro-batch's documents: each row's (start, end) spans on the host, and `cu_seqlens`, their
+    cumulative lengths over the flattened rows (int32 [documents + 1], on the model's device). `kernel` is the
+    run's packed-attention setting (auto, varlen, flex, sdpa) that the attention reads from here; `block_masks`
+    keeps a flex BlockMask once the first layer built it."""
+
+    spans: list[list[tuple[int, int]]]
+    cu_seqlens: torch.Tensor
+    max_length: int
+    batch: int
+    length: int
+    kernel: str = "auto"
+    block_masks: dict[Any, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def of(position_ids: torch.Tensor, device: torch.device | str | None = None) -> Documents:
+        """The documents of packed rows with these position_ids ([b, S] or [S], on the CPU: no host sync), their
+        cu_seqlens copied to `device` (without blocking, from pinned memory, on CUDA)."""
+        pos = position_ids if position_ids.ndim == 2 else position_ids[None]
+        batch, length = pos.shape
+        spans = document_spans(pos.cpu(), batch)
+        lengths = torch.tensor([end - start for row in spans for start, end in row], dtype=torch.int32)
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        torch.cumsum(lengths, 0, out=cu[1:])
+        return Documents(spans, to_device(cu, device), int(lengths.max()), batch, length)
+
+    def model_kwargs(self, kernel: str = "auto") -> dict[str, Any]:
+        """The model-call keyword arguments: transformers' own names for precomputed variable-length boundaries
+        (cu_seq_lens_q/k, max_length_q/k) and the Documents themselves, with the run's kernel setting."""
+        docs = self if kernel == self.kernel else dataclasses.replace(self, kernel=kernel)
+        cu = self.cu_seqlens
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": self.max_length,
+                "max_length_k": self.max_length, DOCUMENTS_KWARG: docs}
+
+
+# --- the micro-batch -----------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class PairFields:
+    """A preference micro-batch's pairs: each position's document (doc_index [b, L], -1 for padding; pair i's chosen
+    document is 2i, its rejected 2i+1), how many pairs, the target tokens of the chosen documents (after the shift),
+    and the reference's log-probabilities [pairs, 2] (float64; zeros until they are computed)."""
+
+    doc_index: torch.Tensor
+    count: int
+    chosen_tokens: int
+    ref_logps: torch.Tensor
+
+    def to(self, device: torch.device | str) -> PairFields:
+        return dataclasses.replace(self, doc_index=to_device(self.doc_index, device),
+                                   ref_logps=to_device(self.ref_logps, device))
+
+
+@dataclass(eq=False)
+class MicroBatch:
+    """One micro-batch. Packed rows carry `position_ids` (restarting at 0 per document) and no attention mask;
+    padded rows carry an `attention_mask`. Counts are host integers, known before any forward:
+    `targets` (tokens with a loss after the shift: what N_step sums), `seq_tokens` (real input tokens; 0 for a
+    filler) and `padded_tokens` (tokens computed). After `to(device)`: `device`, `target_positions` and, for packed
+    rows, `documents`."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    targets: int
+    seq_tokens: int
+    padded_tokens: int
+    position_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    filler: bool = False
+    pairs: PairFields | None = None
+    device: torch.device | None = None
+    target_positions: Targets | None = None
+    documents: Documents | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None and self.attention_mask is None
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch on `device` with its targets (and packed documents) found on the CPU; itself when it is
+        there already."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        moved = {name: to_device(value, device) if isinstance(value, torch.Tensor) else value
+                 for name in ("input_ids", "labels", "position_ids", "attention_mask")
+                 for value in [getattr(self, name)]}
+        return dataclasses.replace(
+            self, **moved, pairs=self.pairs.to(device) if self.pairs is not None else None, device=device,
+            target_positions=find_targets(self.labels, device),
+            documents=Documents.of(self.position_ids, device) if self.packed else None)
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The keyword arguments of CausalLMWithLoss for this (moved) micro-batch."""
+        assert self.device is not None, "call .to(device) first"
+        inputs = {"input_ids": self.input_ids, "labels": self.labels, "targets": self.target_positions}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids
+        if self.documents is not None:
+            inputs["documents"] = self.documents
+        return inputs
+
+    def require(self, section: str, objective: str) -> Any:
+        """The typed section an objective needs (`pairs`, ...), or a clear error when the data did not make it."""
+        value = getattr(self, section)
+        if value is None:
+            raise ValueError(f"the {objective} objective needs micro-batches with {section!r}; this one was collated "
+                             f"without them (data format and train.objective disagree)")
+        return value
