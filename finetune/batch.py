@@ -130,6 +130,28 @@ class PairFields:
 
 
 @dataclass(eq=False)
+class RolloutFields:
+    """An RL micro-batch's completions, one per row: each position's completion (seq_index [b, L], -1 for padding
+    and fillers), each completion's advantage [n] (float64), the sampling policy's log-probability of each scored
+    token at its scoring position (old_logps [b, L], float64; rows without them: NaN, the current policy's
+    detached log-probability is used, ratio 1), and each completion's scored tokens (host ints)."""
+
+    seq_index: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor
+    scored: list[int]
+
+    @property
+    def count(self) -> int:
+        return len(self.scored)
+
+    def to(self, device: torch.device | str) -> RolloutFields:
+        return dataclasses.replace(self, seq_index=to_device(self.seq_index, device),
+                                   advantages=to_device(self.advantages, device),
+                                   old_logps=to_device(self.old_logps, device))
+
+
+@dataclass(eq=False)
 class MicroBatch:
     """One micro-batch. Packed rows carry `position_ids` (restarting at 0 per document) and no attention mask;
     padded rows carry an `attention_mask`. Counts are host integers, known before any forward:
@@ -146,6 +168,7 @@ class MicroBatch:
     attention_mask: torch.Tensor | None = None
     filler: bool = False
     pairs: PairFields | None = None
+    rollouts: RolloutFields | None = None
     device: torch.device | None = None
     target_positions: Targets | None = None
     documents: Documents | None = None
@@ -164,7 +187,8 @@ class MicroBatch:
                  for name in ("input_ids", "labels", "position_ids", "attention_mask")
                  for value in [getattr(self, name)]}
         return dataclasses.replace(
-            self, **moved, pairs=self.pairs.to(device) if self.pairs is not None else None, device=device,
+            self, **moved, pairs=self.pairs.to(device) if self.pairs is not None else None,
+            rollouts=self.rollouts.to(device) if self.rollouts is not None else None, device=device,
             target_positions=find_targets(self.labels, device),
             documents=Documents.of(self.position_ids, device) if self.packed else None)
 

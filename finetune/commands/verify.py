@@ -19,10 +19,10 @@ import torch
 
 from finetune import dist
 from finetune.batch import MicroBatch
-from finetune.data import collate, epoch_rows, rank_micro_batches
+from finetune.data import collate, rank_micro_batches
 from finetune.objectives import Objective
 from finetune.recipe import Recipe
-from finetune.train.parts import load_parts
+from finetune.train.parts import load_parts, plan_for
 from finetune.train.step import forward_backward, step_counts
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -61,8 +61,7 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     lm, net, objective = parts.lm, parts.net, parts.objective
     lm.eval()  # dropout would make the three passes differ for reasons unrelated to accumulation
     t = recipe.train
-    step_rows = epoch_rows(parts.train, recipe.data, recipe.seed, 0)[
-        : t.micro_batch_size * t.gradient_accumulation_steps * world_size]
+    step_rows = plan_for(recipe, parts, world_size).step(0)[1]
     pad = parts.tokenizer.pad_token_id
     ranks = [[collate(rows, recipe.data, pad) for rows in
               rank_micro_batches(step_rows, t.micro_batch_size, world_size, rank, recipe.data.group_by_length)]

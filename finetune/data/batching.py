@@ -63,6 +63,10 @@ class StepPlan:
         # The tolerance keeps float noise from rounding up: 0.1 epochs of 30 steps is every 3 steps, not 4.
         return max(1, math.ceil(every_epochs * self.steps_in_epoch(0) - 1e-9))
 
+    def info(self, step: int) -> dict[str, float]:
+        """Figures of the step's data for its metrics line (none for rows read from datasets)."""
+        return {}
+
     def step(self, step: int) -> tuple[int, list[dict]]:
         """(epoch, rows) of global optimizer step `step` (0-based)."""
         epoch = 0

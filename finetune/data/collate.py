@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from finetune.batch import MicroBatch, PairFields
+from finetune.batch import MicroBatch, PairFields, RolloutFields
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
@@ -83,6 +83,8 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> MicroB
         batch.seq_tokens = 0
     if pairs:
         batch.pairs = pair_fields(rows, batch.labels, data.packing, filler)
+    if rows and "rollout" in rows[0]:
+        batch.rollouts = rollout_fields(rows, batch.labels, filler)
     return batch
 
 
@@ -113,3 +115,21 @@ def pair_fields(rows: Sequence[dict], labels: torch.Tensor, packed: bool, filler
     chosen = scored & (doc_index >= 0) & (doc_index % 2 == 0)
     ref_logps = torch.tensor([ref if ref is not None else (0.0, 0.0) for ref in refs], dtype=torch.float64)
     return PairFields(doc_index, doc // 2, int(chosen.sum()), ref_logps.reshape(-1, 2))
+
+
+def rollout_fields(rows: Sequence[dict], labels: torch.Tensor, filler: bool) -> RolloutFields:
+    """The completions of an RL micro-batch (padded rows, one completion each; see finetune/rl/rollout.py)."""
+    seq_index = torch.full(labels.shape, -1, dtype=torch.long)
+    old = torch.full(labels.shape, float("nan"), dtype=torch.float64)
+    scored_at = torch.zeros_like(labels, dtype=torch.bool)
+    scored_at[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position t scores label t + 1
+    advantages, scored = [], []
+    for i, row in enumerate([] if filler else rows):
+        info = row["rollout"]
+        seq_index[i, :len(row["input_ids"])] = i
+        advantages.append(info["advantage"])
+        scored.append(int(scored_at[i].sum()))
+        if info["logprobs"] is not None and scored[-1]:
+            start = info["prompt_length"] - 1  # completion token j is scored at prompt_length - 1 + j
+            old[i, start:start + len(info["logprobs"])] = torch.tensor(info["logprobs"], dtype=torch.float64)
+    return RolloutFields(seq_index, torch.tensor(advantages, dtype=torch.float64), old, scored)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from finetune.objectives.base import Objective
+from finetune.objectives.grpo import GRPO
 from finetune.objectives.preference import DPO, ORPO
 from finetune.objectives.sft import SFT
 from finetune.recipe import Recipe
@@ -15,4 +16,6 @@ def objective_for(recipe: Recipe) -> Objective:
         return DPO(recipe.dpo.beta, recipe.dpo.loss, recipe.dpo.label_smoothing)
     if name == "orpo":
         return ORPO(recipe.orpo.beta)
+    if name == "grpo":
+        return GRPO(recipe.grpo)
     return SFT()

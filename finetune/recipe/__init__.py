@@ -23,6 +23,7 @@ from finetune.recipe.loading import (
     parse_yaml,
     resolve_recipe,
 )
+from finetune.recipe.rl import GRPOConfig, RewardConfig
 from finetune.recipe.schema import (
     DATASET_LISTS,
     AdapterConfig,
@@ -52,8 +53,8 @@ from finetune.recipe.validation import (
 
 __all__ = [
     "DATASET_LISTS", "HARMLESS_KEYS", "LOCAL_SUFFIXES", "AdapterConfig", "CheckpointConfig", "DataConfig",
-    "DatasetConfig", "DPOConfig", "DistributedConfig", "EvalConfig", "LoggingConfig", "LossConfig", "ModelConfig", "ORPOConfig", "Recipe",
-    "Section", "TokenizerConfig", "TrainConfig", "apply_override", "cross_checks", "data_file_not_found",
+    "DatasetConfig", "DPOConfig", "DistributedConfig", "EvalConfig", "GRPOConfig", "LoggingConfig", "LossConfig", "ModelConfig", "ORPOConfig", "Recipe",
+    "RewardConfig", "Section", "TokenizerConfig", "TrainConfig", "apply_override", "cross_checks", "data_file_not_found",
     "deep_merge", "default_training_keys", "features", "flatten", "load_raw", "load_recipe", "local_data_path", "missing_inputs",
     "parse_yaml", "recipe_hash", "resolve_recipe", "to_yaml", "training_keys", "validate",
 ]

@@ -18,7 +18,7 @@ from finetune.recipe.validation import validate
 from finetune.versions import check_requires
 
 # Keys that hold input paths: resolved relative to the recipe file that wrote them (when the file exists).
-_PATH_KEYS = (("model", "path"), ("model", "gguf_file"), ("tokenizer", "path"))
+_PATH_KEYS = (("model", "path"), ("model", "gguf_file"), ("tokenizer", "path"), ("grpo", "replay"))
 
 
 class RecipeLoader(yaml.SafeLoader):

@@ -9,13 +9,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors, attribute docstrings become descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+from finetune.recipe.rl import GRPOConfig
+from finetune.recipe.section import Section
 
 
 class ModelConfig(Section):
@@ -205,9 +202,10 @@ class DataConfig(Section):
 class TrainConfig(Section):
     """The optimization: batch geometry, length of training, optimizer and learning-rate schedule."""
 
-    objective: Literal["sft", "dpo", "orpo"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "grpo"] = "sft"
     """sft: supervised fine-tuning on target tokens. dpo / orpo: preference training on pairs (datasets with
-    format: preference; settings in the dpo: / orpo: sections)."""
+    format: preference; settings in the dpo: / orpo: sections). grpo: online RL on rewards (the grpo: section;
+    docs/rl.md)."""
     micro_batch_size: int = Field(4, gt=0)
     """Rows per forward pass on one process (padded preference data: pairs, each two rows)."""
     gradient_accumulation_steps: int = Field(8, gt=0)
@@ -401,6 +399,8 @@ class Recipe(Section):
     """Direct preference optimization settings (train.objective: dpo)."""
     orpo: ORPOConfig = ORPOConfig()
     """Odds-ratio preference optimization settings (train.objective: orpo)."""
+    grpo: GRPOConfig = GRPOConfig()
+    """Group relative policy optimization settings (train.objective: grpo; docs/rl.md)."""
     eval: EvalConfig = EvalConfig()
     """When to compute the eval loss."""
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -120,7 +120,7 @@ def cross_checks(recipe: Recipe) -> list[str]:
         problems.append("data.max_seq_len: packing needs a row length; set data.max_seq_len or data.packing: false")
     if t.epochs is None and t.max_steps is None:
         problems.append("train.epochs / train.max_steps: both are null; set at least one")
-    if not recipe.datasets:
+    if not recipe.datasets and not (t.objective == "grpo" and recipe.grpo.replay):
         problems.append("datasets: at least one training dataset is required")
     if recipe.adapter.type == "qlora" and m.dtype == "float16":
         problems.append("model.dtype: qlora computes in float32 or bfloat16; float16 is not supported")
@@ -141,6 +141,23 @@ def cross_checks(recipe: Recipe) -> list[str]:
     return problems + _chat_checks(recipe)
 
 
+def _grpo_checks(recipe: Recipe) -> list[str]:
+    """GRPO trains on its rollouts: one completion per padded row, from a replay file (generation: see docs/rl.md)."""
+    if recipe.train.objective != "grpo":
+        return []
+    problems = []
+    if not recipe.grpo.replay:
+        problems.append("grpo.replay: GRPO reads its rollouts from a replay file in this version (docs/rl.md, "
+                        "\"The replay file\"); generating them from prompt datasets is not available yet")
+    if recipe.grpo.replay and (recipe.datasets or recipe.eval_datasets):
+        problems.append("datasets: grpo.replay trains on the file's rollouts only; remove datasets and eval_datasets")
+    if recipe.data.packing:
+        problems.append("data.packing: GRPO trains one completion per row; set data.packing: false")
+    if recipe.loss.z_loss:
+        problems.append("loss.z_loss: not with train.objective grpo (it adds to token losses)")
+    return problems
+
+
 def _objective_checks(recipe: Recipe) -> list[str]:
     """Preference objectives train on preference data and nothing else, and the other way round."""
     problems = []
@@ -156,6 +173,7 @@ def _objective_checks(recipe: Recipe) -> list[str]:
                 problems.append(f"{key}.{i}.train_on_inputs: preference pairs score their completions only")
     if preference and recipe.loss.z_loss:
         problems.append(f"loss.z_loss: not with train.objective {recipe.train.objective} (it adds to token losses)")
+    problems += _grpo_checks(recipe)
     if recipe.dpo.label_smoothing and recipe.dpo.loss != "sigmoid":
         problems.append(f"dpo.label_smoothing: only for dpo.loss: sigmoid, not {recipe.dpo.loss}")
     return problems
@@ -220,6 +238,8 @@ def missing_inputs(recipe: Recipe) -> list[str]:
     problems = []
     if recipe.resume not in (None, "auto") and not Path(recipe.resume).expanduser().exists():
         problems.append(f"resume: checkpoint {recipe.resume!r} does not exist (use auto, null or a checkpoint path)")
+    if recipe.train.objective == "grpo" and recipe.grpo.replay and not Path(recipe.grpo.replay).is_file():
+        problems.append(f"grpo.replay: {recipe.grpo.replay} is not a file")
     for key in DATASET_LISTS:
         for i, ds in enumerate(getattr(recipe, key)):
             local = local_data_path(ds.path)

@@ -39,6 +39,7 @@ from finetune.model.isolation import check_packable, check_packing_isolation, is
 from finetune.model.loading import count_parameters, save_final
 from finetune.objectives import Objective
 from finetune.recipe import Recipe, features, to_yaml
+from finetune.rl.plan import RolloutPlan
 from finetune.run import checkpoint
 from finetune.run.directory import (
     RunDir,
@@ -51,7 +52,7 @@ from finetune.run.directory import (
 from finetune.train.evaluate import evaluate_loss
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import gather_full_state, wrap_model
-from finetune.train.parts import Parts, load_parts
+from finetune.train.parts import Parts, load_parts, plan_for
 from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
 
 
@@ -98,7 +99,7 @@ class Run:
     objective: Objective
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    plan: StepPlan
+    plan: StepPlan | RolloutPlan
     eval_samples: list[dict]
     samples_key: str | None  # the training data's identity, recorded in checkpoints
     logger: MetricsLogger | None  # rank 0 only
@@ -133,7 +134,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     parts = load_parts(recipe, world, device, lambda m: console.print(m, markup=False, highlight=False),
                        fresh_model=resume_from is None,
                        check_model=lambda lm, tokenizer: compiled.append(_check_model(recipe, lm, tokenizer, console)))
-    plan = StepPlan(parts.train, recipe, world.size)
+    plan = plan_for(recipe, parts, world.size)
     checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
     lm = parts.lm
     if world.is_main:
@@ -262,7 +263,7 @@ def train_loop(run: Run) -> None:
             **counts, **figures.metrics, "seq_tokens": seq_tokens, "padded_tokens": padded_tokens,
             "tokens_seen": done.tokens_seen, "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
             "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": 0.0, "skipped": not healthy,
-            "peak_memory_mb": peak_memory_mb(run.device), "elapsed_s": clock.elapsed,
+            "peak_memory_mb": peak_memory_mb(run.device), "elapsed_s": clock.elapsed, **plan.info(step),
             **({"mfu": step_mfu} if step_mfu is not None else {}),
         }, ratio)
         ends = bad_streak >= recipe.train.max_bad_steps or done.step == plan.total

@@ -9,6 +9,7 @@ eval, which splits the objective prepares.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,16 @@ from typing import Any
 import torch
 
 from finetune import dist
-from finetune.data import DataStats
-from finetune.data.cache import prepare
+from finetune.data import DataStats, StepPlan
+from finetune.data.cache import Prepared, prepare
 from finetune.loss.fused import resolve_impl
 from finetune.model.loading import load_model, load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives import Objective, Preparation, objective_for
 from finetune.recipe import Recipe
+from finetune.rl.plan import RolloutPlan, policy_scorer
+from finetune.rl.replay import read_replay
+from finetune.rl.rollout import end_ids
 from finetune.run.trained import load_trained
 
 
@@ -59,12 +63,7 @@ def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Cal
         lm, tokenizer = load_trained(trained_run, recipe)
     else:
         lm, tokenizer = None, load_tokenizer(recipe.tokenizer, recipe.model)
-    with dist.main_first(world, "rank 0 to preprocess the data"):
-        prepared = prepare(recipe, tokenizer)
-    say(prepared.note)  # reused the preprocessed-data cache, or wrote it
-    say(data_summary(prepared.train_stats, len(prepared.evals)))
-    for example in prepared.train_stats.bad_row_examples:  # the first few, so a user can see which rows and why
-        say(f"  skipped: {example}")
+    prepared = _prepared(recipe, tokenizer, world, say)
     if lm is None:
         lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device,
                         trainable=recipe.train.trainable_parameters)
@@ -79,6 +78,33 @@ def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Cal
     net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl, recipe.model.packed_attention)
     return Parts(recipe, device, tokenizer, prepared.train, prepared.evals, prepared.train_stats,
                  prepared.samples_key, lm, impl, objective, net)
+
+
+def plan_for(recipe: Recipe, parts: Parts, world_size: int) -> StepPlan | RolloutPlan:
+    """Which rows each optimizer step trains on: the datasets' samples, or GRPO's rollouts with their advantages."""
+    if recipe.train.objective != "grpo":
+        return StepPlan(parts.train, recipe, world_size)
+    g = recipe.grpo
+    rollouts = read_replay(g.replay, parts.tokenizer, g.num_generations, {r.label: r.weight for r in g.rewards},
+                           recipe.tokenizer.chat_template_kwargs)
+    scorer = policy_scorer(parts.net, recipe, parts.tokenizer.pad_token_id, parts.device)
+    return RolloutPlan(rollouts, recipe, world_size, end_ids(parts.tokenizer, parts.lm), scorer)
+
+
+def _prepared(recipe: Recipe, tokenizer: Any, world: dist.World, say: Callable[[str], Any]) -> Prepared:
+    """The samples (from the data cache; rank 0 first under torchrun). A GRPO replay needs no datasets: its
+    rollouts are read by the plan (finetune/rl/plan.py), and its identity is the file's content."""
+    if not recipe.datasets and recipe.grpo.replay:
+        digest = hashlib.sha256(Path(recipe.grpo.replay).read_bytes()).hexdigest()
+        say(f"rollouts: replayed from {recipe.grpo.replay}")
+        return Prepared([], [], DataStats(), DataStats(), False, None, "", samples_key=f"replay:{digest}")
+    with dist.main_first(world, "rank 0 to preprocess the data"):
+        prepared = prepare(recipe, tokenizer)
+    say(prepared.note)  # reused the preprocessed-data cache, or wrote it
+    say(data_summary(prepared.train_stats, len(prepared.evals)))
+    for example in prepared.train_stats.bad_row_examples:  # the first few, so a user can see which rows and why
+        say(f"  skipped: {example}")
+    return prepared
 
 
 def data_summary(stats: DataStats, n_eval: int) -> str:

@@ -1,0 +1,118 @@
+"""GRPO: group relative policy optimization, its policy loss normalized exactly over the optimizer step.
+
+Per completion token (TRL's formula, docs/rl.md): with r = exp(logp - old_logp) and A the completion's advantage,
+    loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta kl_t,
+    kl_t = exp(ref - logp) - (ref - logp) - 1   (k3; times r with kl_gradient: exact, TRL's default).
+The micro-batch's term is the sum of loss_t (normalize tokens, constant) or of each completion's loss_t over its
+own scored tokens (sequences); the loop divides it by the step's count of the unit (every completion token of the
+step, its completions, or completions x max_new_tokens), summed over every micro-batch and rank before the first
+backward: the update is the same under any split of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+
+from finetune.batch import MicroBatch
+from finetune.model.loading import load_model
+from finetune.model.with_loss import CausalLMWithLoss
+from finetune.objectives.base import MicroResult, Preparation
+from finetune.recipe import AdapterConfig, GRPOConfig
+
+UNITS = {"tokens": "tokens", "sequences": "sequences", "constant": "token_budget"}
+
+
+class GRPO:
+    """The GRPO objective over rollouts collated with their advantages (MicroBatch.rollouts)."""
+
+    name = "grpo"
+    needs = ("rollouts",)
+    metrics = {"kl": "tokens", "clip_ratio": "tokens", "clip_ratio_low": "tokens", "clip_ratio_high": "tokens",
+               "policy_logp": "tokens"}
+
+    def __init__(self, cfg: GRPOConfig) -> None:
+        self.cfg = cfg
+        self.units = (UNITS[cfg.normalize],)
+        self._reference: CausalLMWithLoss | None = None
+        self._adapter_off: torch.nn.Module | None = None  # the policy whose adapter is turned off for the reference
+
+    def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
+        """The reference model (beta > 0): the policy with its adapter off, a frozen copy of the model as loaded,
+        or grpo.reference's model."""
+        if not self.cfg.beta:
+            return
+        recipe, path = setting.recipe, self.cfg.reference
+        if path == "auto" and hasattr(lm, "disable_adapter"):
+            self._adapter_off, ref = lm, lm
+        elif path == "auto" and setting.fresh_model:
+            ref = copy.deepcopy(lm)
+        else:
+            cfg = recipe.model if path == "auto" else recipe.model.model_copy(
+                update={"path": path, "init": "pretrained", "gguf_file": None})
+            ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device).to(setting.device)
+        if ref is not lm:
+            ref.requires_grad_(False).eval()
+        self._reference = CausalLMWithLoss.for_recipe(ref, recipe.loss, setting.impl, recipe.model.packed_attention)
+        what = ("the policy with its adapter off" if self._adapter_off is not None
+                else "the model as loaded (a frozen copy)" if ref is not lm and path == "auto" and setting.fresh_model
+                else path if path != "auto" else recipe.model.path)
+        setting.say(f"grpo reference: {what}")
+
+    def counts(self, batch: MicroBatch) -> dict[str, int]:
+        r = batch.require("rollouts", self.name)
+        unit = self.units[0]
+        if unit == "tokens":
+            return {"tokens": batch.targets}
+        return {unit: r.count * (self.cfg.max_new_tokens if unit == "token_budget" else 1)}
+
+    @contextlib.contextmanager
+    def _reference_mode(self) -> Iterator[None]:
+        """No gradients, no dropout, and the adapter off when the reference is the policy's base."""
+        lm = self._adapter_off
+        if lm is None:
+            with torch.no_grad():
+                yield
+            return
+        training = lm.training
+        lm.eval()
+        try:
+            with torch.no_grad(), lm.disable_adapter():
+                yield
+        finally:
+            lm.train(training)
+
+    def reference_logps(self, batch: MicroBatch) -> torch.Tensor:
+        """The reference's log-probability of every scored token of a (moved) micro-batch."""
+        with self._reference_mode():
+            ref, _ = self._reference(**batch.model_inputs(), per_token=True)
+        return ref
+
+    def forward(self, net: torch.nn.Module, batch: MicroBatch, device: torch.device) -> MicroResult:
+        batch = batch.to(device)
+        r = batch.require("rollouts", self.name)
+        logp, keep = net(**batch.model_inputs(), per_token=True)
+        seq = r.seq_index.reshape(-1).index_select(0, keep)
+        advantage = r.advantages.to(logp.dtype).index_select(0, seq)
+        old = r.old_logps.reshape(-1).index_select(0, keep).to(logp.dtype)
+        old = torch.where(torch.isnan(old), logp.detach(), old)  # no sampling log-probs: on-policy, ratio 1
+        ratio = torch.exp(logp - old)
+        low, high = 1 - self.cfg.epsilon, 1 + self.cfg.clip_high
+        per_token = -torch.min(ratio * advantage, torch.clamp(ratio, low, high) * advantage)
+        kl = torch.zeros_like(logp)
+        if self.cfg.beta:
+            d = self.reference_logps(batch).to(logp.dtype) - logp
+            kl = torch.exp(d) - d - 1
+            per_token = per_token + self.cfg.beta * (kl * ratio if self.cfg.kl_gradient == "exact" else kl)
+        if self.cfg.normalize == "sequences":
+            scored = torch.tensor(r.scored, dtype=logp.dtype).clamp(min=1).to(device, non_blocking=True)
+            per_token = per_token / scored.index_select(0, seq)
+        clipped_low = (ratio < low) & (advantage < 0)
+        clipped_high = (ratio > high) & (advantage > 0)
+        metrics = {"kl": kl.detach().sum(), "clip_ratio": (clipped_low | clipped_high).sum(),
+                   "clip_ratio_low": clipped_low.sum(), "clip_ratio_high": clipped_high.sum(),
+                   "policy_logp": logp.detach().sum()}
+        return MicroResult({self.units[0]: per_token.sum()}, {k: v.double() for k, v in metrics.items()})

@@ -1,0 +1,123 @@
+"""Which completions each optimizer step trains on, with their advantages: StepPlan's counterpart for GRPO.
+
+A batch of rollouts is one optimizer step's completions (micro_batch_size x gradient_accumulation_steps x ranks,
+whole groups), taken in order; its advantages are computed once, over the whole batch, before it is split into
+micro-batches (so batch 1 with accumulation still sees whole groups). With grpo.iterations > 1 each batch trains
+that many optimizer steps, its importance ratio taken against the sampling policy's log-probabilities: the replay
+file's, else the policy's own before the first of those steps (`score`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from typing import Any
+
+from finetune.data.batching import steps_in
+from finetune.errors import UserError
+from finetune.recipe import Recipe
+from finetune.rl.advantages import group_advantages
+from finetune.rl.rollout import Rollout, training_row
+
+# The policy's log-probabilities of each row's completion tokens (rows as training_row makes them).
+Scorer = Callable[[list[dict]], list[list[float]]]
+
+
+class RolloutPlan:
+    """The optimizer steps of a list of rollouts (a replay file's), epoch after epoch in file order."""
+
+    def __init__(self, rollouts: list[Rollout], recipe: Recipe, world_size: int, end_ids: Collection[int],
+                 score: Scorer | None = None) -> None:
+        t, g = recipe.train, recipe.grpo
+        self.rollouts, self.recipe, self.end_ids, self.score = rollouts, recipe, frozenset(end_ids), score
+        self.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
+        if self.global_batch % g.num_generations:
+            raise UserError(f"an optimizer step's {self.global_batch} completions (train.micro_batch_size x "
+                            f"gradient_accumulation_steps x ranks) are not whole groups of grpo.num_generations "
+                            f"{g.num_generations}")
+        self.batches = steps_in(len(rollouts), self.global_batch, recipe.data.drop_last)
+        if self.batches == 0:
+            raise UserError(f"one optimizer step needs {self.global_batch} completions but the replay file has "
+                            f"{len(rollouts)}; lower train.micro_batch_size or gradient_accumulation_steps")
+        per_epoch = self.batches * g.iterations
+        total = per_epoch * (t.epochs or 1) if t.epochs is not None else t.max_steps
+        self.total = min(total, t.max_steps) if t.max_steps else total
+        self._current: tuple[int, list[dict], dict[str, float]] | None = None
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.batches * self.recipe.grpo.iterations
+
+    def cadence(self, every_steps: int | None, every_epochs: float | None) -> int | None:
+        if every_epochs is None:
+            return every_steps
+        return max(1, math.ceil(every_epochs * self.steps_in_epoch(0) - 1e-9))
+
+    def step(self, step: int) -> tuple[int, list[dict]]:
+        """(epoch, the step's training rows with their advantages)."""
+        index = step // self.recipe.grpo.iterations
+        epoch = index // self.batches
+        if self._current is None or self._current[0] != index:
+            self._current = (index, *self._rows(index % self.batches))
+        return epoch, self._current[1]
+
+    def info(self, step: int) -> dict[str, float]:
+        """The step's rollout figures for its metrics line (rewards, zero-advantage groups, lengths)."""
+        self.step(step)
+        return self._current[2]
+
+    def _rows(self, batch: int) -> tuple[list[dict], dict[str, float]]:
+        g = self.recipe.grpo
+        rollouts = self.rollouts[batch * self.global_batch:(batch + 1) * self.global_batch]
+        adv = group_advantages([r.reward for r in rollouts], g.num_generations, g.scale_rewards)
+        truncated = [r.truncated(self.end_ids) for r in rollouts]
+        rows = [training_row(r, a, g.mask_truncated and cut) for r, a, cut in zip(rollouts, adv.values, truncated)]
+        if g.iterations > 1 and self.score is not None and any(r.logprobs is None for r in rollouts):
+            for row, logps in zip(rows, self.score(rows)):  # the sampling policy: the policy before this batch's steps
+                row["rollout"]["logprobs"] = row["rollout"]["logprobs"] or logps
+        return rows, rollout_figures(rollouts, truncated, adv.zero_std_groups)
+
+
+def rollout_figures(rollouts: list[Rollout], truncated: list[bool], zero_std: float) -> dict[str, Any]:
+    """Reward mean and std (Bessel; unscored completions left out) in total and per function, the fraction of
+    groups whose rewards are all equal (no advantage: nothing to learn), and completion lengths."""
+    def mean_std(values: list[float]) -> tuple[float, float]:
+        xs = [v for v in values if not math.isnan(v)]
+        if not xs:
+            return math.nan, math.nan
+        mean = sum(xs) / len(xs)
+        return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+
+    reward, reward_std = mean_std([r.reward for r in rollouts])
+    figures: dict[str, Any] = {"reward": reward, "reward_std": reward_std, "zero_std_groups": zero_std}
+    for name in dict.fromkeys(k for r in rollouts for k in r.rewards if k != "reward"):  # "reward": the total
+        figures[f"rewards/{name}"] = mean_std([r.rewards.get(name, math.nan) for r in rollouts])[0]
+    lengths = [len(r.completion_ids) for r in rollouts]
+    figures |= {"completion_length": sum(lengths) / len(lengths), "completion_length_max": max(lengths),
+                "truncated": sum(truncated) / len(truncated)}
+    return figures
+
+
+def policy_scorer(net: Any, recipe: Recipe, pad_id: int, device: Any) -> Scorer:
+    """A Scorer running `net` (the policy with its fused loss) without gradients over micro-batches of rows."""
+    import torch
+
+    from finetune.data.collate import collate
+
+    data = recipe.data.model_copy(update={"packing": False})
+    size = recipe.train.micro_batch_size
+
+    def score(rows: list[dict]) -> list[list[float]]:
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for start in range(0, len(rows), size):
+                chunk = rows[start:start + size]
+                batch = collate(chunk, data, pad_id).to(device)
+                logp, _ = net(**batch.model_inputs(), per_token=True)
+                values = logp.double().cpu().tolist()
+                for n, row in zip(batch.rollouts.scored, chunk):
+                    completion = len(row["input_ids"]) - row["rollout"]["prompt_length"]
+                    out.append(values[:n] if n == completion else None)
+                    values = values[n:]
+        return out
+
+    return score

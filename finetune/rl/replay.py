@@ -1,0 +1,144 @@
+"""The replay file: rollouts read from JSON lines instead of generated (grpo.replay; docs/rl.md, "The replay file").
+
+One line per completion: `group` (a JSON scalar; a group's lines are consecutive, exactly num_generations of them),
+`prompt_ids` or `prompt` (messages or text, rendered with the recipe's chat template and its generation prompt),
+`completion_ids` (used exactly as given) or `completion` (text, tokenized without special tokens), `reward` (the
+total) or `rewards` (name -> value, weighted by the recipe's reward weights; null: unscored), optional `logprobs`
+(the sampling policy's, one per completion token). Any bad line is a UserError naming file:line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from finetune.data.chat_spans import render_chat
+from finetune.errors import UserError
+from finetune.rl.rewards import total
+from finetune.rl.rollout import Rollout
+
+KNOWN = {"group", "prompt", "prompt_ids", "completion", "completion_ids", "reward", "rewards", "logprobs"}
+
+
+def read_replay(path: str | Path, tokenizer: Any, group_size: int, weights: dict[str, float],
+                template_kwargs: dict[str, Any] | None = None) -> list[Rollout]:
+    """Every rollout of the file, checked: ids inside the vocabulary, whole consecutive groups, finite rewards."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"grpo.replay: cannot read {path}: {e}") from e
+    vocab = len(tokenizer)
+    rollouts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        rollouts.append(_rollout(_object(line, where), where, tokenizer, vocab, weights, template_kwargs))
+    if not rollouts:
+        raise UserError(f"grpo.replay: {path} holds no rollouts")
+    _check_groups(rollouts, group_size)
+    return rollouts
+
+
+def _object(line: str, where: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not JSON ({e.msg})") from e
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: a rollout is a JSON object, not {type(obj).__name__}")
+    unknown = sorted(set(obj) - KNOWN)
+    if unknown:
+        raise UserError(f"{where}: unknown field(s) {unknown}; a rollout has {sorted(KNOWN)}")
+    if "group" not in obj or isinstance(obj["group"], dict | list):
+        raise UserError(f"{where}: `group` (a string or number naming the prompt's group) is required")
+    return obj
+
+
+def _ids(value: Any, name: str, where: str, vocab: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise UserError(f"{where}: {name} must be a list of token ids")
+    bad = [t for t in value if not 0 <= t < vocab]
+    if bad:
+        raise UserError(f"{where}: {name} holds id {bad[0]}, outside the tokenizer's vocabulary of {vocab}")
+    return value
+
+
+def _prompt_ids(obj: dict, where: str, tokenizer: Any, vocab: int, template_kwargs: dict | None) -> list[int]:
+    if "prompt_ids" in obj:
+        return _ids(obj["prompt_ids"], "prompt_ids", where, vocab)
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list):
+        if not all(isinstance(m, dict) and "role" in m for m in prompt):
+            raise UserError(f"{where}: prompt messages are objects with a role and content")
+        prompt = render_chat(tokenizer, prompt, template_kwargs, add_generation_prompt=True)
+    if not isinstance(prompt, str) or not prompt:
+        raise UserError(f"{where}: give prompt_ids, or prompt (text or messages)")
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def _completion_ids(obj: dict, where: str, tokenizer: Any, vocab: int) -> list[int]:
+    if "completion_ids" in obj:
+        ids = _ids(obj["completion_ids"], "completion_ids", where, vocab)
+    elif isinstance(obj.get("completion"), str):
+        ids = tokenizer(obj["completion"], add_special_tokens=False)["input_ids"]
+    else:
+        raise UserError(f"{where}: give completion_ids, or completion (text)")
+    if not ids:
+        raise UserError(f"{where}: the completion is empty (a sampled completion has at least its end token)")
+    return ids
+
+
+def _rewards(obj: dict, where: str, weights: dict[str, float]) -> tuple[dict[str, float], float]:
+    if ("reward" in obj) == ("rewards" in obj):
+        raise UserError(f"{where}: give `reward` (the total) or `rewards` (name -> value), one of them")
+    given = {"reward": obj["reward"]} if "reward" in obj else obj["rewards"]
+    if not isinstance(given, dict):
+        raise UserError(f"{where}: rewards is an object of name -> value")
+    if "rewards" in obj and weights:
+        unknown = sorted(set(given) - set(weights))
+        if unknown:
+            raise UserError(f"{where}: rewards {unknown} are not among grpo.rewards ({sorted(weights)})")
+    values = {}
+    for name, v in given.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)):
+            raise UserError(f"{where}: reward {name!r} is {v!r}; rewards are finite numbers or null")
+        values[name] = math.nan if v is None else float(v)
+    return values, total({k: [v] for k, v in values.items()}, weights if "rewards" in obj else {})[0]
+
+
+def _rollout(obj: dict, where: str, tokenizer: Any, vocab: int, weights: dict[str, float],
+             template_kwargs: dict | None) -> Rollout:
+    prompt_ids = _prompt_ids(obj, where, tokenizer, vocab, template_kwargs)
+    completion_ids = _completion_ids(obj, where, tokenizer, vocab)
+    rewards, reward = _rewards(obj, where, weights)
+    logprobs = obj.get("logprobs")
+    if logprobs is not None:
+        if not isinstance(logprobs, list) or len(logprobs) != len(completion_ids) or not all(
+                isinstance(x, int | float) and math.isfinite(x) and x <= 0 for x in logprobs):
+            raise UserError(f"{where}: logprobs must be {len(completion_ids)} finite numbers <= 0, one per "
+                            "completion token")
+        logprobs = [float(x) for x in logprobs]
+    return Rollout(obj["group"], prompt_ids, completion_ids, rewards, reward, logprobs, where)
+
+
+def _check_groups(rollouts: list[Rollout], group_size: int) -> None:
+    """A group's lines are consecutive and number exactly group_size; a group name is not used twice."""
+    seen: set = set()
+    i = 0
+    while i < len(rollouts):
+        group = rollouts[i].group
+        if json.dumps(group) in seen:
+            raise UserError(f"{rollouts[i].where}: group {group!r} appears again after other groups; a group's "
+                            "lines are consecutive")
+        seen.add(json.dumps(group))
+        j = i
+        while j < len(rollouts) and rollouts[j].group == group:
+            j += 1
+        if j - i != group_size:
+            raise UserError(f"{rollouts[i].where}: group {group!r} has {j - i} completions; grpo.num_generations "
+                            f"is {group_size}")
+        i = j

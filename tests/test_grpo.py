@@ -1,0 +1,288 @@
+"""GRPO (train.objective grpo): advantages and the policy loss against hand computation, the replay file's contract,
+and the loss contract through the real CLI: any split of the step, and 2 ranks, give the same weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import QUICKSTART, TINY, final_weights, rel_diff, run_cli, train_lines
+
+from finetune.batch import Targets
+from finetune.data.collate import collate
+from finetune.errors import UserError
+from finetune.objectives.grpo import GRPO
+from finetune.recipe import DataConfig, GRPOConfig, RewardConfig
+from finetune.rl.advantages import group_advantages
+from finetune.rl.replay import read_replay
+from finetune.rl.rewards import load_rewards, score, total
+from finetune.rl.rollout import Rollout, training_row
+from finetune.train.step import forward_backward, read_step, step_counts
+
+# --- advantages ------------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_use_bessel_and_1e4():
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0], 4, "group")
+    std = math.sqrt(4 * 0.25 / 3)  # Bessel: n - 1
+    assert adv.values[:4] == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1 + [-0.5 / (std + 1e-4),
+                                           0.5 / (std + 1e-4)], rel=1e-12)
+    assert adv.values[4:] == [0.0] * 4 and adv.zero_std == [False] * 4 + [True] * 4 and adv.zero_std_groups == 0.5
+
+
+def test_batch_and_none_scaling():
+    rewards = [1.0, 0.0, 3.0, 5.0]
+    batch = group_advantages(rewards, 2, "batch")
+    std = torch.tensor(rewards, dtype=torch.float64).std().item()  # torch's std is Bessel-corrected too
+    assert batch.values == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4), -1 / (std + 1e-4),
+                                          1 / (std + 1e-4)], rel=1e-12)
+    assert group_advantages(rewards, 2, "none").values == [0.5, -0.5, -1.0, 1.0]
+
+
+def test_unscored_completions_leave_the_baseline_and_get_0():
+    adv = group_advantages([1.0, math.nan, 0.0, 2.0], 4, "none")
+    assert adv.values == [0.0, 0.0, -1.0, 1.0]  # the mean of 1, 0, 2 is 1
+    assert group_advantages([math.nan] * 2, 2, "group").values == [0.0, 0.0]
+
+
+# --- rewards ------------------------------------------------------------------------------------------------------
+
+
+def test_built_in_rewards_and_their_total():
+    rewards = load_rewards([RewardConfig(function="exact_answer"), RewardConfig(
+        function="format_regex", weight=0.5, args={"pattern": r".*\\boxed\{.*\}"})])
+    completions = ["so \\boxed{12}", "it is 1,200", "no idea"]
+    got = score(rewards, ["p"] * 3, completions, {"answer": ["12", "1200", "3"]}, lambda i: f"row {i}")
+    assert got == {"exact_answer": [1.0, 1.0, 0.0], "format_regex": [1.0, 0.0, 0.0]}
+    assert total(got, {"exact_answer": 1.0, "format_regex": 0.5}) == [1.5, 1.0, 0.0]
+    assert total({"a": [math.nan, 1.0], "b": [math.nan, math.nan]}, {}) [1] == 1.0
+    assert math.isnan(total({"a": [math.nan], "b": [math.nan]}, {})[0])  # no function had an opinion
+
+
+def test_a_reward_function_that_raises_is_named(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("def boom(prompts, completions, **kw):\n    raise KeyError('x')\n"
+                                            "def bad(prompts, completions, **kw):\n    return [float('inf')]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, message in (("boom", "'boom' raised KeyError: 'x' .on the completions of row 0 to row 0"), ("bad", "returned inf for row 0")):
+        fn = load_rewards([RewardConfig(function=f"my_rewards:{name}")])
+        with pytest.raises(UserError, match=message):
+            score(fn, ["p"], ["c"], {}, lambda i: f"row {i}")
+    with pytest.raises(UserError, match="unknown reward function 'nope'"):
+        load_rewards([RewardConfig(function="nope")])
+
+
+# --- the policy loss against hand computation ---------------------------------------------------------------------
+
+
+class _Policy(torch.nn.Module):
+    """Stands in for the model with its loss: each scored token's log-probability is a parameter."""
+
+    def __init__(self, logps: list[float]) -> None:
+        super().__init__()
+        self.logp = torch.nn.Parameter(torch.tensor(logps, dtype=torch.float64))
+
+    def forward(self, targets: Targets, per_token: bool, **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+        assert per_token
+        return self.logp * 1.0, targets.index
+
+
+def _batch(lengths=(2, 3), rewards=(1.0, 0.0), prompt=(5, 6, 7), logprobs=None):
+    adv = group_advantages(list(rewards), len(rewards), "group").values
+    rows = [training_row(Rollout(0, list(prompt), list(range(10, 10 + n)), logprobs=lp), a, False)
+            for n, a, lp in zip(lengths, adv, logprobs or [None] * len(lengths))]
+    return collate(rows, DataConfig(packing=False), 0), adv
+
+
+def _step(cfg: GRPOConfig, logps, ref=None, logprobs=None):
+    batch, adv = _batch(logprobs=logprobs)
+    objective, policy = GRPO(cfg), _Policy(logps)
+    if ref is not None:
+        objective._reference = lambda **kw: (torch.tensor(ref, dtype=torch.float64), None)
+    world = __import__("finetune.dist", fromlist=["World"]).World()
+    counts = step_counts(objective, [batch], world, torch.device("cpu"))[0]
+    sums = forward_backward(policy, objective, [batch], counts, world, torch.device("cpu"))
+    figures = read_step(objective, sums, torch.tensor(0.0), counts)
+    return figures, policy.logp.grad, adv
+
+
+LOGPS = [-1.0, -2.0, -0.5, -1.5, -3.0]  # completion 0: 2 tokens, completion 1: 3 tokens
+REF = [-1.2, -1.9, -0.4, -1.0, -3.5]
+
+
+@pytest.mark.parametrize("normalize", ["tokens", "sequences", "constant"])
+@pytest.mark.parametrize("kl_gradient", ["exact", "k3"])
+def test_policy_loss_and_gradient_by_hand(normalize, kl_gradient):
+    beta = 0.04
+    cfg = GRPOConfig(num_generations=2, beta=beta, normalize=normalize, kl_gradient=kl_gradient, max_new_tokens=8)
+    figures, grad, adv = _step(cfg, LOGPS, REF)
+    seq = [0, 0, 1, 1, 1]
+    k3 = [math.exp(r - lp) - (r - lp) - 1 for r, lp in zip(REF, LOGPS)]
+    per_token = [-adv[s] + beta * k for s, k in zip(seq, k3)]  # ratio 1 on-policy: -min(A, clip(1) A) = -A
+    # d/dlogp: the policy term -A r gives -A; the KL term gives (logp - ref) [exact] or 1 - exp(ref - logp) [k3].
+    dkl = [lp - r if kl_gradient == "exact" else 1 - math.exp(r - lp) for r, lp in zip(REF, LOGPS)]
+    per_grad = [-adv[s] + beta * d for s, d in zip(seq, dkl)]
+    weight = {"tokens": [1 / 5] * 5, "constant": [1 / 16] * 5,
+              "sequences": [1 / (2 * 2)] * 2 + [1 / (2 * 3)] * 3}[normalize]
+    # The step's loss is summed in float32 on the device (train/step.py): 1e-6.
+    assert figures.loss == pytest.approx(sum(w * x for w, x in zip(weight, per_token)), rel=1e-6)
+    assert grad.tolist() == pytest.approx([w * g for w, g in zip(weight, per_grad)], rel=1e-12)
+    assert figures.metrics["kl"] == pytest.approx(sum(k3) / 5, rel=1e-12)
+    assert figures.metrics["clip_ratio"] == 0.0
+
+
+def test_clipping_uses_the_sampling_logprobs():
+    """Ratios 1.5 and 0.5 against the sampling policy, epsilon 0.2: both clipped where the advantage pushes them
+    further out, and the clipped tokens carry no gradient."""
+    old = [[math.log(2 / 3) + x for x in (-1.0, -2.0)], [math.log(2) + x for x in (-0.5, -1.5, -3.0)]]
+    cfg = GRPOConfig(num_generations=2, normalize="tokens")
+    figures, grad, adv = _step(cfg, LOGPS, logprobs=old)
+    assert adv[0] > 0 > adv[1]
+    # completion 0: ratio 1.5 > 1.2 with A > 0 -> -1.2 A (clipped); completion 1: ratio 0.5 < 0.8 with A < 0 -> -0.8 A.
+    expected = (2 * -1.2 * adv[0] + 3 * -0.8 * adv[1]) / 5
+    assert figures.loss == pytest.approx(expected, rel=1e-9)
+    assert figures.metrics["clip_ratio"] == 1.0 and grad.abs().max() == 0
+
+
+# --- the replay file ------------------------------------------------------------------------------------------------
+
+GOOD = {"group": 0, "prompt_ids": [5, 6], "completion_ids": [7, 2], "reward": 1.0}
+
+
+@pytest.mark.parametrize(("lines", "message"), [
+    (["{not json"], "not JSON"),
+    ([{**GOOD, "group": None}] * 2, None),  # null is a scalar group name: fine
+    ([{k: v for k, v in GOOD.items() if k != "group"}], "`group`"),
+    ([GOOD], "group 0 has 1 completions; grpo.num_generations is 2"),
+    ([GOOD, GOOD, {**GOOD, "group": 1}, {**GOOD, "group": 1}, GOOD, GOOD], "appears again"),
+    ([GOOD, {**GOOD, "completion_ids": [7, 5000]}], "id 5000, outside the tokenizer's vocabulary of 1024"),
+    ([GOOD, {**GOOD, "reward": float("nan")}], "reward 'reward' is nan"),
+    ([GOOD, {**GOOD, "rewards": {"a": 1}}], "give `reward` .* or `rewards`"),
+    ([GOOD, {**GOOD, "logprobs": [-1.0]}], "logprobs must be 2 finite numbers"),
+    ([GOOD, {**GOOD, "extra": 1}], r"unknown field\(s\) \['extra'\]"),
+    ([GOOD, {**GOOD, "completion_ids": []}], "the completion is empty"),
+])
+def test_bad_replay_lines_name_file_and_line(tmp_path, tokenizer, lines, message):
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    if message is None:
+        assert len(read_replay(path, tokenizer, 2, {})) == 2
+        return
+    with pytest.raises(UserError, match=message) as e:
+        read_replay(path, tokenizer, 2, {})
+    assert f"{path}:" in str(e.value)
+
+
+def test_replay_renders_prompts_and_tokenizes_text(tmp_path, tokenizer):
+    path = tmp_path / "r.jsonl"
+    line = {"group": "a", "prompt": [{"role": "user", "content": "hi"}], "completion": "hello",
+            "rewards": {"x": 1.0, "y": None}}
+    path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "rewards": {"x": None, "y": None}}) + "\n")
+    first, second = read_replay(path, tokenizer, 2, {"x": 2.0, "y": 1.0})
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert first.prompt_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert first.completion_ids == tokenizer("hello", add_special_tokens=False)["input_ids"]
+    assert first.reward == 2.0 and math.isnan(second.reward)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "examples" / "tokenizer")
+
+
+# --- the loss contract through the CLI ---------------------------------------------------------------------------
+
+
+def write_replay(path: Path, groups: int = 4, size: int = 4, seed: int = 0) -> Path:
+    """Rollouts of random ids (vocabulary 1024; end token 2): prompts of varying length, completions of 1 to 12
+    tokens, some ending with the end token, rewards 0, 0.5 or 1 (some groups all equal)."""
+    rng = random.Random(seed)
+    lines = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(3, 10))]
+        for _ in range(size):
+            completion = [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 12))] + [2] * rng.randrange(2)
+            lines.append({"group": g, "prompt_ids": prompt, "completion_ids": completion,
+                          "reward": 1.0 if g == 3 else rng.choice([0.0, 0.5, 1.0])})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def grpo_args(replay: Path, *extra: str) -> list[str]:
+    return [*TINY, "datasets=[]", "eval_datasets=[]", "data.packing=false", "train.objective=grpo",
+            f"grpo.replay={replay}", "grpo.num_generations=4", "train.warmup_steps=0", "train.lr=1e-2",
+            "train.epochs=1", *extra]
+
+
+@pytest.mark.parametrize("normalize", ["tokens", "sequences", "constant"])
+def test_first_step_is_exact_under_any_split(tmp_path, normalize):
+    """finetune verify on the first replayed step: 2 simulated ranks x 2 micro-batches x 2 completions against
+    one batch of 8, within 1e-5. Per-micro-batch token means (the naive scheme, TRL's bnpo) are off; per-sequence
+    and constant normalizers have equal micro-batches here, so their per-micro-batch means happen to be exact."""
+    from finetune.commands.verify import verify
+    from finetune.recipe import load_recipe
+
+    replay = write_replay(tmp_path / "r.jsonl")
+    recipe = load_recipe(QUICKSTART, grpo_args(replay, f"grpo.normalize={normalize}", "grpo.beta=0.04",
+                                               "grpo.scale_rewards=batch", "train.micro_batch_size=2",
+                                               "train.gradient_accumulation_steps=2"))
+    result = verify(recipe, world_size=2)
+    assert result.passed and result.tolerance == 1e-5, result.groups
+    assert (result.naive_max > 1e-3) == (normalize == "tokens"), result.groups
+
+
+def _weights_after(tmp_path: Path, name: str, replay: Path, micro: int, accum: int, *extra: str) -> dict:
+    run = tmp_path / name
+    r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *grpo_args(replay, "grpo.beta=0.04", *extra),
+                f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accum}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return final_weights(run), train_lines(run)
+
+
+def test_splits_give_the_same_weights_and_step_one_is_on_policy(tmp_path):
+    """8 x 1, 1 x 8 and 2 x 4 train the same weights over 2 steps (fp32, each tensor within 1e-5 relative, as the SFT tests). At step one the policy is
+    the reference and the sampling policy: KL and clip fraction exactly 0. Batch 1 with accumulation moves the
+    weights (the advantage is computed before the split)."""
+    replay = write_replay(tmp_path / "r.jsonl")
+    (w8, lines8), (w1, lines1), (w2, _) = (_weights_after(tmp_path, f"m{m}", replay, m, a)
+                                           for m, a in ((8, 1), (1, 8), (2, 4)))
+    for name, ref in w8.items():
+        assert rel_diff(w1[name], ref) < 1e-5 and rel_diff(w2[name], ref) < 1e-5, name
+    first = lines1[0]
+    assert first["kl"] == 0.0 and first["clip_ratio"] == 0.0 and first["update_ratio"] > 0
+    assert lines8[0]["loss"] == pytest.approx(first["loss"], rel=1e-5) and len(lines8) == 2
+    rewards = [json.loads(x)["reward"] for x in replay.read_text().splitlines()]
+    for line, batch in zip(lines1, (rewards[:8], rewards[8:])):  # group 3's rewards are all 1.0: no advantage
+        groups = [batch[:4], batch[4:]]
+        assert line["zero_std_groups"] == sum(len(set(g)) == 1 for g in groups) / 2
+        assert line["reward"] == pytest.approx(sum(batch) / 8)
+    assert lines1[1]["zero_std_groups"] >= 0.5
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    from test_distributed import torchrun
+
+    replay = write_replay(tmp_path / "r.jsonl")
+    one, _ = _weights_after(tmp_path, "one", replay, 2, 4)
+    run = tmp_path / "two"
+    r = torchrun("train", str(QUICKSTART), f"output_dir={run}", *grpo_args(replay, "grpo.beta=0.04"),
+                 "train.micro_batch_size=2", "train.gradient_accumulation_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = final_weights(run)
+    for name, ref in one.items():
+        assert rel_diff(two[name], ref) < 1e-5, name
+
+
+def test_a_bad_replay_line_exits_2_naming_it(tmp_path):
+    replay = write_replay(tmp_path / "r.jsonl")
+    lines = replay.read_text().splitlines()
+    lines[5] = lines[5].replace('"group": 1', '"group": 9')
+    replay.write_text("\n".join(lines) + "\n")
+    r = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *grpo_args(replay))
+    assert r.returncode == 2 and f"{replay}:5" in r.stderr + r.stdout, r.stderr[-2000:]
