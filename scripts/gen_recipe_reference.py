@@ -137,12 +137,18 @@ def describe(field: FieldInfo) -> str:
 # The sections, in the order Recipe declares them; list-of-section fields share one entry (datasets[]).
 def sections() -> list[tuple[str, type[BaseModel], list[str]]]:
     out: dict[type[BaseModel], tuple[str, list[str]]] = {}
-    for key, field in Recipe.model_fields.items():
-        annotation = field.annotation
-        inner = get_args(annotation)[0] if get_origin(annotation) is list else annotation
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
-            name = f"{key}[]" if get_origin(annotation) is list else key
-            out.setdefault(inner, (name, []))[1].append(f"{key}[]" if get_origin(annotation) is list else key)
+
+    def visit(model: type[BaseModel], prefix: str) -> None:  # a section's own list-of-section keys come after it
+        for key, field in model.model_fields.items():
+            annotation = field.annotation
+            inner = get_args(annotation)[0] if get_origin(annotation) is list else annotation
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                name = prefix + (f"{key}[]" if get_origin(annotation) is list else key)
+                out.setdefault(inner, (name, []))[1].append(name)
+                if model is Recipe:
+                    visit(inner, f"{name}.")
+
+    visit(Recipe, "")
     return [(name, cls, keys) for cls, (name, keys) in out.items()]
 
 
@@ -152,7 +158,7 @@ def section_name(cls: type[BaseModel]) -> str:
 
 def anchor(name: str) -> str:
     """GitHub's anchor for a `## name` heading: brackets dropped (the section names are lowercase already)."""
-    return name.replace("[]", "")
+    return name.replace("[]", "").replace(".", "")
 
 
 def table(rows: list[tuple[str, str, str, str]]) -> str:

@@ -25,10 +25,13 @@ from finetune.recipe import Recipe
 def section_models() -> dict[str, type[BaseModel]]:
     """Every schema class reachable from Recipe, by class name (the $defs keys)."""
     found: dict[str, type[BaseModel]] = {"Recipe": Recipe}
-    for field in Recipe.model_fields.values():
-        for candidate in (field.annotation, *get_args(field.annotation)):
-            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-                found[candidate.__name__] = candidate
+    todo = [Recipe]
+    while todo:  # sections, and the sections inside them (grpo.rewards[])
+        for field in todo.pop().model_fields.values():
+            for candidate in (field.annotation, *get_args(field.annotation)):
+                if isinstance(candidate, type) and issubclass(candidate, BaseModel) and candidate.__name__ not in found:
+                    found[candidate.__name__] = candidate
+                    todo.append(candidate)
     return found
 
 
