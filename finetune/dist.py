@@ -98,6 +98,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_gather_objects(items: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (picklable objects: RL rollouts)."""
+    gathered: list[list] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """True under FSDP2: the parameters are DTensor shards (gathering or saving them is a collective)."""
     return any(hasattr(p, "full_tensor") for p in model.parameters())

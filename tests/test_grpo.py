@@ -286,3 +286,47 @@ def test_a_bad_replay_line_exits_2_naming_it(tmp_path):
     replay.write_text("\n".join(lines) + "\n")
     r = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *grpo_args(replay))
     assert r.returncode == 2 and f"{replay}:5" in r.stderr + r.stdout, r.stderr[-2000:]
+
+
+# --- generated rollouts ----------------------------------------------------------------------------------------------
+
+
+def write_prompts(path: Path, n: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(2, 60), rng.randrange(2, 40)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_generated_rollouts_train_and_eval_reports_the_mean_reward(tmp_path):
+    """The policy generates each step's rollouts (after the previous update), the reward functions score them,
+    and the held-out prompts' greedy mean reward is logged at every eval."""
+    train, held_out = write_prompts(tmp_path / "p.jsonl", 32, 1), write_prompts(tmp_path / "e.jsonl", 8, 2)
+    run = tmp_path / "run"
+    r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *TINY, "data.packing=false", "train.objective=grpo",
+                f"datasets.0.path={train}", "datasets.0.format=prompt", f"eval_datasets.0.path={held_out}",
+                "eval_datasets.0.format=prompt", "grpo.num_generations=4", "grpo.max_new_tokens=6",
+                "grpo.rewards=[{function: length, args: {target: 3, scale: 1}}, {function: exact_answer}]",
+                "train.micro_batch_size=4", "train.gradient_accumulation_steps=2", "train.max_steps=2",
+                "train.warmup_steps=0", "eval.at_start=true", "eval.every_steps=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps, evals = [x for x in lines if "loss" in x], [x for x in lines if "eval_reward" in x]
+    assert [e["step"] for e in evals] == [0, 1, 2] and all(e["eval_prompts"] == 8 for e in evals)
+    for line in steps:
+        assert 1 <= line["completion_length"] <= line["completion_length_max"] <= 6
+        assert line["samples"] == 8 * line["step"] and line["generation_tokens_per_s"] > 0
+        assert {"rewards/length", "rewards/exact_answer", "zero_std_groups", "kl", "tokens"} <= set(line)
+        assert line["reward"] == pytest.approx(line["rewards/length"] + line["rewards/exact_answer"])
+    assert "prompts: 32 (0 bad rows skipped), 8 held out" in r.stdout
+
+
+def test_generation_cuts_after_the_first_end_token():
+    from finetune.rl.generation import HFGenerator
+
+    generator = HFGenerator.__new__(HFGenerator)
+    generator.end_ids = [0, 2]
+    assert generator._cut([5, 6, 2, 0, 0]) == [5, 6, 2] and generator._cut([5, 6, 7]) == [5, 6, 7]

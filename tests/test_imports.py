@@ -27,7 +27,7 @@ ALLOWED = {
     "loss": {"labels", "batch"},  # the fused linear cross-entropy, per-token log-probabilities
     "model": {"attention", "batch", "data", "loss", "recipe", "templates"},  # loading, the model with its loss
     "objectives": {"batch", "data", "dist", "loss", "model", "recipe"},  # the seam, SFT, DPO/ORPO, the reference
-    "rl": {"batch", "data", "labels", "recipe"},  # rollouts (replayed), rewards, advantages, which rows each step trains
+    "rl": {"batch", "data", "dist", "labels", "recipe"},  # rollouts (replayed), rewards, advantages, which rows each step trains
     "run": {"dist", "model", "recipe"},  # the run directory, checkpoints, a finished run's model
     "metrics": {"recipe", "run"},
     "train": {"attention", "batch", "data", "dist", "loss", "metrics", "model", "objectives", "recipe", "rl", "run",

@@ -46,8 +46,10 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
     except ImportError:
         raise UserError(f"finetune plot needs matplotlib: {INSTALL_HINT} (or pip install matplotlib)") from None
 
-    fig = Figure(figsize=(13, 8.5), dpi=100, layout="constrained")
-    (ax_loss, ax_lr), (ax_grad, ax_tps) = fig.subplots(2, 2, sharex=True)
+    rl = any(s["reward"] for s in series)  # GRPO runs: a third row, rewards and KL
+    fig = Figure(figsize=(13, 12.5 if rl else 8.5), dpi=100, layout="constrained")
+    axes = fig.subplots(3 if rl else 2, 2, sharex=True)
+    (ax_loss, ax_lr), (ax_grad, ax_tps) = axes[0], axes[1]
     for i, s in enumerate(series):
         color = f"C{i % 10}"
         # Short runs get point markers: a one-step run would otherwise draw nothing at all.
@@ -57,7 +59,7 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
             ax_lr.plot(s["train_x"], s["lr"], label=s["name"], **style)
             ax_grad.plot(s["train_x"], s["grad_norm"], label=s["name"], **style)
             ax_tps.plot(s["train_x"], s["tokens_per_s"], label=s["name"], **style)
-        if s["eval_x"]:
+        if any(not math.isnan(v) for v in s["eval_loss"]):  # GRPO's evals are rewards (its own row)
             ax_loss.plot(s["eval_x"], s["eval_loss"], color=color, linestyle="--", marker="o", markersize=4,
                          linewidth=1.2, label=f"{s['name']} eval")
         if s["bad_x"]:
@@ -65,6 +67,8 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
             edge = blended_transform_factory(ax_loss.transData, ax_loss.transAxes)
             ax_loss.plot(s["bad_x"], [0.02] * len(s["bad_x"]), linestyle="none", marker="x", color=color,
                          markersize=7, transform=edge, label=f"{s['name']} non-finite loss")
+    if rl:
+        _plot_rl(axes[2], series)
     clip = _common_clip(run_dirs)
     if clip:
         ax_grad.axhline(clip, color="gray", linestyle=":", linewidth=1, label=f"clipped at {clip:g}")
@@ -77,7 +81,7 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="best")
-    for ax in (ax_grad, ax_tps):
+    for ax in axes[-1]:
         ax.set_xlabel(x_label)
     if x != "steps":
         ax_tps.xaxis.set_major_formatter(EngFormatter(sep=""))  # 160k, 2.5M: token counts get long
@@ -87,6 +91,25 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format=None if path.suffix else "png")
     return path
+
+
+def _plot_rl(row: Any, series: list[dict[str, Any]]) -> None:
+    """GRPO's row: the step's mean reward with the held-out greedy eval reward, and the KL to the reference."""
+    ax_reward, ax_kl = row
+    for i, s in enumerate(series):
+        color = f"C{i % 10}"
+        if s["reward"]:
+            ax_reward.plot(s["train_x"], s["reward"], color=color, linewidth=1.2, label=f"{s['name']} train")
+            ax_kl.plot(s["train_x"], s["kl"], color=color, linewidth=1.2, label=s["name"])
+        points = [(x, r) for x, r in zip(s["eval_x"], s["eval_reward"]) if not math.isnan(r)]
+        if points:
+            ax_reward.plot(*zip(*points), color=color, linestyle="--", marker="o", markersize=4,
+                           label=f"{s['name']} eval (greedy)")
+    for ax, title in ((ax_reward, "reward (mean per completion)"), (ax_kl, "KL to the reference (per token)")):
+        ax.set_title(title, fontsize=11)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="best")
 
 
 def _names(run_dirs: list[str]) -> list[str]:
@@ -120,6 +143,9 @@ def _series(run: RunMetrics, name: str, x: str) -> dict[str, Any]:
         "tokens_per_s": [_finite(r.get("tokens_per_s")) for r in run.train],
         "eval_x": [at[int(e["step"])] for e in placed],
         "eval_loss": [_finite(e.get("eval_loss")) for e in placed],
+        "eval_reward": [_finite(e.get("eval_reward")) for e in placed],
+        "reward": [_finite(r.get("reward")) for r in run.train] if any("reward" in r for r in run.train) else [],
+        "kl": [_finite(r.get("kl")) for r in run.train],
         "bad_x": bad_x,
     }
 

@@ -61,7 +61,7 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     lm, net, objective = parts.lm, parts.net, parts.objective
     lm.eval()  # dropout would make the three passes differ for reasons unrelated to accumulation
     t = recipe.train
-    step_rows = plan_for(recipe, parts, world_size).step(0)[1]
+    step_rows = plan_for(recipe, parts, dist.from_env(), world_size).step(0)[1]
     pad = parts.tokenizer.pad_token_id
     ranks = [[collate(rows, recipe.data, pad) for rows in
               rank_micro_batches(step_rows, t.micro_batch_size, world_size, rank, recipe.data.group_by_length)]

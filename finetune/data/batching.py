@@ -63,6 +63,10 @@ class StepPlan:
         # The tolerance keeps float noise from rounding up: 0.1 epochs of 30 steps is every 3 steps, not 4.
         return max(1, math.ceil(every_epochs * self.steps_in_epoch(0) - 1e-9))
 
+    prefetch = True  # the next step's rows do not depend on this step's update
+    evaluator = None  # eval is the objective's loss on the eval samples (train/evaluate.py)
+    note = ""
+
     def info(self, step: int) -> dict[str, float]:
         """Figures of the step's data for its metrics line (none for rows read from datasets)."""
         return {}

@@ -1,6 +1,6 @@
 """Metrics: where each step's record goes (sinks.py, trackers.py) and the step measurements (measures.py).
 
-A plain re-export. Reading a run's metrics.jsonl back is the run directory's job (finetune/rundir.py).
+A plain re-export. Reading a run's metrics.jsonl back is the run directory's job (finetune/run/directory.py).
 """
 
 from finetune.metrics.measures import (

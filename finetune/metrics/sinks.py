@@ -4,7 +4,7 @@ The trainer computes one record per optimizer step (and one per evaluation) exac
 `MetricsLogger`, which fans it out to every sink. Trackers (metrics/trackers.py) are imported lazily; one that
 is not installed or cannot start is reported and left out, and one that fails mid-run is reported once and
 dropped: training never dies from a tracker. metrics.jsonl is the record of truth; `finetune plot` and
-`finetune runs compare` read it back (finetune/rundir.py).
+`finetune runs compare` read it back (finetune/run/directory.py).
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ class ConsoleSink:
             self.progress.start()
 
     def write(self, record: dict[str, Any]) -> None:
+        if is_eval(record) and "eval_reward" in record:
+            self.console.print(f"eval  step {record['step']:>5}  eval_reward {record['eval_reward']:.4f}  "
+                               f"({record['eval_prompts']} prompts, greedy)")
+            return
         if is_eval(record):
             counted = "pairs" if "eval_pairs" in record else "tokens"
             line = (f"eval  step {record['step']:>5}  eval_loss {record['eval_loss']:.4f}  "

@@ -125,9 +125,10 @@ class DatasetConfig(Section):
 
     path: str = Field(min_length=1)
     """A local .jsonl/.json/.parquet/.csv file, or a hub dataset name."""
-    format: Literal["alpaca", "chat", "completion", "preference"] = "chat"
+    format: Literal["alpaca", "chat", "completion", "preference", "prompt"] = "chat"
     """alpaca: instruction/input/output. chat: a messages list. completion: plain text. preference: prompt, chosen
-    and rejected, as TRL lays them out (train.objective dpo or orpo)."""
+    and rejected, as TRL lays them out (train.objective dpo or orpo). prompt: a prompt (text or messages) and any
+    other fields, which the reward functions receive (train.objective grpo)."""
     prompt_template: Literal["chat", "alpaca", "alpaca_chat", "alpaca_chatml", "alpaca_phi"] = "chat"
     """alpaca: how a row becomes text. chat: the tokenizer's chat template. alpaca: the Stanford Alpaca prompt
     ("Below is an instruction ... ### Instruction:\n...\n\n### Response:\n"), as Axolotl's `type: alpaca`

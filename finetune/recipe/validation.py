@@ -146,9 +146,16 @@ def _grpo_checks(recipe: Recipe) -> list[str]:
     if recipe.train.objective != "grpo":
         return []
     problems = []
-    if not recipe.grpo.replay:
-        problems.append("grpo.replay: GRPO reads its rollouts from a replay file in this version (docs/rl.md, "
-                        "\"The replay file\"); generating them from prompt datasets is not available yet")
+    for key in DATASET_LISTS:
+        for i, ds in enumerate(getattr(recipe, key)):
+            if ds.format != "prompt":
+                problems.append(f"{key}.{i}.format: train.objective grpo generates from prompts; use format: prompt "
+                                f"(a prompt, text or messages, and the fields its rewards read), not {ds.format}")
+    if not recipe.grpo.replay and not recipe.grpo.rewards:
+        problems.append("grpo.rewards: generating rollouts needs at least one reward function (docs/rl.md)")
+    if not recipe.grpo.replay and recipe.distributed.strategy == "fsdp":
+        problems.append("distributed.strategy: GRPO's generation runs on each rank's own prompts; with fsdp the "
+                        "ranks' generate calls would have to stay in step: use ddp, or grpo.replay")
     if recipe.grpo.replay and (recipe.datasets or recipe.eval_datasets):
         problems.append("datasets: grpo.replay trains on the file's rollouts only; remove datasets and eval_datasets")
     if recipe.data.packing:
@@ -164,6 +171,11 @@ def _objective_checks(recipe: Recipe) -> list[str]:
     preference = recipe.train.objective in ("dpo", "orpo")
     for key in DATASET_LISTS:
         for i, ds in enumerate(getattr(recipe, key)):
+            if ds.format == "prompt" and recipe.train.objective != "grpo":
+                problems.append(f"{key}.{i}.format: prompt data is for train.objective: grpo")
+                continue
+            if recipe.train.objective == "grpo":
+                continue  # _grpo_checks
             if preference and ds.format != "preference":
                 problems.append(f"{key}.{i}.format: train.objective {recipe.train.objective} trains on pairs; "
                                 f"use format: preference (prompt, chosen, rejected), not {ds.format}")

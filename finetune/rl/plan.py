@@ -24,25 +24,22 @@ Scorer = Callable[[list[dict]], list[list[float]]]
 
 
 class RolloutPlan:
-    """The optimizer steps of a list of rollouts (a replay file's), epoch after epoch in file order."""
+    """The optimizer steps of batches of rollouts: `fetch(i)` gives batch i's (i counts over epochs), a replay
+    file's slice or the policy's generations; `batches` per epoch."""
 
-    def __init__(self, rollouts: list[Rollout], recipe: Recipe, world_size: int, end_ids: Collection[int],
-                 score: Scorer | None = None) -> None:
+    def __init__(self, fetch: Callable[[int], list[Rollout]], batches: int, recipe: Recipe, world_size: int,
+                 end_ids: Collection[int], score: Scorer | None = None, prefetch: bool = True) -> None:
         t, g = recipe.train, recipe.grpo
-        self.rollouts, self.recipe, self.end_ids, self.score = rollouts, recipe, frozenset(end_ids), score
+        self.fetch, self.batches, self.recipe, self.end_ids = fetch, batches, recipe, frozenset(end_ids)
+        self.score = score
+        self.prefetch = prefetch  # generated rollouts come from the policy as updated by the previous step: not ahead
         self.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
-        if self.global_batch % g.num_generations:
-            raise UserError(f"an optimizer step's {self.global_batch} completions (train.micro_batch_size x "
-                            f"gradient_accumulation_steps x ranks) are not whole groups of grpo.num_generations "
-                            f"{g.num_generations}")
-        self.batches = steps_in(len(rollouts), self.global_batch, recipe.data.drop_last)
-        if self.batches == 0:
-            raise UserError(f"one optimizer step needs {self.global_batch} completions but the replay file has "
-                            f"{len(rollouts)}; lower train.micro_batch_size or gradient_accumulation_steps")
         per_epoch = self.batches * g.iterations
-        total = per_epoch * (t.epochs or 1) if t.epochs is not None else t.max_steps
+        total = per_epoch * t.epochs if t.epochs is not None else t.max_steps
         self.total = min(total, t.max_steps) if t.max_steps else total
         self._current: tuple[int, list[dict], dict[str, float]] | None = None
+        self.evaluator: Callable[[], dict[str, float]] | None = None  # held-out mean reward (generated rollouts)
+        self.note = ""
 
     def steps_in_epoch(self, epoch: int) -> int:
         return self.batches * self.recipe.grpo.iterations
@@ -57,7 +54,7 @@ class RolloutPlan:
         index = step // self.recipe.grpo.iterations
         epoch = index // self.batches
         if self._current is None or self._current[0] != index:
-            self._current = (index, *self._rows(index % self.batches))
+            self._current = (index, *self._rows(index))
         return epoch, self._current[1]
 
     def info(self, step: int) -> dict[str, float]:
@@ -67,14 +64,42 @@ class RolloutPlan:
 
     def _rows(self, batch: int) -> tuple[list[dict], dict[str, float]]:
         g = self.recipe.grpo
-        rollouts = self.rollouts[batch * self.global_batch:(batch + 1) * self.global_batch]
+        rollouts = self.fetch(batch)
         adv = group_advantages([r.reward for r in rollouts], g.num_generations, g.scale_rewards)
         truncated = [r.truncated(self.end_ids) for r in rollouts]
         rows = [training_row(r, a, g.mask_truncated and cut) for r, a, cut in zip(rollouts, adv.values, truncated)]
         if g.iterations > 1 and self.score is not None and any(r.logprobs is None for r in rollouts):
             for row, logps in zip(rows, self.score(rows)):  # the sampling policy: the policy before this batch's steps
                 row["rollout"]["logprobs"] = row["rollout"]["logprobs"] or logps
-        return rows, rollout_figures(rollouts, truncated, adv.zero_std_groups)
+        figures = rollout_figures(rollouts, truncated, adv.zero_std_groups) | getattr(self.fetch, "figures", {})
+        return rows, figures
+
+
+def group_batch(recipe: Recipe, world_size: int) -> int:
+    """One optimizer step's completions, checked to be whole groups."""
+    t, g = recipe.train, recipe.grpo
+    size = t.micro_batch_size * t.gradient_accumulation_steps * world_size
+    if size % g.num_generations:
+        raise UserError(f"an optimizer step's {size} completions (train.micro_batch_size x "
+                        f"gradient_accumulation_steps x ranks) are not whole groups of grpo.num_generations "
+                        f"{g.num_generations}")
+    return size
+
+
+def replay_plan(rollouts: list[Rollout], recipe: Recipe, world_size: int, end_ids: Collection[int],
+                score: Scorer | None = None) -> RolloutPlan:
+    """The plan of a replay file's rollouts: each step the next global batch of lines, epochs in file order."""
+    size = group_batch(recipe, world_size)
+    batches = steps_in(len(rollouts), size, recipe.data.drop_last)
+    if batches == 0:
+        raise UserError(f"one optimizer step needs {size} completions but the replay file has {len(rollouts)}; "
+                        "lower train.micro_batch_size or gradient_accumulation_steps")
+
+    def fetch(index: int) -> list[Rollout]:
+        b = index % batches
+        return rollouts[b * size:(b + 1) * size]
+
+    return RolloutPlan(fetch, batches, recipe, world_size, end_ids, score)
 
 
 def rollout_figures(rollouts: list[Rollout], truncated: list[bool], zero_std: float) -> dict[str, Any]:

@@ -122,8 +122,8 @@ def read_versions(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def is_eval(record: dict[str, Any]) -> bool:
-    """An eval line of metrics.jsonl (a train line has `loss`, an eval line `eval_loss`)."""
-    return "eval_loss" in record
+    """An eval line of metrics.jsonl (a train line has `loss`, an eval line `eval_loss`, or GRPO's `eval_reward`)."""
+    return "eval_loss" in record or "eval_reward" in record
 
 
 def number(record: dict[str, Any], key: str) -> float:

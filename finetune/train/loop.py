@@ -134,7 +134,9 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     parts = load_parts(recipe, world, device, lambda m: console.print(m, markup=False, highlight=False),
                        fresh_model=resume_from is None,
                        check_model=lambda lm, tokenizer: compiled.append(_check_model(recipe, lm, tokenizer, console)))
-    plan = plan_for(recipe, parts, world.size)
+    plan = plan_for(recipe, parts, world)
+    if plan.note:
+        console.print(plan.note)
     checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
     lm = parts.lm
     if world.is_main:
@@ -226,15 +228,17 @@ def train_loop(run: Run) -> None:
     run.net.train()  # once: an eval switches it back when done
     clock, bad_streak, pending = Stopwatch(), 0, None
     depth_width = _depth_width(run.lm)
-    upcoming = _micro_batches(run, done.step) if done.step < plan.total else None
+    upcoming = None
     for step in range(done.step, plan.total):
         clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
-        epoch, step_rows, micro = upcoming
+        # Collated ahead during the previous step, unless the rows depend on its update (generated rollouts).
+        epoch, step_rows, micro = upcoming or _micro_batches(run, step)
+        upcoming = None
         # The step's counts over all micro-batches and ranks, known before any backward.
         counts, seq_tokens, padded_tokens = step_counts(run.objective, micro, world, run.device)
         sums = forward_backward(run.net, run.objective, micro, counts, world, run.device)
         norm = clip_gradients(run.params, recipe.train.max_grad_norm or math.inf)
-        if step + 1 < plan.total:
+        if step + 1 < plan.total and plan.prefetch:
             upcoming = _micro_batches(run, step + 1)
         figures = read_step(run.objective, sums, norm, counts, [pending.ratio] if pending else [])
         if pending:
@@ -300,6 +304,9 @@ def _write_line(run: Run, line: _Line, ratio: float) -> None:
     if not record["skipped"] and ((ratio == 0.0 and record["lr"] > 0) or record["grad_norm"] == 0.0):
         what = "the trainable weights did not change" if ratio == 0.0 else "every gradient was 0"
         run.console.print(f"[yellow]step {record['step']}: {what}[/yellow]")
+    if record.get("zero_std_groups") == 1.0:
+        run.console.print(f"[yellow]step {record['step']}: the rewards are equal within every group (no advantage): "
+                          "nothing to learn from its rollouts[/yellow]")
     if run.logger:
         run.logger.log(record)
 
@@ -338,6 +345,11 @@ def _update_ratio(run: Run, before: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _evaluate(run: Run, step: int) -> None:
+    if run.plan.evaluator is not None:  # GRPO: the mean reward of greedy completions of held-out prompts
+        record = {"step": step, **run.plan.evaluator()}
+        if run.logger:
+            run.logger.log(record)
+        return
     if not run.eval_samples:
         return
     micro = run.recipe.eval.micro_batch_size or run.recipe.train.micro_batch_size

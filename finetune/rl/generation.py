@@ -1,0 +1,60 @@
+"""The generation seam: prompts in, sampled completions out. `HFGenerator` runs transformers' `generate` on the
+policy itself (adapters on, eval mode, KV cache, left-padded batches); a faster engine (vLLM on CUDA) can take its
+place by implementing `Generator`, without touching the objective or the plan."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, Protocol
+
+import torch
+
+from finetune.recipe import GRPOConfig
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], greedy: bool = False) -> list[list[int]]:
+        """One completion per prompt (repeat a prompt for a group): its token ids, cut after the first end
+        token (kept), at most max_new_tokens."""
+        ...
+
+
+class HFGenerator:
+    """transformers' generate on the policy, `batch_size` prompts at a time."""
+
+    def __init__(self, lm: torch.nn.Module, tokenizer: Any, cfg: GRPOConfig, end_ids: Collection[int],
+                 device: torch.device, batch_size: int) -> None:
+        self.lm, self.cfg, self.end_ids, self.device = lm, cfg, sorted(end_ids), device
+        self.pad_id = tokenizer.pad_token_id
+        self.batch_size = batch_size
+
+    def generate(self, prompts: list[list[int]], greedy: bool = False) -> list[list[int]]:
+        training = self.lm.training
+        self.lm.eval()
+        try:
+            with torch.no_grad():
+                return [c for i in range(0, len(prompts), self.batch_size)
+                        for c in self._batch(prompts[i:i + self.batch_size], greedy)]
+        finally:
+            self.lm.train(training)
+
+    def _batch(self, prompts: list[list[int]], greedy: bool) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left-padded: every completion starts at the same column
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": self.cfg.temperature,
+                                                        "top_p": self.cfg.top_p, "top_k": 0}
+        out = self.lm.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                               max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.end_ids,
+                               pad_token_id=self.pad_id, use_cache=True, **sampling)
+        return [self._cut(row) for row in out[:, width:].tolist()]
+
+    def _cut(self, ids: list[int]) -> list[int]:
+        """Up to and including the first end token (what follows is generate's padding)."""
+        for i, t in enumerate(ids):
+            if t in self.end_ids:
+                return ids[:i + 1]
+        return ids

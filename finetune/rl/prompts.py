@@ -1,0 +1,76 @@
+"""Prompt datasets (`format: prompt`): a prompt as text or messages, and any other fields, which the reward
+functions receive (e.g. `answer` for exact_answer)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.data.chat_spans import render_chat
+from finetune.data.sources import BadRow, read_rows
+from finetune.errors import UserError
+from finetune.recipe import DatasetConfig
+
+
+@dataclass
+class Prompt:
+    """One prompt row: as written (text or messages), its token ids, its other fields and its file:line."""
+
+    prompt: Any
+    prompt_ids: list[int]
+    fields: dict[str, Any] = field(default_factory=dict)
+    where: str = ""
+
+
+def prompt_ids(prompt: Any, tokenizer: Any, template_kwargs: dict | None, where: str) -> list[int]:
+    """Messages rendered with the chat template and its generation prompt, or text as it is; tokenized without
+    added special tokens (the template writes them)."""
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and "role" in m for m in prompt):
+            raise BadRow(f"{where}: prompt messages are objects with a role and content")
+        try:
+            prompt = render_chat(tokenizer, prompt, template_kwargs, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own error, for this row
+            raise BadRow(f"{where}: the chat template cannot render the prompt ({e})") from e
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadRow(f"{where}: `prompt` must be non-empty text or a list of messages")
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwargs: dict | None,
+                 on_bad_row: str, max_prompt_tokens: int | None, key: str = "datasets") -> tuple[list[Prompt], int]:
+    """Every prompt row of the datasets, and how many bad rows were skipped (on_bad_row: skip)."""
+    prompts, skipped = [], 0
+    for index, cfg in enumerate(configs):
+        taken = 0
+        try:
+            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name):
+                if cfg.max_rows is not None and taken >= cfg.max_rows:
+                    break
+                try:
+                    prompts.append(_prompt(row, tokenizer, template_kwargs, max_prompt_tokens))
+                    taken += 1
+                except BadRow:
+                    if on_bad_row != "skip":
+                        raise
+                    skipped += 1
+        except BadRow:
+            raise
+        except UserError as e:
+            raise UserError(f"{key}.{index}.path: {e}") from None
+    return prompts, skipped
+
+
+def _prompt(row: Any, tokenizer: Any, template_kwargs: dict | None, max_prompt_tokens: int | None) -> Prompt:
+    if row.error:
+        raise BadRow(f"{row.origin}: {row.error}")
+    if "prompt" not in row.data:
+        raise BadRow(f"{row.origin}: a prompt row needs a `prompt` (text or messages); it has "
+                     f"{sorted(row.data) or 'no fields'}")
+    ids = prompt_ids(row.data["prompt"], tokenizer, template_kwargs, row.origin)
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        raise BadRow(f"{row.origin}: the prompt is {len(ids)} tokens; data.max_seq_len - grpo.max_new_tokens "
+                     f"leaves {max_prompt_tokens}")
+    fields = {k: v for k, v in row.data.items() if k != "prompt"}
+    return Prompt(row.data["prompt"], ids, fields, row.origin)
