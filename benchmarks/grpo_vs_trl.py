@@ -32,6 +32,10 @@ Conventions that had to match (docs/rl-trl-figures.md):
     within 1.4e-7 but its gradient moved by 1.4 % (the row "-trlbf16").
   * max_completion_length 16 = grpo.max_new_tokens (dr_grpo's constant); temperature 1; shuffle_dataset off
     (TRL's generation batch is still shuffled before the split: it changes no sum but bnpo's).
+Rows marked "!" show settings where the two differ today, left out of the worst difference: TRL's bf16 default,
+temperature 0.7 (TRL scores log-probabilities of logits / temperature, policy and reference; we do not), and
+rollouts whose `logprobs` are off the policy's by N(0, 0.05) (we take the importance ratio against them; TRL's
+trainer without vLLM ignores the rollout function's logprobs). "-lp0" (logprobs equal to the policy's) matches.
 """
 
 from __future__ import annotations
@@ -143,12 +147,20 @@ class Case:
     mask_truncated: bool = False
     kl_gradient: str = "exact"  # exact = TRL's use_bias_correction_kl (its default); k3 = False
     trl_bf16: bool = False  # TRL only: its GRPOConfig's default bf16=True (autocast, on a CPU too)
+    temperature: float = 1.0  # grpo.temperature; TRL's temperature
+    logprobs_noise: float | None = None  # rollouts with sampling log-probs: the policy's + N(0, this)
 
     @property
     def name(self) -> str:
         extra = ("-masked" if self.mask_truncated else "") + ("-k3" if self.kl_gradient != "exact" else "")
-        extra += "-trlbf16" if self.trl_bf16 else ""
+        extra += ("-trlbf16" if self.trl_bf16 else "") + (f"-t{self.temperature:g}" if self.temperature != 1 else "")
+        extra += f"-lp{self.logprobs_noise:g}" if self.logprobs_noise is not None else ""
         return f"{self.normalize}-{self.scale}-b{self.beta:g}-{self.micro}x{self.accum}{extra}"
+
+    @property
+    def known_difference(self) -> bool:
+        """A row that shows a setting where ours and TRL's differ (left out of the worst difference)."""
+        return self.trl_bf16 or self.temperature != 1 or bool(self.logprobs_noise)
 
 
 def all_cases() -> list[Case]:
@@ -161,7 +173,30 @@ EXTRA_CASES = [Case("tokens", "group", 0.04, 4, 4, mask_truncated=True),
                Case("sequences", "group", 0.04, 4, 4, mask_truncated=True),
                Case("constant", "group", 0.04, 4, 4, mask_truncated=True),
                Case("tokens", "group", 0.04, 4, 4, kl_gradient="k3"),
-               Case("tokens", "group", 0.0, 16, 1, trl_bf16=True)]
+               Case("tokens", "group", 0.04, 4, 4, logprobs_noise=0.0),
+               Case("tokens", "group", 0.0, 16, 1, trl_bf16=True),
+               Case("tokens", "group", 0.04, 16, 1, temperature=0.7),
+               Case("tokens", "group", 0.04, 4, 4, logprobs_noise=0.05)]
+
+
+def replay_with_logprobs(replay: Path, policy: Path, noise: float, seed: int = 1) -> Path:
+    """The rollouts with `logprobs`: the policy's own log-probabilities of each completion token (float64 from
+    its logits), plus N(0, noise) (a sampler slightly off the trainer), capped at 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float64)
+    rng = random.Random(seed)
+    lines = []
+    for line in (json.loads(x) for x in replay.read_text().splitlines()):
+        ids = torch.tensor([line["prompt_ids"] + line["completion_ids"]])
+        start = len(line["prompt_ids"])
+        with torch.no_grad():
+            logps = torch.log_softmax(model(ids).logits[0, start - 1:-1], -1).gather(1, ids[0, start:, None])
+        lines.append({**line, "logprobs": [min(0.0, x + rng.gauss(0, noise)) for x in logps[:, 0].tolist()]})
+    path = replay.with_name(f"{replay.stem}-lp{noise:g}.jsonl")
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
 
 
 # --- ours ----------------------------------------------------------------------------------------------------
@@ -171,7 +206,7 @@ def write_recipe(case: Case, work: Path, policy: Path, reference: Path, replay: 
 
     grpo = {"replay": str(replay), "num_generations": GROUP_SIZE, "max_new_tokens": MAX_NEW, "beta": case.beta,
             "normalize": case.normalize, "scale_rewards": case.scale, "mask_truncated": case.mask_truncated,
-            "kl_gradient": case.kl_gradient}
+            "kl_gradient": case.kl_gradient, "temperature": case.temperature}
     if case.beta:
         grpo["reference"] = str(reference)
     recipe = {
@@ -258,8 +293,9 @@ def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Pa
             group = json.loads(prompt)
             picked.append(groups[group][seen[group]])
             seen[group] += 1
+        logprobs = [x["logprobs"] for x in picked] if "logprobs" in picked[0] else None
         return {"prompt_ids": [x["prompt_ids"] for x in picked], "completion_ids": [x["completion_ids"] for x in
-                picked], "logprobs": None, "replay_reward": [x["reward"] for x in picked]}
+                picked], "logprobs": logprobs, "replay_reward": [x["reward"] for x in picked]}
 
     def replay_reward(prompts: list, completions: list, replay_reward: list[float], **kwargs: Any) -> list[float]:
         return list(replay_reward)
@@ -276,10 +312,11 @@ def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Pa
     args = GRPOConfig(
         output_dir=str(work / f"trl-{loss_type}-{case.name}"), per_device_train_batch_size=case.micro,
         gradient_accumulation_steps=case.accum, num_generations=GROUP_SIZE, max_completion_length=MAX_NEW,
-        beta=case.beta, loss_type=loss_type, scale_rewards=case.scale, mask_truncated_completions=case.mask_truncated,
-        learning_rate=1e-3, lr_scheduler_type="constant", max_steps=1, logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=True, seed=0, shuffle_dataset=False, max_grad_norm=1e9, temperature=1.0,
-        use_bias_correction_kl=case.kl_gradient == "exact", bf16=case.trl_bf16, disable_tqdm=True)
+        beta=case.beta, loss_type=loss_type, scale_rewards=case.scale,
+        mask_truncated_completions=case.mask_truncated, use_bias_correction_kl=case.kl_gradient == "exact",
+        temperature=case.temperature, bf16=case.trl_bf16, learning_rate=1e-3, lr_scheduler_type="constant",
+        max_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+        shuffle_dataset=False, max_grad_norm=1e9, disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=replay_reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": [json.dumps(g) for g in groups]}),
                           processing_class=AutoTokenizer.from_pretrained(TOKENIZER), rollout_func=rollout_func,
@@ -311,19 +348,22 @@ def compare(cases: list[Case], cli: set[str], work: Path, inputs: tuple[Path, Pa
               f"{'rel':>8} {'grad rel':>8} {'CLI rel':>8}")
     print(header, flush=True)
     for case in cases:
-        recipe = write_recipe(case, work, *inputs)
+        files = inputs
+        if case.logprobs_noise is not None:
+            files = (*inputs[:2], replay_with_logprobs(inputs[2], inputs[0], case.logprobs_noise))
+        recipe = write_recipe(case, work, *files)
         loss, norm, grads = ours_step(recipe)
-        t_loss, t_norm, t_grads = trl_step(case, LOSS_TYPE[case.normalize], work, *inputs)
-        row = {"case": case.name, "ours_loss": loss, "trl_loss": t_loss, "loss_rel": rel(loss, t_loss),
-               "ours_grad_norm": norm, "trl_grad_norm": t_norm, "grad_norm_rel": rel(norm, t_norm),
-               "grad_rel": grad_rel(grads, t_grads)}
+        t_loss, t_norm, t_grads = trl_step(case, LOSS_TYPE[case.normalize], work, *files)
+        row = {"case": case.name, "known_difference": case.known_difference, "ours_loss": loss,
+               "trl_loss": t_loss, "loss_rel": rel(loss, t_loss), "ours_grad_norm": norm, "trl_grad_norm": t_norm,
+               "grad_norm_rel": rel(norm, t_norm), "grad_rel": grad_rel(grads, t_grads)}
         if case.name in cli or "all" in cli:
             c_loss, c_norm = ours_cli(recipe)
             row |= {"cli_loss": c_loss, "cli_grad_norm": c_norm,
                     "cli_rel": max(rel(c_loss, t_loss), rel(c_norm, t_norm))}
         rows.append(row)
         cli_rel = f"{row['cli_rel']:.1e}" if "cli_rel" in row else "-"
-        mark = "*" if abs(t_loss) < 1e-6 else " "
+        mark = "*" if abs(t_loss) < 1e-6 else "!" if case.known_difference else " "
         print(f"{case.name:<32} {loss:>14.9f} {t_loss:>14.9f} {row['loss_rel']:>7.1e}{mark} {norm:>12.7f} "
               f"{t_norm:>12.7f} {row['grad_norm_rel']:>8.1e} {row['grad_rel']:>8.1e} {cli_rel:>8}", flush=True)
     return rows
@@ -343,8 +383,8 @@ def bnpo(work: Path, inputs: tuple[Path, Path, Path]) -> list[dict]:
             ours = ours_step(write_recipe(case, work, *inputs))[1]
             rows.append({"case": f"bnpo-{case.name}", "trl_loss": t_loss, "trl_grad_norm": t_norm,
                          "grad_rel_to_one_batch": grad_rel(grads, one), "ours_tokens_grad_norm": ours})
-            print(f"{'bnpo-' + case.name:<32} {t_loss:>14.9f} {t_norm:>12.7f} {rows[-1]['grad_rel_to_one_batch']:>17.2e} "
-                  f"{ours:>16.7f}", flush=True)
+            print(f"{'bnpo-' + case.name:<32} {t_loss:>14.9f} {t_norm:>12.7f} "
+                  f"{rows[-1]['grad_rel_to_one_batch']:>17.2e} {ours:>16.7f}", flush=True)
     return rows
 
 
@@ -384,9 +424,10 @@ def main() -> None:
     rows = compare(cases, set(args.cli), work, inputs)
     rows += bnpo(work, inputs)
     worst = max(max(r["loss_rel"], r["grad_norm_rel"], r.get("cli_rel", 0.0)) for r in rows
-                if "loss_rel" in r and not r["case"].endswith("-trlbf16"))  # that row shows TRL's bf16 default
-    print(f"\n* a loss that is 0 mathematically: absolute difference\nworst relative difference of a loss or grad "
-          f"norm, ours vs TRL: {worst:.2e}")
+                if "loss_rel" in r and not r["known_difference"])
+    print(f"\n* a loss that is 0 mathematically: absolute difference\n! a setting where ours and TRL's differ "
+          f"(docs/rl-trl-figures.md)\nworst relative difference of a loss or grad norm, ours vs TRL, other rows: "
+          f"{worst:.2e}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
