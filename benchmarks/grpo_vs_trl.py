@@ -1,0 +1,436 @@
+"""GRPO step one, ours against TRL 1.16.0's GRPOTrainer, on the same fixed rollouts of a tiny random Llama.
+
+    .venv/bin/python benchmarks/grpo_vs_trl.py --trl-path /tmp/trl_pkgs   # TRL installed with
+        .venv/bin/pip install --no-deps --target /tmp/trl_pkgs trl==1.16.0   (its other needs are in our venv)
+    .venv/bin/python benchmarks/grpo_vs_trl.py --cli all    # ours through `finetune train` for every case (slow)
+
+One optimizer step of a 2-layer Llama (hidden 32, vocabulary 1024, float32, CPU, weights drawn from a seeded
+generator: `write_model`) on 16 replayed completions (4 groups of 4, `write_replay`), for each TRL loss_type and
+our grpo.normalize (dapo = tokens, grpo = sequences, dr_grpo = constant) x scale_rewards (group, batch, none) x
+beta (0; 0.04 against a separate reference model) x split (micro 16 x accumulation 1, 4 x 4, 1 x 16). Printed:
+both step-one losses and pre-clip gradient norms, their relative differences, and the relative difference of the
+whole gradient (||ours - TRL|| / ||TRL||). Then TRL's bnpo (per-micro-batch token mean) at each split against its
+own one-batch step, which we do not reproduce on purpose.
+
+Ours: the trainer's own step functions (train/parts.py load_parts and plan_for, the collated micro-batches,
+train/step.py step_counts, forward_backward, clip_gradients, read_step: what `finetune train` runs) for every
+case, and the real CLI (`finetune train` with train.max_steps 1, figures read from metrics.jsonl) for the cases of
+`--cli` (default: one per normalize and beta at 4 x 4). TRL: GRPOTrainer with its `rollout_func` hook returning
+the replayed ids, so everything after generation (padding, masks, rewards to advantages, log-probabilities, the
+loss and its normalizer, accumulation, clipping) is TRL's code; each completion's reward is looked up by a reward
+function from a field the rollout function returns. Its loss and pre-clip norm come from the trainer's log, its
+gradient from a callback before the optimizer step (max_grad_norm 1e9 on both sides: nothing is clipped).
+
+Conventions that had to match (docs/rl-trl-figures.md):
+  * Prompts of equal length (6 ids). TRL left-pads prompts and passes no position_ids, so a padded prompt's
+    positions start later; under RoPE that is the same maths but not the same float rounding. `--varied-prompts`
+    measures that case.
+  * The reference: TRL 1.16's GRPOTrainer has no ref_model argument; it loads the reference from the policy's
+    config._name_or_path (trl/trainer/grpo_trainer.py, `create_model_from_path(get_config_model_id(...))`), which
+    we point at the reference directory, so TRL's own code loads and prepares it. Ours: grpo.reference: PATH.
+  * bf16=False: TRL's GRPOConfig defaults to bf16=True, on a CPU too; left so, its step-one loss still agreed
+    within 1.4e-7 but its gradient moved by 1.4 % (the row "-trlbf16").
+  * max_completion_length 16 = grpo.max_new_tokens (dr_grpo's constant); temperature 1; shuffle_dataset off
+    (TRL's generation batch is still shuffled before the split: it changes no sum but bnpo's).
+Rows marked "!" show settings where the two differ today, left out of the worst difference: TRL's bf16 default,
+temperature 0.7 (TRL scores log-probabilities of logits / temperature, policy and reference; we do not), and
+rollouts whose `logprobs` are off the policy's by N(0, 0.05) (we take the importance ratio against them; TRL's
+trainer without vLLM ignores the rollout function's logprobs). "-lp0" (logprobs equal to the policy's) matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout without an editable install
+    sys.path.insert(0, str(ROOT))
+
+TOKENIZER = ROOT / "examples" / "tokenizer"
+# The tiny Llama: vocabulary = the example tokenizer's 1024 tokens; pad 0, bos 1, eos 2 (<|im_end|>), as it has.
+MODEL_CONFIG: dict[str, Any] = {
+    "vocab_size": 1024, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+GROUP_SIZE, MAX_NEW, EOS = 4, 16, 2
+# Each group's rewards: none constant, non-binary, so group and batch scaling differ.
+REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.0, 2.0, 1.0, 1.0], [0.25, 0.75, 0.5, 1.0], [1.0, 1.0, 0.0, 1.0]]
+LOSS_TYPE = {"tokens": "dapo", "sequences": "grpo", "constant": "dr_grpo"}
+SCALES = ("group", "batch", "none")
+BETAS = (0.0, 0.04)
+SPLITS = ((16, 1), (4, 4), (1, 16))
+
+
+# --- the fixed inputs: model, reference, rollouts ------------------------------------------------------------
+
+def write_model(path: Path, seed: int, base: Path | None = None, mix: float = 0.3) -> Path:
+    """A tiny Llama whose every weight comes from torch.Generator(seed), parameters in name order (transformers'
+    own init is overwritten, so a change there changes nothing): norms 1 + 0.1 N, the (tied) embedding 0.3 N,
+    linear layers N / sqrt(fan_in): logits of std ~1.7, far from uniform. With `base`, base's weights plus `mix`
+    times those: a reference model near the policy."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG))
+    start = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict() if base else None
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            fresh = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim == 1:
+                value = 0.1 * fresh + (0 if start else 1)
+            elif "embed_tokens" in name:
+                value = 0.3 * fresh
+            else:
+                value = fresh / math.sqrt(param.shape[1])
+            param.copy_(start[name] + mix * value if start else value)
+    model.save_pretrained(path)
+    return path
+
+
+def write_models(work: Path) -> tuple[Path, Path]:
+    """(the policy, a reference near it) as model directories."""
+    policy = write_model(work / "policy", seed=0)
+    return policy, write_model(work / "reference", seed=1, base=policy)
+
+
+def weights_digest(path: Path) -> str:
+    """sha256 of a model directory's tensors (names, shapes and bytes in name order): the same model, whatever
+    the file's metadata."""
+    import torch
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(str(path / "model.safetensors")).items()):
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write_replay(path: Path, varied_prompts: bool = False, seed: int = 0) -> Path:
+    """16 rollouts in 4 groups: prompts of 6 random ids (3 to 9 with varied_prompts), completions of 1 to 12
+    random ids, half of them then ending with the end token 2 (the others are truncated), rewards REWARDS."""
+    rng = random.Random(seed)
+    lines = []
+    for group, rewards in enumerate(REWARDS):
+        prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(3, 10) if varied_prompts else 6)]
+        for reward in rewards:
+            completion = [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 13))]
+            completion += [EOS] if rng.random() < 0.5 else []
+            lines.append({"group": group, "prompt_ids": prompt, "completion_ids": completion, "reward": reward})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@dataclass(frozen=True)
+class Case:
+    """One step-one comparison."""
+
+    normalize: str = "tokens"
+    scale: str = "group"
+    beta: float = 0.0
+    micro: int = 16
+    accum: int = 1
+    mask_truncated: bool = False
+    kl_gradient: str = "exact"  # exact = TRL's use_bias_correction_kl (its default); k3 = False
+    trl_bf16: bool = False  # TRL only: its GRPOConfig's default bf16=True (autocast, on a CPU too)
+    temperature: float = 1.0  # grpo.temperature; TRL's temperature
+    logprobs_noise: float | None = None  # rollouts with sampling log-probs: the policy's + N(0, this)
+
+    @property
+    def name(self) -> str:
+        extra = ("-masked" if self.mask_truncated else "") + ("-k3" if self.kl_gradient != "exact" else "")
+        extra += ("-trlbf16" if self.trl_bf16 else "") + (f"-t{self.temperature:g}" if self.temperature != 1 else "")
+        extra += f"-lp{self.logprobs_noise:g}" if self.logprobs_noise is not None else ""
+        return f"{self.normalize}-{self.scale}-b{self.beta:g}-{self.micro}x{self.accum}{extra}"
+
+    @property
+    def known_difference(self) -> bool:
+        """A row that shows a setting where ours and TRL's differ (left out of the worst difference)."""
+        return self.trl_bf16 or self.temperature != 1 or bool(self.logprobs_noise)
+
+
+def all_cases() -> list[Case]:
+    return [Case(n, s, b, m, a) for b in BETAS for n in LOSS_TYPE for s in SCALES for m, a in SPLITS]
+
+
+# Beyond the grid: truncated completions masked, the plain-k3 KL gradient (TRL: use_bias_correction_kl=False), and
+# TRL left at its bf16 default against our float32.
+EXTRA_CASES = [Case("tokens", "group", 0.04, 4, 4, mask_truncated=True),
+               Case("sequences", "group", 0.04, 4, 4, mask_truncated=True),
+               Case("constant", "group", 0.04, 4, 4, mask_truncated=True),
+               Case("tokens", "group", 0.04, 4, 4, kl_gradient="k3"),
+               Case("tokens", "group", 0.04, 4, 4, logprobs_noise=0.0),
+               Case("tokens", "group", 0.0, 16, 1, trl_bf16=True),
+               Case("tokens", "group", 0.04, 16, 1, temperature=0.7),
+               Case("tokens", "group", 0.04, 4, 4, logprobs_noise=0.05)]
+
+
+def replay_with_logprobs(replay: Path, policy: Path, noise: float, seed: int = 1) -> Path:
+    """The rollouts with `logprobs`: the policy's own log-probabilities of each completion token (float64 from
+    its logits), plus N(0, noise) (a sampler slightly off the trainer), capped at 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float64)
+    rng = random.Random(seed)
+    lines = []
+    for line in (json.loads(x) for x in replay.read_text().splitlines()):
+        ids = torch.tensor([line["prompt_ids"] + line["completion_ids"]])
+        start = len(line["prompt_ids"])
+        with torch.no_grad():
+            logps = torch.log_softmax(model(ids).logits[0, start - 1:-1], -1).gather(1, ids[0, start:, None])
+        lines.append({**line, "logprobs": [min(0.0, x + rng.gauss(0, noise)) for x in logps[:, 0].tolist()]})
+    path = replay.with_name(f"{replay.stem}-lp{noise:g}.jsonl")
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+# --- ours ----------------------------------------------------------------------------------------------------
+
+def write_recipe(case: Case, work: Path, policy: Path, reference: Path, replay: Path) -> Path:
+    import yaml
+
+    grpo = {"replay": str(replay), "num_generations": GROUP_SIZE, "max_new_tokens": MAX_NEW, "beta": case.beta,
+            "normalize": case.normalize, "scale_rewards": case.scale, "mask_truncated": case.mask_truncated,
+            "kl_gradient": case.kl_gradient, "temperature": case.temperature}
+    if case.beta:
+        grpo["reference"] = str(reference)
+    recipe = {
+        "output_dir": str(work / f"ours-{case.name}"), "seed": 0,
+        "model": {"path": str(policy), "dtype": "float32"},
+        "tokenizer": {"path": str(TOKENIZER)},
+        "data": {"packing": False, "max_seq_len": 256},
+        "train": {"objective": "grpo", "micro_batch_size": case.micro, "gradient_accumulation_steps": case.accum,
+                  "max_steps": 1, "lr": 1e-3, "lr_scheduler": "constant", "max_grad_norm": 1e9},
+        "grpo": grpo,
+        "eval": {"at_start": False, "every_steps": None},
+        "logging": {"every_steps": 1},
+    }
+    path = work / f"ours-{case.name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def ours_step(recipe_path: Path) -> tuple[float, float, dict[str, Any]]:
+    """(loss, pre-clip grad norm, gradients by name) of step one, through the trainer's own step functions in
+    this process: the same parts, plan, micro-batches and step as `finetune train`'s loop."""
+    import torch
+
+    from finetune import dist
+    from finetune.data import collate, rank_micro_batches
+    from finetune.recipe import load_recipe
+    from finetune.train.parts import load_parts, plan_for
+    from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
+
+    recipe = load_recipe(recipe_path)
+    torch.manual_seed(recipe.seed)
+    world, device = dist.World(), torch.device("cpu")
+    parts = load_parts(recipe, world, device, lambda message: None, splits=("train",))
+    rows = plan_for(recipe, parts, world.size).step(0)[1]
+    micro = [collate(chunk, recipe.data, parts.tokenizer.pad_token_id).to(device) for chunk in
+             rank_micro_batches(rows, recipe.train.micro_batch_size, 1, 0, recipe.data.group_by_length)]
+    parts.net.train()
+    counts = step_counts(parts.objective, micro, world, device)[0]
+    sums = forward_backward(parts.net, parts.objective, micro, counts, world, device)
+    grads = {name: p.grad.detach().clone() for name, p in parts.lm.named_parameters() if p.grad is not None}
+    norm = clip_gradients([p for p in parts.lm.parameters() if p.requires_grad], recipe.train.max_grad_norm)
+    figures = read_step(parts.objective, sums, norm, counts)
+    return figures.loss, figures.grad_norm, grads
+
+
+def ours_cli(recipe_path: Path) -> tuple[float, float]:
+    """(loss, grad_norm) of step one from metrics.jsonl of `finetune train RECIPE`."""
+    import subprocess
+
+    import yaml
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "finetune", "train", str(recipe_path), "--overwrite"], cwd=ROOT,
+                          capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"finetune train {recipe_path} failed:\n{done.stderr[-3000:]}")
+    run = Path(yaml.safe_load(recipe_path.read_text())["output_dir"])
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(x for x in lines if "loss" in x)
+    return first["loss"], first["grad_norm"]
+
+
+# --- TRL -----------------------------------------------------------------------------------------------------
+
+def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Path, replay: Path
+             ) -> tuple[float, float, dict[str, Any]]:
+    """(loss, pre-clip grad norm, gradients by name) of TRL's GRPOTrainer's first step on the replayed rollouts."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    lines = [json.loads(x) for x in replay.read_text().splitlines()]
+    groups: dict[int, list[dict]] = {}
+    for line in lines:
+        groups.setdefault(line["group"], []).append(line)
+
+    def rollout_func(prompts: list[str], trainer: Any) -> dict[str, list]:
+        """The replayed completions of each prompt (a group's name), in file order; TRL calls it with every
+        prompt repeated num_generations times."""
+        seen: Counter = Counter()
+        picked = []
+        for prompt in prompts:
+            group = json.loads(prompt)
+            picked.append(groups[group][seen[group]])
+            seen[group] += 1
+        logprobs = [x["logprobs"] for x in picked] if "logprobs" in picked[0] else None
+        return {"prompt_ids": [x["prompt_ids"] for x in picked], "completion_ids": [x["completion_ids"] for x in
+                picked], "logprobs": logprobs, "replay_reward": [x["reward"] for x in picked]}
+
+    def replay_reward(prompts: list, completions: list, replay_reward: list[float], **kwargs: Any) -> list[float]:
+        return list(replay_reward)
+
+    captured: dict[str, Any] = {}
+
+    class Gradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            captured.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    if case.beta:  # TRL builds its reference from the policy's _name_or_path: point it at ours
+        model.config._name_or_path = str(reference)
+    args = GRPOConfig(
+        output_dir=str(work / f"trl-{loss_type}-{case.name}"), per_device_train_batch_size=case.micro,
+        gradient_accumulation_steps=case.accum, num_generations=GROUP_SIZE, max_completion_length=MAX_NEW,
+        beta=case.beta, loss_type=loss_type, scale_rewards=case.scale,
+        mask_truncated_completions=case.mask_truncated, use_bias_correction_kl=case.kl_gradient == "exact",
+        temperature=case.temperature, bf16=case.trl_bf16, learning_rate=1e-3, lr_scheduler_type="constant",
+        max_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+        shuffle_dataset=False, max_grad_norm=1e9, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=replay_reward, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": [json.dumps(g) for g in groups]}),
+                          processing_class=AutoTokenizer.from_pretrained(TOKENIZER), rollout_func=rollout_func,
+                          callbacks=[Gradients()])
+    trainer.remove_callback(PrinterCallback)  # its log lines would interleave with the table
+    trainer.train()
+    log = next(x for x in trainer.state.log_history if "loss" in x)
+    return log["loss"], log["grad_norm"], captured
+
+
+# --- the comparison --------------------------------------------------------------------------------------------
+
+def rel(a: float, b: float) -> float:
+    """|a - b| / |b|; where |b| < 1e-6 (a loss that is 0 mathematically: normalize sequences at beta 0, where each
+    group's advantages sum to 0 and every completion weighs the same) the absolute difference."""
+    return abs(a - b) / abs(b) if abs(b) >= 1e-6 else abs(a - b)
+
+
+def grad_rel(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """||a - b|| / ||b|| over every parameter's gradient."""
+    diff = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
+    return math.sqrt(diff / max(sum(float(b[n].double().pow(2).sum()) for n in b), 1e-300))
+
+
+def compare(cases: list[Case], cli: set[str], work: Path, inputs: tuple[Path, Path, Path]) -> list[dict]:
+    """Each case: ours (step functions; the CLI too when named in `cli`) and TRL."""
+    rows = []
+    header = (f"{'case':<32} {'ours loss':>14} {'TRL loss':>14} {'rel':>8} {'ours |g|':>12} {'TRL |g|':>12} "
+              f"{'rel':>8} {'grad rel':>8} {'CLI rel':>8}")
+    print(header, flush=True)
+    for case in cases:
+        files = inputs
+        if case.logprobs_noise is not None:
+            files = (*inputs[:2], replay_with_logprobs(inputs[2], inputs[0], case.logprobs_noise))
+        recipe = write_recipe(case, work, *files)
+        loss, norm, grads = ours_step(recipe)
+        t_loss, t_norm, t_grads = trl_step(case, LOSS_TYPE[case.normalize], work, *files)
+        row = {"case": case.name, "known_difference": case.known_difference, "ours_loss": loss,
+               "trl_loss": t_loss, "loss_rel": rel(loss, t_loss), "ours_grad_norm": norm, "trl_grad_norm": t_norm,
+               "grad_norm_rel": rel(norm, t_norm), "grad_rel": grad_rel(grads, t_grads)}
+        if case.name in cli or "all" in cli:
+            c_loss, c_norm = ours_cli(recipe)
+            row |= {"cli_loss": c_loss, "cli_grad_norm": c_norm,
+                    "cli_rel": max(rel(c_loss, t_loss), rel(c_norm, t_norm))}
+        rows.append(row)
+        cli_rel = f"{row['cli_rel']:.1e}" if "cli_rel" in row else "-"
+        mark = "*" if abs(t_loss) < 1e-6 else "!" if case.known_difference else " "
+        print(f"{case.name:<32} {loss:>14.9f} {t_loss:>14.9f} {row['loss_rel']:>7.1e}{mark} {norm:>12.7f} "
+              f"{t_norm:>12.7f} {row['grad_norm_rel']:>8.1e} {row['grad_rel']:>8.1e} {cli_rel:>8}", flush=True)
+    return rows
+
+
+def bnpo(work: Path, inputs: tuple[Path, Path, Path]) -> list[dict]:
+    """TRL's bnpo (each micro-batch over its own tokens) at each split against its own one-batch step (= dapo
+    = our tokens there), beta 0 and 0.04, scale group."""
+    rows = []
+    print(f"\n{'bnpo case':<32} {'TRL loss':>14} {'TRL |g|':>12} {'grad rel to 16x1':>17} {'ours tokens |g|':>16}")
+    for beta in BETAS:
+        one = None
+        for micro, accum in SPLITS:
+            case = Case("tokens", "group", beta, micro, accum)
+            t_loss, t_norm, grads = trl_step(case, "bnpo", work, *inputs)
+            one = one or grads
+            ours = ours_step(write_recipe(case, work, *inputs))[1]
+            rows.append({"case": f"bnpo-{case.name}", "trl_loss": t_loss, "trl_grad_norm": t_norm,
+                         "grad_rel_to_one_batch": grad_rel(grads, one), "ours_tokens_grad_norm": ours})
+            print(f"{'bnpo-' + case.name:<32} {t_loss:>14.9f} {t_norm:>12.7f} "
+                  f"{rows[-1]['grad_rel_to_one_batch']:>17.2e} {ours:>16.7f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-path", help="a directory holding the trl package (pip install --target)")
+    parser.add_argument("--work", type=Path, help="where models, rollouts and runs go (default: a temp dir)")
+    parser.add_argument("--cli", nargs="*", default=[f"{n}-group-b{b:g}-4x4" for b in BETAS for n in LOSS_TYPE],
+                        help="case names also run through `finetune train` (all: every case)")
+    parser.add_argument("--varied-prompts", action="store_true", help="prompts of 3 to 9 ids (TRL left-pads them)")
+    parser.add_argument("--quick", action="store_true", help="the split 4 x 4 only")
+    parser.add_argument("--json", type=Path, help="write every row here")
+    args = parser.parse_args()
+    if args.trl_path:
+        sys.path.insert(0, args.trl_path)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    try:
+        import trl
+    except ImportError:
+        sys.exit("TRL not importable: install trl==1.16.0 with pip --target DIR and pass --trl-path DIR")
+    import torch
+    import transformers
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed gradient_checkpointing
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)  # the same reduction order on every run, and a fair share of a shared machine
+    print(f"TRL {trl.__version__}, torch {torch.__version__}; prompts {'varied' if args.varied_prompts else 'equal'}")
+    work = args.work or Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
+    work.mkdir(parents=True, exist_ok=True)
+    policy, reference = write_models(work)
+    inputs = (policy, reference, write_replay(work / "replay.jsonl", args.varied_prompts))
+    print(f"policy {weights_digest(policy)[:16]}, reference {weights_digest(reference)[:16]}, rollouts "
+          f"{hashlib.sha256(inputs[2].read_bytes()).hexdigest()[:16]} (sha256)")
+    cases = [c for c in all_cases() if not args.quick or (c.micro, c.accum) == (4, 4)]
+    cases += EXTRA_CASES
+    rows = compare(cases, set(args.cli), work, inputs)
+    rows += bnpo(work, inputs)
+    worst = max(max(r["loss_rel"], r["grad_norm_rel"], r.get("cli_rel", 0.0)) for r in rows
+                if "loss_rel" in r and not r["known_difference"])
+    print(f"\n* a loss that is 0 mathematically: absolute difference\n! a setting where ours and TRL's differ "
+          f"(docs/rl-trl-figures.md)\nworst relative difference of a loss or grad norm, ours vs TRL, other rows: "
+          f"{worst:.2e}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
