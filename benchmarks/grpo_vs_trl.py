@@ -32,10 +32,10 @@ Conventions that had to match (docs/rl-trl-figures.md):
     within 1.4e-7 but its gradient moved by 1.4 % (the row "-trlbf16").
   * max_completion_length 16 = grpo.max_new_tokens (dr_grpo's constant); temperature 1; shuffle_dataset off
     (TRL's generation batch is still shuffled before the split: it changes no sum but bnpo's).
-Rows marked "!" show settings where the two differ today, left out of the worst difference: TRL's bf16 default,
-temperature 0.7 (TRL scores log-probabilities of logits / temperature, policy and reference; we do not), and
-rollouts whose `logprobs` are off the policy's by N(0, 0.05) (we take the importance ratio against them; TRL's
-trainer without vLLM ignores the rollout function's logprobs). "-lp0" (logprobs equal to the policy's) matches.
+Rows marked "!" show settings where the two differ, left out of the worst difference: TRL's bf16 default. Rows
+"-t0.7" (both score logits / temperature, policy and reference) and "-lp0.05" (rollouts whose `logprobs` are off
+the policy's by N(0, 0.05): with grpo.ratio_against: policy, the default, both take the ratio against the
+policy's own log-probabilities and ignore them) should match.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class Case:
     @property
     def known_difference(self) -> bool:
         """A row that shows a setting where ours and TRL's differ (left out of the worst difference)."""
-        return self.trl_bf16 or self.temperature != 1 or bool(self.logprobs_noise)
+        return self.trl_bf16
 
 
 def all_cases() -> list[Case]:
@@ -240,7 +240,7 @@ def ours_step(recipe_path: Path) -> tuple[float, float, dict[str, Any]]:
     torch.manual_seed(recipe.seed)
     world, device = dist.World(), torch.device("cpu")
     parts = load_parts(recipe, world, device, lambda message: None, splits=("train",))
-    rows = plan_for(recipe, parts, world.size).step(0)[1]
+    rows = plan_for(recipe, parts, world).step(0)[1]
     micro = [collate(chunk, recipe.data, parts.tokenizer.pad_token_id).to(device) for chunk in
              rank_micro_batches(rows, recipe.train.micro_batch_size, 1, 0, recipe.data.group_by_length)]
     parts.net.train()

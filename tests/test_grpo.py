@@ -92,7 +92,7 @@ class _Policy(torch.nn.Module):
 
 def _batch(lengths=(2, 3), rewards=(1.0, 0.0), prompt=(5, 6, 7), logprobs=None):
     adv = group_advantages(list(rewards), len(rewards), "group").values
-    rows = [training_row(Rollout(0, list(prompt), list(range(10, 10 + n)), logprobs=lp), a, False)
+    rows = [training_row(Rollout(0, list(prompt), list(range(10, 10 + n)), logprobs=lp), a, False, lp is not None)
             for n, a, lp in zip(lengths, adv, logprobs or [None] * len(lengths))]
     return collate(rows, DataConfig(packing=False), 0), adv
 

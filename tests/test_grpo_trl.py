@@ -112,8 +112,6 @@ def test_the_pins_tell_conventions_apart(inputs):
     assert bench.rel(tokens, TRL_BNPO_4X4) > 0.05
 
 
-@pytest.mark.xfail(strict=True, reason="grpo.temperature does not scale the log-probabilities we train on; TRL "
-                   "scores logits / temperature, the policy's and the reference's (docs/rl-trl-figures.md)")
 def test_temperature_scales_the_logprobs_as_trls(inputs):
     work, *files = inputs
     loss, grad_norm, _ = bench.ours_step(bench.write_recipe(Case("tokens", "group", 0.04, 16, 1, temperature=0.7),

@@ -47,10 +47,11 @@ class CausalLMWithLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, per_token: bool = False, targets: Targets | None = None,
-                documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                documents: Documents | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, number of targets); with per_token, (each target's log-probability, its flat position)
         for objectives that score whole sequences. `targets` and `documents` (MicroBatch.model_inputs: the target
-        positions and the packed rows' documents, found on the CPU) spare the loss and the attention host syncs."""
+        positions and the packed rows' documents, found on the CPU) spare the loss and the attention host syncs.
+        `temperature` (per_token only): the log-probabilities of logits / temperature."""
         decoder, head = output_layer(self.lm)
         extra = documents.model_kwargs(self.packed_kernel) if documents is not None and self.takes_boundaries else {}
         # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
@@ -58,6 +59,10 @@ class CausalLMWithLoss(torch.nn.Module):
                          use_cache=False, **extra).last_hidden_state
         hidden, weight, bias = self.head.apply(hidden, head.weight, getattr(head, "bias", None))
         if per_token:
+            if temperature != 1.0:  # log-probabilities of logits / T (GRPO's sampling policy), folded into the head
+                if self.softcap is not None:
+                    raise ValueError("a sampling temperature other than 1 with a soft-capped head is not supported")
+                weight, bias = weight / temperature, bias / temperature if bias is not None else None
             return token_logprobs(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
                                   softcap=self.softcap, targets=targets)
         return linear_cross_entropy(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,

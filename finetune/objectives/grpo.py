@@ -1,6 +1,7 @@
 """GRPO: group relative policy optimization, its policy loss normalized exactly over the optimizer step.
 
-Per completion token (TRL's formula, docs/rl.md): with r = exp(logp - old_logp) and A the completion's advantage,
+Per completion token (TRL's formula, docs/rl.md): with r = exp(logp - old_logp) and A the completion's advantage
+(log-probabilities of the logits divided by grpo.temperature, the policy that samples, as TRL scores them),
     loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta kl_t,
     kl_t = exp(ref - logp) - (ref - logp) - 1   (k3; times r with kl_gradient: exact, TRL's default).
 The micro-batch's term is the sum of loss_t (normalize tokens, constant) or of each completion's loss_t over its
@@ -88,13 +89,13 @@ class GRPO:
     def reference_logps(self, batch: MicroBatch) -> torch.Tensor:
         """The reference's log-probability of every scored token of a (moved) micro-batch."""
         with self._reference_mode():
-            ref, _ = self._reference(**batch.model_inputs(), per_token=True)
+            ref, _ = self._reference(**batch.model_inputs(), per_token=True, temperature=self.cfg.temperature)
         return ref
 
     def forward(self, net: torch.nn.Module, batch: MicroBatch, device: torch.device) -> MicroResult:
         batch = batch.to(device)
         r = batch.require("rollouts", self.name)
-        logp, keep = net(**batch.model_inputs(), per_token=True)
+        logp, keep = net(**batch.model_inputs(), per_token=True, temperature=self.cfg.temperature)
         seq = r.seq_index.reshape(-1).index_select(0, keep)
         advantage = r.advantages.to(logp.dtype).index_select(0, seq)
         old = r.old_logps.reshape(-1).index_select(0, keep).to(logp.dtype)

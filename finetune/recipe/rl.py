@@ -38,7 +38,8 @@ class GRPOConfig(Section):
     max_new_tokens: int = Field(128, gt=0)
     """Longest completion; a completion that reaches it without an end token is truncated."""
     temperature: float = Field(1.0, gt=0)
-    """Sampling temperature of the rollouts."""
+    """Sampling temperature of the rollouts; the policy, its ratio and its KL are scored as logits / temperature
+    (the policy that samples, as TRL does)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling of the rollouts."""
     beta: float = Field(0.0, ge=0)
@@ -54,7 +55,12 @@ class GRPOConfig(Section):
     epsilon_high: float | None = Field(None, ge=0)
     """Upper clipping: 1 + epsilon_high (null: epsilon; DAPO uses 0.28)."""
     iterations: int = Field(1, ge=1)
-    """Optimizer steps on one batch of rollouts; the ratio is taken against the sampling policy's log-probabilities."""
+    """Optimizer steps on one batch of rollouts; the importance ratio is taken against the policy before the first
+    of them (grpo.ratio_against)."""
+    ratio_against: Literal["policy", "replay"] = "policy"
+    """The importance ratio's denominator. policy (TRL's): the policy's own log-probabilities before the batch's
+    first update (with iterations 1 the ratio is exactly 1). replay: the replay file's `logprobs` (rollouts sampled
+    by another engine or an older policy; every line must have them)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage = (reward - group mean) / (std + 1e-4), std with Bessel's correction over the group (group), the
     whole step's rollouts (batch), or no division (none)."""

@@ -156,6 +156,8 @@ def _grpo_checks(recipe: Recipe) -> list[str]:
     if not recipe.grpo.replay and recipe.distributed.strategy == "fsdp":
         problems.append("distributed.strategy: GRPO's generation runs on each rank's own prompts; with fsdp the "
                         "ranks' generate calls would have to stay in step: use ddp, or grpo.replay")
+    if recipe.grpo.ratio_against == "replay" and not recipe.grpo.replay:
+        problems.append("grpo.ratio_against: replay takes the replay file's logprobs; set grpo.replay, or use policy")
     if recipe.grpo.replay and (recipe.datasets or recipe.eval_datasets):
         problems.append("datasets: grpo.replay trains on the file's rollouts only; remove datasets and eval_datasets")
     if recipe.data.packing:

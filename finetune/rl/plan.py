@@ -67,7 +67,8 @@ class RolloutPlan:
         rollouts = self.fetch(batch)
         adv = group_advantages([r.reward for r in rollouts], g.num_generations, g.scale_rewards)
         truncated = [r.truncated(self.end_ids) for r in rollouts]
-        rows = [training_row(r, a, g.mask_truncated and cut) for r, a, cut in zip(rollouts, adv.values, truncated)]
+        rows = [training_row(r, a, g.mask_truncated and cut, g.ratio_against == "replay")
+                for r, a, cut in zip(rollouts, adv.values, truncated)]
         if g.iterations > 1 and self.score is not None and any(r.logprobs is None for r in rollouts):
             for row, logps in zip(rows, self.score(rows)):  # the sampling policy: the policy before this batch's steps
                 row["rollout"]["logprobs"] = row["rollout"]["logprobs"] or logps
@@ -137,7 +138,7 @@ def policy_scorer(net: Any, recipe: Recipe, pad_id: int, device: Any) -> Scorer:
             for start in range(0, len(rows), size):
                 chunk = rows[start:start + size]
                 batch = collate(chunk, data, pad_id).to(device)
-                logp, _ = net(**batch.model_inputs(), per_token=True)
+                logp, _ = net(**batch.model_inputs(), per_token=True, temperature=recipe.grpo.temperature)
                 values = logp.double().cpu().tolist()
                 for n, row in zip(batch.rollouts.scored, chunk):
                     completion = len(row["input_ids"]) - row["rollout"]["prompt_length"]

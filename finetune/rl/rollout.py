@@ -36,14 +36,16 @@ class Rollout:
         return not self.completion_ids or self.completion_ids[-1] not in end_ids
 
 
-def training_row(rollout: Rollout, advantage: float, masked: bool) -> dict[str, Any]:
+def training_row(rollout: Rollout, advantage: float, masked: bool, sampled_logprobs: bool = False) -> dict[str, Any]:
     """The row the objective trains on: prompt + completion, labels on the completion only (none when `masked`),
-    and the completion's advantage and sampling log-probabilities under "rollout"."""
+    and the completion's advantage under "rollout", with its sampling log-probabilities as the ratio's
+    denominator when `sampled_logprobs` (grpo.ratio_against: replay; else the policy's own, found later)."""
     n_prompt = len(rollout.prompt_ids)
     labels = [IGNORE_INDEX] * n_prompt + ([IGNORE_INDEX] * len(rollout.completion_ids) if masked
                                           else list(rollout.completion_ids))
     return {"input_ids": [*rollout.prompt_ids, *rollout.completion_ids], "labels": labels,
-            "rollout": {"advantage": advantage, "logprobs": rollout.logprobs, "where": rollout.where,
+            "rollout": {"advantage": advantage, "logprobs": rollout.logprobs if sampled_logprobs else None,
+                        "where": rollout.where,
                         "prompt_length": n_prompt}}
 
 

@@ -98,6 +98,10 @@ def plan_for(recipe: Recipe, parts: Parts, world: dist.World, world_size: int | 
     if g.replay:
         rollouts = read_replay(g.replay, tokenizer, g.num_generations, {r.label: r.weight for r in g.rewards},
                                recipe.tokenizer.chat_template_kwargs)
+        missing = [r.where for r in rollouts if r.logprobs is None]
+        if g.ratio_against == "replay" and missing:
+            raise UserError(f"{missing[0]}: grpo.ratio_against: replay needs `logprobs` on every line "
+                            f"({len(missing)} lines have none)")
         return replay_plan(rollouts, recipe, world_size, ends, scorer)
     longest = recipe.data.max_seq_len - g.max_new_tokens if recipe.data.max_seq_len else None
     read = [read_prompts(configs, tokenizer, recipe.tokenizer.chat_template_kwargs, recipe.data.on_bad_row,
