@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import QUICKSTART_YAML
 
 from finetune.errors import UserError
-from finetune.recipe import apply_override, load_recipe, loading, parse_yaml
+from finetune.recipe import apply_override, load_recipe, loading, parse_yaml, validate
 from finetune.recipe.loading import MAX_DEPTH, MAX_VALUES
 
 
@@ -91,3 +92,114 @@ def _load_text(text: str, tmp: Path) -> None:
     file = tmp / "recipe.yaml"
     file.write_text(text)
     load_recipe(file)
+
+
+# --- numbers, seeds, names and batch geometry ----------------------------------------------------------------
+
+def base() -> dict:
+    return {"model": {"init": "random", "config": {"model_type": "llama", "hidden_size": 32}},
+            "tokenizer": {"path": "some/tokenizer"}, "datasets": [{"path": "train.jsonl"}]}
+
+
+def problems_of(**sections) -> list[str]:
+    """The problem lines validate() reports for base() with `sections` merged in (a section's keys one by one)."""
+    raw = base()
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) else value
+    with pytest.raises(UserError) as info:
+        validate(raw, source="r.yaml")
+    return [line.strip()[2:] for line in str(info.value).splitlines()[1:]]
+
+
+def test_lr_1e400_is_infinity_and_an_error(tmp_path):
+    file = tmp_path / "recipe.yaml"
+    file.write_text(f"extends: {QUICKSTART_YAML}\ntrain:\n  lr: 1e400\n")
+    with pytest.raises(UserError) as info:
+        load_recipe(file)
+    assert str(info.value) == (f"{file}: 1 problem in the recipe:\n  - train.lr: got inf; must be a finite number "
+                               "(YAML reads a number beyond 1.8e308, such as 1e400, as infinity)")
+
+
+@pytest.mark.parametrize(("lr", "kind"), [(1e39, "infinite"), (3.5e38, "infinite"), (1e-46, "zero")])
+def test_lr_outside_float32_is_an_error(lr, kind):
+    assert problems_of(train={"lr": lr}) == [
+        f"train.lr: got {lr!r}, which is {kind} as a float32 (the precision the update is computed in); use one "
+        "float32 holds (1.4e-45 to 3.4e38), e.g. 2e-4"]
+
+
+@pytest.mark.parametrize("lr", [3.4e38, 1e-44, 2e-4, 10.0])
+def test_lr_within_float32_validates(lr):
+    assert validate({**base(), "train": {"lr": lr}}).train.lr == lr
+
+
+@pytest.mark.parametrize(("section", "values", "line"), [
+    ("train", {"adam_betas": [float("nan"), 0.99]}, "train.adam_betas.0: got nan; must be a finite number"),
+    ("train", {"weight_decay": float("inf")}, "train.weight_decay: got inf; must be a finite number (YAML reads a "
+                                              "number beyond 1.8e308, such as 1e400, as infinity)"),
+    ("train", {"max_grad_norm": float("inf")}, "train.max_grad_norm: got inf; must be a finite number (YAML reads a "
+                                               "number beyond 1.8e308, such as 1e400, as infinity)"),
+    ("eval", {"every_epochs": float("nan")}, "eval.every_epochs: got nan; must be a finite number"),
+    ("loss", {"z_loss": float("-inf")}, "loss.z_loss: got -inf; must be a finite number (YAML reads a number "
+                                        "beyond 1.8e308, such as 1e400, as infinity)"),
+])
+def test_any_float_key_must_be_finite(section, values, line):
+    assert problems_of(**{section: values}) == [line]
+
+
+@pytest.mark.parametrize(("seed", "line"), [
+    (99999999999999999999, "seed: got 99999999999999999999; input should be less than or equal to 4294967295"),
+    (2**32, "seed: got 4294967296; input should be less than or equal to 4294967295"),
+    (-1, "seed: got -1; input should be greater than or equal to 0"),
+])
+def test_seed_outside_what_numpy_takes_is_an_error(seed, line):
+    assert problems_of(seed=seed) == [line]
+
+
+def test_seed_at_the_bounds_validates():
+    assert validate({**base(), "seed": 2**32 - 1}).seed == 2**32 - 1
+    assert validate({**base(), "seed": 0}).seed == 0
+
+
+def test_output_dir_name_longer_than_255_bytes_is_an_error():
+    assert problems_of(output_dir="runs/" + "x" * 313 + "/sub") == [
+        "output_dir: a folder name of 313 bytes (xxxxxxxxxxxxxxxxxxxx...); file systems take at most 255 bytes per "
+        "name: use a shorter one"]
+    # Bytes, not characters: 128 two-byte letters are 256 bytes.
+    assert problems_of(output_dir="é" * 128) == [
+        "output_dir: a folder name of 256 bytes (éééééééééééééééééééé...); file systems take at most 255 bytes per "
+        "name: use a shorter one"]
+    assert validate({**base(), "output_dir": "runs/" + "x" * 255}).output_dir == "runs/" + "x" * 255
+
+
+@pytest.mark.parametrize(("section", "key"), [("train", "gradient_accumulation_steps"),
+                                              ("train", "micro_batch_size"), ("eval", "micro_batch_size")])
+def test_batch_geometry_is_bounded(section, key):
+    assert problems_of(**{section: {key: 1e9}}) == [
+        f"{section}.{key}: got 1000000000.0; input should be less than or equal to 65536"]
+    assert getattr(getattr(validate({**base(), section: {key: 65536}}), section), key) == 65536
+
+
+# --- model.path with model.init: random ------------------------------------------------------------------------
+
+PATH_WITH_RANDOM = ("model.path: set, but model.init is random, which ignores it (random weights from model.config; "
+                    "init: random may come from a recipe this one extends, such as the quickstart); to train the "
+                    "model at model.path, set model.init: pretrained")
+
+
+def test_model_path_with_init_random_is_an_error():
+    assert problems_of(model={"path": "my/model"}) == [PATH_WITH_RANDOM]
+    assert problems_of(model={"path": "my/model", "config": None}) == [PATH_WITH_RANDOM]
+
+
+def test_model_path_in_a_recipe_extending_the_quickstart(tmp_path):
+    file = tmp_path / "recipe.yaml"
+    file.write_text(f"extends: {QUICKSTART_YAML}\nmodel:\n  path: my/model\n")
+    with pytest.raises(UserError) as info:
+        load_recipe(file)
+    assert str(info.value) == f"{file}: 1 problem in the recipe:\n  - {PATH_WITH_RANDOM}"
+    # An override is the same recipe: model.path=/nonexistent no longer validates with the quickstart's init.
+    with pytest.raises(UserError, match="model.path: set, but model.init is random"):
+        load_recipe(QUICKSTART_YAML, ["model.path=/nonexistent"])
+    # The fix the message names works (the quickstart's model.config is then unused, as for any pretrained model).
+    fixed = load_recipe(file, ["model.init=pretrained"])
+    assert (fixed.model.init, fixed.model.path) == ("pretrained", "my/model")
