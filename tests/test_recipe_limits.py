@@ -203,3 +203,32 @@ def test_model_path_in_a_recipe_extending_the_quickstart(tmp_path):
     # The fix the message names works (the quickstart's model.config is then unused, as for any pretrained model).
     fixed = load_recipe(file, ["model.init=pretrained"])
     assert (fixed.model.init, fixed.model.path) == ("pretrained", "my/model")
+
+
+# --- a step larger than the epoch: a warning at start ----------------------------------------------------------
+
+def _plan_warning(rows: int, world_size: int = 1, drop_last: bool = False, **train) -> str | None:
+    from finetune.data import StepPlan  # the data package (not torch-free): imported by these tests only
+    from finetune.train.plan import step_larger_than_epoch
+
+    recipe = validate({**base(), "data": {"packing": False, "drop_last": drop_last}, "train": train})
+    samples = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]} for _ in range(rows)]
+    return step_larger_than_epoch(StepPlan(samples, recipe, world_size), world_size)
+
+
+def test_a_step_larger_than_the_epoch_is_a_warning():
+    assert _plan_warning(6, micro_batch_size=4, gradient_accumulation_steps=4) == (
+        "warning: one optimizer step takes 16 rows (train.micro_batch_size 4 x gradient_accumulation_steps 4) but "
+        "an epoch has only 6 rows: each epoch is one step of 6 rows. gradient_accumulation_steps 1 or less fills "
+        "every step")
+    assert _plan_warning(30, world_size=2, micro_batch_size=2, gradient_accumulation_steps=10) == (
+        "warning: one optimizer step takes 40 rows (train.micro_batch_size 2 x gradient_accumulation_steps 10 x 2 "
+        "processes) but an epoch has only 30 rows: each epoch is one step of 30 rows. gradient_accumulation_steps 7 "
+        "or less fills every step")
+
+
+def test_a_step_that_fits_the_epoch_is_no_warning():
+    assert _plan_warning(16, micro_batch_size=4, gradient_accumulation_steps=4) is None
+    assert _plan_warning(17, micro_batch_size=4, gradient_accumulation_steps=4) is None  # a short last step is fine
+    with pytest.raises(UserError, match="one optimizer step needs 16 rows but an epoch has only 6"):
+        _plan_warning(6, drop_last=True, micro_batch_size=4, gradient_accumulation_steps=4)  # an error, as before

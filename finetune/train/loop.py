@@ -52,6 +52,7 @@ from finetune.train.evaluate import evaluate_loss
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import gather_full_state, wrap_model
 from finetune.train.parts import Parts, load_parts
+from finetune.train.plan import step_larger_than_epoch
 from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
 
 
@@ -134,6 +135,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
                        fresh_model=resume_from is None,
                        check_model=lambda lm, tokenizer: compiled.append(_check_model(recipe, lm, tokenizer, console)))
     plan = StepPlan(parts.train, recipe, world.size)
+    if (oversized := step_larger_than_epoch(plan, world.size)) is not None:
+        _warn(console, oversized)
     checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
     lm = parts.lm
     if world.is_main:
