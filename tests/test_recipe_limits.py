@@ -8,10 +8,13 @@ rows of tests/test_bad_inputs.py.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import QUICKSTART_YAML
 
 from finetune.errors import UserError
@@ -232,3 +235,117 @@ def test_a_step_that_fits_the_epoch_is_no_warning():
     assert _plan_warning(17, micro_batch_size=4, gradient_accumulation_steps=4) is None  # a short last step is fine
     with pytest.raises(UserError, match="one optimizer step needs 16 rows but an epoch has only 6"):
         _plan_warning(6, drop_last=True, micro_batch_size=4, gradient_accumulation_steps=4)  # an error, as before
+
+
+# --- convert axolotl: chat_template_jinja read only inside the config's folder, only as text ---------------------
+
+JINJA_CONFIG = ("base_model: org/model\nchat_template: jinja\nchat_template_jinja: {}\n"
+                "datasets:\n  - {{path: data.jsonl, type: chat_template}}\n")
+OUTSIDE = ("a file outside the config's folder ({}); its text would be copied into the recipe, so only files inside "
+           "that folder are read. Copy the template next to the config, or pass --allow-template-path")
+
+
+def _convert_error(config: Path, *flags: str, capsys) -> str:
+    """`finetune convert axolotl CONFIG -o recipe.yaml FLAGS` through the CLI: exit 2, no recipe written, stderr."""
+    from finetune.cli import main
+
+    out = config.parent / "recipe.yaml"
+    assert main(["convert", "axolotl", str(config), "-o", str(out), *flags]) == 2
+    assert not out.exists()
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.out == ""
+    return captured.err
+
+
+def test_template_file_inside_the_config_folder_is_read(tmp_path):
+    from finetune.convert import convert_axolotl
+
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "mine.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (tmp_path / "config.yml").write_text(JINJA_CONFIG.format("templates/mine.jinja"))
+    recipe = yaml.safe_load(convert_axolotl(tmp_path / "config.yml").text)
+    assert recipe["tokenizer"]["chat_template"] == "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def test_proc_self_environ_is_never_copied_into_a_recipe(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("I22_SECRET", "hunter2")
+    config = tmp_path / "config.yml"
+    config.write_text(JINJA_CONFIG.format("/proc/self/environ"))
+    err = _convert_error(config, capsys=capsys)
+    assert err == (f"error: {config}: 1 problem converting the Axolotl config:\n"
+                   f"  - chat_template_jinja: /proc/self/environ: {OUTSIDE.format(tmp_path)}\n")
+    # Allowed outside, it is still no text: NUL-separated.
+    err = _convert_error(config, "--allow-template-path", capsys=capsys)
+    assert "  - chat_template_jinja: /proc/self/environ: NUL bytes (the first at byte " in err
+    assert err.endswith("): a binary file; chat_template_jinja takes Jinja text or a template file\n")
+    assert "hunter2" not in err
+
+
+def test_a_link_out_of_the_folder_and_a_dotdot_path_are_outside(tmp_path, capsys):
+    (tmp_path / "outside.jinja").write_text("{{ messages }}")
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    (folder / "link.jinja").symlink_to(tmp_path / "outside.jinja")
+    for name in ("link.jinja", "../outside.jinja", str(tmp_path / "outside.jinja")):
+        (folder / "config.yml").write_text(JINJA_CONFIG.format(name))
+        assert f"  - chat_template_jinja: {name}: {OUTSIDE.format(folder)}\n" in \
+            _convert_error(folder / "config.yml", capsys=capsys)
+
+
+def test_allow_template_path_reads_a_text_file_anywhere(tmp_path):
+    from finetune.convert import convert_axolotl
+
+    (tmp_path / "outside.jinja").write_text("{{ messages }}")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.yml").write_text(JINJA_CONFIG.format("../outside.jinja"))
+    converted = convert_axolotl(tmp_path / "cfg" / "config.yml", allow_template_path=True)
+    assert yaml.safe_load(converted.text)["tokenizer"]["chat_template"] == "{{ messages }}"
+
+
+def test_a_binary_template_file_is_an_error_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "bin.jinja").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\xff\xfe")
+    config = tmp_path / "config.yml"
+    config.write_text(JINJA_CONFIG.format("bin.jinja"))
+    assert _convert_error(config, capsys=capsys) == (
+        f"error: {config}: 1 problem converting the Axolotl config:\n  - chat_template_jinja: bin.jinja "
+        f"({tmp_path / 'bin.jinja'}): not UTF-8 text (byte 9 is 0xff): a binary file; chat_template_jinja takes "
+        "Jinja text or a template file\n")
+    (tmp_path / "bin.jinja").write_bytes(b"{{ messages }}\x00")  # UTF-8, with a NUL
+    assert "NUL bytes (the first at byte 14): a binary file" in _convert_error(config, capsys=capsys)
+
+
+def test_missing_template_file_and_a_folder_are_named(tmp_path, capsys):
+    config = tmp_path / "config.yml"
+    config.write_text(JINJA_CONFIG.format("nope.jinja"))
+    assert f"  - chat_template_jinja: nope.jinja ({tmp_path / 'nope.jinja'}): no such file; " in \
+        _convert_error(config, capsys=capsys)
+    (tmp_path / "dir.jinja").mkdir()
+    config.write_text(JINJA_CONFIG.format("dir.jinja"))
+    assert f"  - chat_template_jinja: dir.jinja ({tmp_path / 'dir.jinja'}): not a regular file; " in \
+        _convert_error(config, capsys=capsys)
+
+
+def test_deepspeed_file_is_read_only_as_a_small_regular_file(tmp_path):
+    from finetune.convert import convert_axolotl
+    from finetune.convert.reading import read_side_file
+
+    config = tmp_path / "config.yml"
+    config.write_text("base_model: org/model\ndeepspeed: ds.json\ndatasets:\n  - {path: data.jsonl, type: alpaca}\n")
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+    converted = convert_axolotl(config, allow_approx=True)
+    assert yaml.safe_load(converted.text)["distributed"]["strategy"] == "fsdp"
+    # A device or a pipe is no config file (/dev/zero would be read forever): not read, so the stage is unknown.
+    (tmp_path / "ds.json").unlink()
+    os.mkfifo(tmp_path / "ds.json")
+    writer = threading.Thread(target=(tmp_path / "ds.json").write_text, args=('{"zero_optimization": {"stage": 3}}',),
+                              daemon=True)
+    writer.start()  # blocks until a reader opens the pipe: the old code did, and got stage 3
+    with pytest.raises(UserError, match="deepspeed: 'ds.json': cannot tell the ZeRO stage"):
+        convert_axolotl(config, allow_approx=True)
+    reader = os.open(tmp_path / "ds.json", os.O_RDONLY | os.O_NONBLOCK)  # lets the writer finish
+    writer.join(10)
+    os.close(reader)
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (1 << 20) + b"{}")
+    with pytest.raises(ValueError, match="larger than 1 MB"):
+        read_side_file(big)

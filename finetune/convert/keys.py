@@ -86,7 +86,8 @@ MAPPED: dict[str, str] = {
     "special_tokens": "tokenizer.special_tokens, tokenizer.added_special_tokens (a pad token alone is dropped)",
     "tokens": "tokenizer.added_tokens",
     "chat_template": "tokenizer.chat_template: a template shipped with finetune, Jinja text, or the tokenizer's own",
-    "chat_template_jinja": "tokenizer.chat_template (the text, or the file's text)",
+    "chat_template_jinja": "tokenizer.chat_template (the text, or the text of a file in the config's folder; "
+                           "elsewhere with --allow-template-path)",
     "chat_template_kwargs": "tokenizer.chat_template_kwargs",
     "adapter": "adapter.type: lora, qlora (lora with load_in_4bit), none",
     "load_in_4bit": "adapter.type: qlora",
