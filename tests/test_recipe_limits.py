@@ -349,3 +349,57 @@ def test_deepspeed_file_is_read_only_as_a_small_regular_file(tmp_path):
     big.write_bytes(b" " * (1 << 20) + b"{}")
     with pytest.raises(ValueError, match="larger than 1 MB"):
         read_side_file(big)
+
+
+# --- recipes add: nothing the user typed reaches git as an option ------------------------------------------------
+
+@pytest.fixture
+def fake_git(tmp_path, monkeypatch) -> Path:
+    """A `git` first on PATH that records its arguments (one line each, a blank line after a call) and fails."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "git.log"
+    script = bin_dir / "git"
+    script.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {log}\necho >> {log}\necho "fatal: fake git" >&2\nexit 128\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FINETUNE_HOME", str(tmp_path / "home"))
+    return log
+
+
+def _git_calls(log: Path) -> list[list[str]]:
+    return [call.splitlines() for call in log.read_text().split("\n\n") if call] if log.exists() else []
+
+
+@pytest.mark.parametrize("url", ["--upload-pack=touch /tmp/pwned;://x", "-c", "--config=core.sshCommand=sh"])
+def test_recipes_add_refuses_a_url_starting_with_a_dash(url, fake_git, capsys):
+    from finetune.cli import main
+
+    assert main(["recipes", "add", "team", "--", url]) == 2
+    assert capsys.readouterr().err == (
+        f"error: URL_OR_DIR {url!r} starts with '-', which git would read as an option; give a git URL (https://..., "
+        "file://..., git@host:...) or a folder (./-name for a folder whose name starts with '-')\n")
+    assert _git_calls(fake_git) == []  # git never ran
+
+
+def test_recipes_add_and_update_refuse_a_ref_starting_with_a_dash(fake_git, capsys):
+    from finetune.cli import main
+
+    assert main(["recipes", "add", "team", "https://example.invalid/recipes.git", "--ref=--output=x"]) == 2
+    assert capsys.readouterr().err == ("error: --ref '--output=x' starts with '-', which git would read as an "
+                                       "option; give a branch, tag or commit\n")
+    assert main(["recipes", "update", "team", "--ref=-x"]) == 2
+    assert capsys.readouterr().err == ("error: --ref '-x' starts with '-', which git would read as an option; give a "
+                                       "branch, tag or commit\n")
+    assert _git_calls(fake_git) == []
+
+
+def test_recipes_add_passes_the_url_after_double_dash(fake_git, capsys):
+    from finetune.cli import main
+
+    assert main(["recipes", "add", "team", "https://example.invalid/recipes.git"]) == 2
+    assert capsys.readouterr().err == "error: git clone failed: fatal: fake git\n"
+    [call] = _git_calls(fake_git)
+    assert call[:4] == ["clone", "--quiet", "--", "https://example.invalid/recipes.git"]
+    assert Path(call[4]).parent == fake_git.parent / "home" / "recipes" and len(call) == 5
+    assert list((fake_git.parent / "home" / "recipes").iterdir()) == []  # the failed clone left nothing
