@@ -1,9 +1,11 @@
-"""Hostile or odd recipe inputs are refused with a clear message, quickly: YAML that expands without bound, numbers
+"""Hostile or odd inputs are refused with a clear message, quickly: YAML that expands without bound, numbers
 that are not numbers (1e400 is infinity), seeds and names beyond what the libraries and file systems take, batch
-geometry beyond reason, and `model.path` next to `model.init: random`.
+geometry beyond reason (and a step larger than the epoch, a warning), `model.path` next to `model.init: random`,
+`convert axolotl` reading a template file outside the config's folder or one that is not text, and `recipes add`
+handing git an option.
 
-Torch-free and fast, like tests/test_recipe.py; the CLI-level cases (exit code 2, no traceback, nothing lost) are
-rows of tests/test_bad_inputs.py.
+Torch-free and fast, like tests/test_recipe.py (the step-plan tests import the data package inside the test); the
+CLI-level cases (exit code 2, no traceback, nothing lost) are rows of tests/test_bad_inputs.py.
 """
 
 from __future__ import annotations
