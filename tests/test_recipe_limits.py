@@ -151,6 +151,12 @@ def test_any_float_key_must_be_finite(section, values, line):
     assert problems_of(**{section: values}) == [line]
 
 
+def test_a_quoted_1e400_is_named_as_written():
+    assert problems_of(train={"lr": "1e400"}) == [
+        'train.lr: got "1e400"; must be a finite number (YAML reads a number beyond 1.8e308, such as 1e400, as '
+        'infinity)']
+
+
 @pytest.mark.parametrize(("seed", "line"), [
     (99999999999999999999, "seed: got 99999999999999999999; input should be less than or equal to 4294967295"),
     (2**32, "seed: got 4294967296; input should be less than or equal to 4294967295"),

@@ -87,9 +87,12 @@ def _describe(err: dict[str, Any]) -> str:
     if err["type"] == "missing":
         return f"{key}: required, but missing"
     if err["type"] == "finite_number":  # YAML reads 1e400 as infinity: say so, the user wrote no "inf"
-        beyond = " (YAML reads a number beyond 1.8e308, such as 1e400, as infinity)" if given in (math.inf, -math.inf) \
-            else ""
-        return f"{key}: got {given!r}; must be a finite number{beyond}"
+        try:
+            infinite = math.isinf(float(given))
+        except (TypeError, ValueError):
+            infinite = False
+        beyond = " (YAML reads a number beyond 1.8e308, such as 1e400, as infinity)" if infinite else ""
+        return f"{key}: got {given if isinstance(given, float) else json.dumps(given)}; must be a finite number{beyond}"
     allowed = err.get("ctx", {}).get("expected")
     shown = json.dumps(given) if isinstance(given, (str, int, float, bool)) or given is None else repr(given)
     if allowed:
