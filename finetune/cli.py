@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", default=None, help="recipe file to write (default: stdout)")
     p.add_argument("--allow-approx", action="store_true",
                    help="accept approximations (each one is announced and listed in the recipe's header)")
+    p.add_argument("--allow-template-path", action="store_true",
+                   help="read chat_template_jinja from a file outside the config's folder too (its text is copied "
+                        "into the recipe)")
     command("env", cmd_env, "show pinned vs installed library versions and the device", recipe=False)
     p = command("schema", cmd_schema, "write the recipe JSON Schema", recipe=False)
     p.add_argument("--out", default=None, help="file to write (default: stdout)")
@@ -303,7 +306,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from finetune.convert import convert_axolotl
 
-    result = convert_axolotl(args.config, allow_approx=args.allow_approx)
+    result = convert_axolotl(args.config, allow_approx=args.allow_approx, allow_template_path=args.allow_template_path)
     for line in result.announcements:
         print(line, file=sys.stderr)
     if args.out:

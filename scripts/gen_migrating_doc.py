@@ -50,6 +50,7 @@ INTRO = """\
 ```
 finetune convert axolotl config.yml -o recipe.yaml     # then: finetune validate recipe.yaml
 finetune convert axolotl config.yml --allow-approx     # also accept approximations (each one announced)
+finetune convert axolotl config.yml --allow-template-path   # read chat_template_jinja outside the config's folder
 ```
 
 The converter reads the config strictly (numbers as numbers, a key written twice is an error) and writes a recipe
@@ -59,6 +60,11 @@ carried over faithfully it exits 2 and lists every problem at once, in the forma
 to do instead. An approximation (an 8-bit base, a torchao optimizer, a tokenizer class) is such a problem unless
 `--allow-approx` is given. A key Axolotl does not know is an error with the closest Axolotl key (Axolotl itself
 ignores it silently, so it is usually a typo or a stale option).
+
+`chat_template_jinja` naming a file copies the file's text into the recipe, and recipes are shared: the converter
+reads such a file only inside the config's folder (symbolic links resolved, so a link out of it counts as outside)
+unless `--allow-template-path` is given, and only as text (UTF-8 without NUL bytes, at most 1 MB), with or without
+the flag. A binary file, a device or `/proc/self/environ` is an error naming the key, and nothing is written.
 """
 
 DIFFERENCES = """\

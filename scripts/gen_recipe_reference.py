@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from finetune.recipe import Recipe  # noqa: E402
+from finetune.recipe.loading import MAX_DEPTH, MAX_VALUES  # noqa: E402
 from finetune.recipe.names import HOME_ENV, PATH_ENV  # noqa: E402
 
 REFERENCE = ROOT / "docs" / "recipe-reference.md"
@@ -42,6 +43,12 @@ HEADER = f"""\
 Every key a recipe can have: its type, its default and what it does. An unknown or misspelt key is an
 error naming the closest known key, never silently ignored. Values on the command line
 (`finetune train RECIPE train.lr=1e-4`) are parsed as YAML and checked the same way.
+
+Every number must be finite: YAML reads `1e400` as infinity and `.nan` as not a number, and both are errors.
+A recipe file (and an Axolotl config read by `finetune convert`) is bounded while it is read: at most
+{MAX_DEPTH} levels of nesting and {MAX_VALUES:,} values with every alias (`*name`) expanded; beyond that (an
+alias bomb stands for 10^9 values in 1 KB) it is refused with the line it stops at, as is an alias used inside
+its own anchor.
 
 ## Editor support
 

@@ -41,8 +41,10 @@ from finetune.recipe import deep_merge
 DOCS = REPO_ROOT / "docs" / "bad-inputs.md"
 CASE_TIMEOUT_S = 120
 # Offline: a hub dataset name must fail at once, never wait on the network.
+# Its own FINETUNE_HOME: a `recipes` case must never touch the user's registry of recipe repositories.
 CLI_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+           "PYTHONUNBUFFERED": "1", "COLUMNS": "200",
+           "FINETUNE_HOME": tempfile.mkdtemp(prefix="finetune-bad-inputs-home-")}
 
 
 def chat(user: str, assistant: str) -> dict:
@@ -58,6 +60,12 @@ def jsonl(*rows: Any) -> str:
 
 
 GOOD = jsonl(*GOOD_ROWS)
+
+# The billion laughs under model.config: nine levels of ten aliases each, 10^9 values in under 1 KB.
+ALIAS_BOMB = "model:\n  config:\n    l0: &l0 [" + ", ".join(["lol"] * 10) + "]\n" + "".join(
+    f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9))
+JINJA_CONFIG = ("base_model: org/model\nchat_template: jinja\nchat_template_jinja: {}\n"
+                "datasets:\n  - {{path: data.jsonl, type: chat_template}}\n")
 
 # The quickstart, shrunk: every case starts from this (deep-merged with the case's patch; lists replaced).
 BASE: dict[str, Any] = {
@@ -77,12 +85,13 @@ class Case:
     kind: str
     """What is wrong, in words (the docs table)."""
     stage: str
-    """Where it is caught: recipe (before torch is imported), output_dir, data, model, checkpoint."""
+    """Where it is caught: recipe (before torch is imported), output_dir, data, model, checkpoint, train (at the
+    start of training: a warning), convert (`finetune convert axolotl`), recipes (`finetune recipes add`)."""
     expect: tuple[str, ...]
     """Substrings of stderr ({d} is the case folder): the key or file:line, and the fix."""
     patch: dict[str, Any] = field(default_factory=dict)
     recipe_text: str | None = None
-    """Verbatim recipe text instead of BASE + patch (YAML errors)."""
+    """Verbatim recipe text instead of BASE + patch (YAML errors; {d} is the case folder)."""
     files: dict[str, str | bytes] = field(default_factory=dict)
     """Files in the case folder; train.jsonl holds GOOD rows unless given here."""
     args: tuple[str, ...] = ()
@@ -91,6 +100,8 @@ class Case:
     overwrite: bool = True
     exit_code: int = 2
     stdout_expect: tuple[str, ...] = ()
+    argv: tuple[str, ...] | None = None
+    """The whole command line after `finetune` ({d} is the case folder), for commands that take no recipe."""
 
 
 CASES = [
@@ -235,6 +246,54 @@ CASES = [
          patch={"data": {"on_bad_row": "skip"}, "output_dir": "{d}/fresh"},
          files={"train.jsonl": jsonl(*GOOD_ROWS[:3], '{"messages": [', {"messages": []}, *GOOD_ROWS[3:])},
          exit_code=0, stdout_expect=("2 bad rows skipped", "done: {d}/fresh/final")),
+    # --- hostile or odd inputs ----------------------------------------------------------------------------
+    Case("yaml_alias_bomb", "a YAML alias bomb: 1 KB standing for 10^9 values", "recipe",
+         ("{d}/recipe.yaml:8:9: YAML error: aliases (*name) expand this value to more than 1,000,000 values "
+          "(an alias bomb?); a recipe needs a few hundred: write them out, or use fewer aliases",),
+         recipe_text=ALIAS_BOMB, command="validate"),
+    Case("yaml_nested_too_deep", "YAML nested 5000 levels deep", "recipe",
+         ("{d}/recipe.yaml:1:107: YAML error: nested more than 100 levels deep; a recipe needs a few",),
+         recipe_text="train: " + "[" * 5000 + "]" * 5000 + "\n"),
+    Case("lr_infinite", "`train.lr=1e400` (YAML reads it as infinity)", "recipe",
+         ("train.lr: got inf; must be a finite number (YAML reads a number beyond 1.8e308, such as 1e400, as "
+          "infinity)",), args=("train.lr=1e400",)),
+    Case("float_not_a_number", "`.nan` for a number", "recipe",
+         ("train.weight_decay: got nan; must be a finite number",), args=("train.weight_decay=.nan",)),
+    Case("seed_too_large", "a seed beyond 2^32 - 1", "recipe",
+         ("seed: got 99999999999999999999; input should be less than or equal to 4294967295",),
+         patch={"seed": 99999999999999999999}),
+    Case("output_dir_name_too_long", "an output_dir folder name of 313 characters", "recipe",
+         ("output_dir: a folder name of 313 bytes (xxxxxxxxxxxxxxxxxxxx...); file systems take at most 255 bytes "
+          "per name: use a shorter one",), patch={"output_dir": "{d}/" + "x" * 313}),
+    Case("accumulation_too_large", "`gradient_accumulation_steps: 1e9`", "recipe",
+         ("train.gradient_accumulation_steps: got 1000000000.0; input should be less than or equal to 65536",),
+         patch={"train": {"gradient_accumulation_steps": 1e9}}),
+    Case("model_path_with_init_random", "`model.path` in a recipe extending the quickstart (`init: random`)",
+         "recipe", ("model.path: set, but model.init is random, which ignores it (random weights from model.config; "
+                    "init: random may come from a recipe this one extends, such as the quickstart); to train the "
+                    "model at model.path, set model.init: pretrained",),
+         patch={"model": {"path": "my/model"}}),
+    Case("step_larger_than_epoch", "one optimizer step takes more rows than an epoch has: a warning", "train", (),
+         patch={"data": {"packing": False}, "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 4},
+                "output_dir": "{d}/fresh"},
+         exit_code=0, stdout_expect=("warning: one optimizer step takes 16 rows (train.micro_batch_size 4 x "
+                                     "gradient_accumulation_steps 4) but an epoch has only 6 rows: each epoch is one "
+                                     "step of 6 rows. gradient_accumulation_steps 1 or less fills every step",
+                                     "done: {d}/fresh/final")),
+    Case("convert_template_outside", "`convert axolotl` with `chat_template_jinja: /proc/self/environ`", "convert",
+         ("{d}/config.yml: 1 problem converting the Axolotl config:", "chat_template_jinja: /proc/self/environ: a "
+          "file outside the config's folder ({d}); its text would be copied into the recipe, so only files inside "
+          "that folder are read. Copy the template next to the config, or pass --allow-template-path"),
+         files={"config.yml": JINJA_CONFIG.format("/proc/self/environ")},
+         argv=("convert", "axolotl", "{d}/config.yml", "-o", "{d}/converted.yaml")),
+    Case("convert_template_binary", "`convert axolotl` with a binary `chat_template_jinja` file", "convert",
+         ("chat_template_jinja: bin.jinja ({d}/bin.jinja): not UTF-8 text (byte 4 is 0xff): a binary file; "
+          "chat_template_jinja takes Jinja text or a template file",),
+         files={"config.yml": JINJA_CONFIG.format("bin.jinja"), "bin.jinja": b"\x7fELF\xff\x00"},
+         argv=("convert", "axolotl", "{d}/config.yml", "-o", "{d}/converted.yaml")),
+    Case("recipes_add_dash_url", "`recipes add` with a URL that git would read as an option", "recipes",
+         ("URL_OR_DIR '--upload-pack=touch {d}/pwned;://x' starts with '-', which git would read as an option",),
+         argv=("recipes", "add", "team", "--", "--upload-pack=touch {d}/pwned;://x")),
 ]
 
 
@@ -258,9 +317,11 @@ def prepare(case: Case, d: Path) -> list[str]:
     for name, content in files.items():
         path = d / name
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    recipe = case.recipe_text if case.recipe_text is not None else \
+    recipe = fill(case.recipe_text, d) if case.recipe_text is not None else \
         yaml.safe_dump(fill(deep_merge(BASE, case.patch), d), sort_keys=False)
     (d / "recipe.yaml").write_text(recipe)
+    if case.argv is not None:
+        return fill(list(case.argv), d)
     argv = [case.command, str(d / case.recipe_name), *fill(list(case.args), d)]
     if case.command == "train" and case.overwrite:
         argv.append("--overwrite")
@@ -483,8 +544,8 @@ def message_of(o: Outcome) -> str:
     """The message as the docs show it: stderr's first line (plus the first listed problem under a header),
     with the case folder written as <tmp>."""
     lines = [line for line in o.result.stderr.splitlines() if line.strip()]
-    if o.case.exit_code == 0:
-        lines = [next(line for line in o.result.stdout.splitlines() if "bad rows skipped" in line)]
+    if o.case.exit_code == 0:  # the line the case is about: what it expects on stdout
+        lines = [next(line for line in o.result.stdout.splitlines() if o.text(o.case.stdout_expect[0]) in line)]
     shown = lines[0] if lines else ""
     if shown.endswith(":") and len(lines) > 1:
         shown += " " + lines[1].strip()
@@ -510,13 +571,16 @@ def render_docs(outcomes: list[Outcome]) -> str:
         "<!-- Generated by `.venv/bin/python tests/test_bad_inputs.py --regen` from the table in",
         "     tests/test_bad_inputs.py, which also asserts every row. Do not edit by hand. -->",
         "",
-        "Every row is a real run of `python -m finetune train RECIPE --overwrite` (or `finetune validate`) on a",
-        "tiny recipe whose output_dir already holds a user's file and an earlier run's `metrics.jsonl`.",
+        "Every row is a real run of `python -m finetune train RECIPE --overwrite` (or `finetune validate`,",
+        "`finetune convert axolotl`, `finetune recipes add`) on a tiny recipe whose output_dir already holds a",
+        "user's file and an earlier run's `metrics.jsonl`.",
         "A user error always exits with status 2 and one message naming the recipe key or the `file:line`,",
         "never a traceback (`--debug` shows one). `<tmp>` is the folder the case ran in.",
         "",
         "*Caught at*: `recipe` = while reading the recipe, before torch is imported (also what `finetune",
-        "validate` reports); `output_dir`, `data`, `model`, `checkpoint` = at that step of `finetune train`.",
+        "validate` reports); `output_dir`, `data`, `model`, `checkpoint` = at that step of `finetune train`;",
+        "`train` = a warning at the start of training (the run goes on); `convert` = by `finetune convert",
+        "axolotl`, before anything is written; `recipes` = by `finetune recipes add`, before git runs.",
         "*Earlier run*: whether every file that was there before (the sentinel and the earlier",
         "`metrics.jsonl`) is still there, byte for byte, after the failed run.",
         "",

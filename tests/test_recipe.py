@@ -343,7 +343,7 @@ def test_relative_paths_resolve_against_the_recipe_folder_when_they_exist(tmp_pa
     (tmp_path / "sub" / "tok").mkdir()
     raw = base()
     raw["tokenizer"] = {"path": "tok"}
-    raw["model"]["path"] = "Org/some-model"  # a hub id: does not exist locally, left as written
+    raw["model"] = {"path": "Org/some-model"}  # a hub id: does not exist locally, left as written
     raw["datasets"] = [{"path": "data/train.jsonl"}, {"path": "data/missing.jsonl"}, {"path": "org/dataset"}]
     raw["eval_datasets"] = [{"path": "data/train.jsonl"}]
     recipe = load_recipe(write_recipe(raw, "sub/recipe.yaml"))

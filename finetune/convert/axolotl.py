@@ -54,10 +54,12 @@ class Converted:
                [f"note: {n}" for n in self.conversion.notes]
 
 
-def convert_axolotl(path: str | Path, allow_approx: bool = False) -> Converted:
-    """Convert the Axolotl config at `path`; a UserError listing every problem when it cannot be done faithfully."""
+def convert_axolotl(path: str | Path, allow_approx: bool = False, allow_template_path: bool = False) -> Converted:
+    """Convert the Axolotl config at `path`; a UserError listing every problem when it cannot be done faithfully.
+
+    `allow_template_path`: read chat_template_jinja from a file outside the config's folder too."""
     file = Path(path).expanduser()
-    c = Conversion(read_config(file), allow_approx=allow_approx)
+    c = Conversion(read_config(file), allow_approx=allow_approx, allow_template_path=allow_template_path)
     check_keys(c)
     apply_rules(c, file.parent)
     if not c.problems:

@@ -18,6 +18,8 @@ _MISSING = object()
 class Conversion:
     config: dict[str, Any]
     allow_approx: bool = False
+    allow_template_path: bool = False
+    """Read chat_template_jinja from a file outside the config's folder too (--allow-template-path)."""
     recipe: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     approximations: list[str] = field(default_factory=list)

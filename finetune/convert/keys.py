@@ -77,7 +77,6 @@ MAPPED: dict[str, str] = {
     "eager_attention": "model.attn_implementation: eager",
     "gradient_checkpointing": "model.gradient_checkpointing",
     "trust_remote_code": "model.trust_remote_code",
-    "reinit_weights": "model.init: random",
     "type_of_model": "AutoModelForCausalLM and *ForCausalLM only; other heads refused",
     "model_type": "as type_of_model (its alias)",
     "resize_token_embeddings_to_32x": "model.vocab_multiple_of: 32",
@@ -87,7 +86,8 @@ MAPPED: dict[str, str] = {
     "special_tokens": "tokenizer.special_tokens, tokenizer.added_special_tokens (a pad token alone is dropped)",
     "tokens": "tokenizer.added_tokens",
     "chat_template": "tokenizer.chat_template: a template shipped with finetune, Jinja text, or the tokenizer's own",
-    "chat_template_jinja": "tokenizer.chat_template (the text, or the file's text)",
+    "chat_template_jinja": "tokenizer.chat_template (the text, or the text of a file in the config's folder; "
+                           "elsewhere with --allow-template-path)",
     "chat_template_kwargs": "tokenizer.chat_template_kwargs",
     "adapter": "adapter.type: lora, qlora (lora with load_in_4bit), none",
     "load_in_4bit": "adapter.type: qlora",
@@ -231,6 +231,8 @@ REFUSED: dict[str, str] = {
     **_each("reward_model num_labels center_rewards_coefficient",
             "reward-model training is not supported (finetune trains causal LMs)"),
     "process_reward_model": "process reward models are not supported",
+    "reinit_weights": "random weights come from model.config, not from a model.path: write the model's config "
+                      "(its config.json) under model.config with model.init: random, and no model.path",
     "processor_type": "multimodal (processor) models are not supported; finetune trains text-only causal LMs",
     "freeze_mm_modules": "multimodal models are not supported",
     "llama4_linearized_experts": "Llama 4 with linearized experts is not supported (Llama 4 is multimodal here)",

@@ -8,7 +8,7 @@ from finetune.convert.context import Conversion, is_off
 
 
 def model_rules(c: Conversion) -> None:
-    """base_model, tokenizer_config, trust_remote_code, reinit_weights, type_of_model, gradient_checkpointing,
+    """base_model, tokenizer_config, trust_remote_code, type_of_model, gradient_checkpointing,
     resize_token_embeddings_to_32x, mean_resizing_embeddings, tokenizer_type, tokenizer_use_fast."""
     base = c.text("base_model")
     if base is None:
@@ -19,8 +19,6 @@ def model_rules(c: Conversion) -> None:
         c.put("tokenizer.path", c.text("tokenizer_config"))
     if c.boolean("trust_remote_code"):
         c.put("model.trust_remote_code", True)
-    if c.boolean("reinit_weights"):
-        c.put("model.init", "random")
     for key in ("type_of_model", "model_type"):
         _model_class(c, key)
     checkpointing = c.get("gradient_checkpointing")

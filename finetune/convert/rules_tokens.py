@@ -8,6 +8,7 @@ from pathlib import Path
 
 from finetune.convert.context import Conversion
 from finetune.convert.keys import CHAT_TEMPLATES
+from finetune.convert.reading import read_side_file
 
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -46,7 +47,9 @@ def chat_template_rules(c: Conversion, asked: list[tuple[str | None, str | None]
     if c.has("chat_template_kwargs"):
         c.put("tokenizer.chat_template_kwargs", c.mapping("chat_template_kwargs"))
     if name in (None, "jinja") and jinja:
-        c.put("tokenizer.chat_template", _jinja_text(jinja, base))
+        text = _jinja_text(c, jinja, base)
+        if text is not None:
+            c.put("tokenizer.chat_template", text)
     elif name in (None, "tokenizer_default"):
         return
     elif name.startswith("tokenizer_default_fallback_"):
@@ -67,11 +70,28 @@ def chat_template_rules(c: Conversion, asked: list[tuple[str | None, str | None]
                                                                             else ""))
 
 
-def _jinja_text(jinja: str, base: Path) -> str:
-    """chat_template_jinja: the template itself, or a file holding it (next to the config, or as given)."""
+def _jinja_text(c: Conversion, jinja: str, base: Path) -> str | None:
+    """chat_template_jinja: the template itself, or a file holding it, relative to the config's folder.
+
+    The file's text goes into the recipe, which is shared: only a file inside the config's folder (symbolic links
+    resolved) is read, unless --allow-template-path; then also one anywhere, relative to the config's folder or
+    to the current directory. Only text is read (read_side_file). None, with a problem recorded, when refused."""
     if "{" in jinja:
-        return jinja
-    for candidate in (base / jinja, Path(jinja)):
-        if candidate.is_file():
-            return candidate.read_text(encoding="utf-8")
-    return jinja  # recipe validation says what is wrong with it
+        return jinja  # Jinja text: every template has {{ ... }} or {% ... %}
+    folder = base.expanduser().resolve()
+    candidates = [folder / Path(jinja).expanduser()]
+    if c.allow_template_path:
+        candidates.append(Path(jinja).expanduser())
+    file = next((f for f in candidates if f.exists()), candidates[0])
+    if not c.allow_template_path and not file.resolve().is_relative_to(folder):
+        c.refuse("chat_template_jinja", f"{jinja}: a file outside the config's folder ({folder}); its text would be "
+                                        "copied into the recipe, so only files inside that folder are read. Copy the "
+                                        "template next to the config, or pass --allow-template-path")
+        return None
+    try:
+        return read_side_file(file)
+    except ValueError as e:
+        where = "" if str(file) == jinja else f" ({file})"
+        c.refuse("chat_template_jinja", f"{jinja}{where}: {e}; chat_template_jinja takes Jinja text or a template "
+                                        "file")
+        return None

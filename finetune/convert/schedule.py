@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.convert.context import Conversion
+from finetune.convert.reading import read_side_file
 
 _KNOWN_PLUGINS = {
     "cut_cross_entropy": "a fused cross-entropy: finetune's loss is fused too (the same math)",
@@ -151,9 +152,12 @@ def _deepspeed(c: Conversion, base: Path) -> None:
 
 
 def _json_file(path: str, base: Path) -> dict | None:
+    # Only the ZeRO stage and offload are read from it (nothing is copied into the recipe), so any folder will do;
+    # read_side_file still keeps a device or a huge file from being read whole.
     for candidate in (base / path, Path(path)):
         try:
-            return json.loads(candidate.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data = json.loads(read_side_file(candidate))
+        except ValueError:  # json's errors are ValueErrors too
             continue
+        return data if isinstance(data, dict) else None
     return None

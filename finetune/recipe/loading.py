@@ -21,15 +21,53 @@ from finetune.versions import check_requires
 _PATH_KEYS = (("model", "path"), ("model", "gguf_file"), ("tokenizer", "path"), ("grpo", "replay"))
 
 
+# Bounds on what one YAML document may expand to. A recipe (or an Axolotl config) is a few hundred values nested a
+# few levels deep; aliases (`*name`) can make 1 KB of text stand for 10^9 values, which everything after the
+# parser (validation, merging, printing) would walk one by one.
+MAX_VALUES = 1_000_000
+MAX_DEPTH = 100
+
+
+class LimitError(yaml.constructor.ConstructorError):
+    """A document beyond MAX_VALUES or MAX_DEPTH, or one that contains itself: refused before it is built."""
+
+
 class RecipeLoader(yaml.SafeLoader):
-    """yaml.safe_load with two fixes for recipes.
+    """yaml.safe_load with three fixes for recipes.
 
     * `1e-4` is a float. PyYAML follows YAML 1.1, where a float needs a dot, so `lr: 1e-4` would be the
       *string* "1e-4": the schema coerces it for typed keys, but free-form ones (model.config) would pass a
       string to transformers. YAML 1.2 (and every user) reads it as a number.
     * A key written twice in one mapping is an error naming both lines. PyYAML silently keeps the last one,
       so a second `train:` section would quietly replace the first.
+    * Bounded: nesting deeper than MAX_DEPTH, aliases expanding to more than MAX_VALUES values (an alias bomb)
+      and an alias inside its own anchor are errors, found on the parsed nodes before any value is built.
     """
+
+    _depth = 0
+    _composed = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        # Counted while composing: PyYAML composes recursively, so a deep nesting would end in a RecursionError,
+        # and a huge document is stopped before all of it is held in memory.
+        self._depth += 1
+        self._composed += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise LimitError(None, None, f"nested more than {MAX_DEPTH} levels deep; a recipe needs a few",
+                                 self.peek_event().start_mark)
+            if self._composed > MAX_VALUES:
+                raise LimitError(None, None, f"more than {MAX_VALUES:,} values in one document; a recipe needs a "
+                                             "few hundred", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            check_expansion(node)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -54,6 +92,40 @@ RecipeLoader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
     list("-+0123456789."),
 )
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def check_expansion(root: yaml.Node) -> int:
+    """The number of values `root` stands for with every alias expanded; a LimitError above MAX_VALUES or for a
+    node inside itself. Each distinct node is visited once (sizes are memoized), so a bomb is refused at once."""
+    sizes: dict[int, int] = {}
+    ancestors: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:  # iterative depth-first: a node's size once all its children's are known
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            ancestors.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            if sizes[key] > MAX_VALUES:
+                raise LimitError(None, None, f"aliases (*name) expand this value to more than {MAX_VALUES:,} "
+                                             "values (an alias bomb?); a recipe needs a few hundred: write them "
+                                             "out, or use fewer aliases", node.start_mark)
+        elif key in ancestors:
+            raise LimitError(None, None, "an alias used inside its own anchor: a value that contains itself",
+                             node.start_mark)
+        elif key not in sizes:
+            ancestors.add(key)
+            stack.append((node, True))
+            stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+    return sizes[id(root)]
 
 
 def parse_yaml(text: str) -> Any:
@@ -181,6 +253,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         raise UserError(f"override {item!r}: expected key.path=value, e.g. train.lr=1e-4")
     try:
         value = parse_yaml(text) if text.strip() else None
+    except LimitError as e:
+        raise UserError(f"override {item!r}: {e.problem}") from None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(f"override {item!r}: the value is not valid YAML ({problem}); to pass it as a string, "

@@ -66,6 +66,12 @@ def _resolve_ref(ref: str, clone: Path, url: str) -> tuple[RefKind, str]:
     raise UserError(f"'{ref}' is not a branch, tag or commit of {url} (branches: {shown})")
 
 
+def _no_option(what: str, value: str, fix: str) -> None:
+    """Refuse a user's value that git would read as an option (`--upload-pack=...` runs a command)."""
+    if value.startswith("-"):
+        raise UserError(f"{what} {value!r} starts with '-', which git would read as an option; {fix}")
+
+
 def _is_url(text: str) -> bool:
     return "://" in text or bool(re.match(r"^[\w.-]+@[\w.-]+:", text))  # scheme://... or scp-like user@host:path
 
@@ -75,6 +81,10 @@ def add(name: str, url_or_dir: str, ref: str | None = None) -> Repo:
     if not _REPO_NAME.match(name) or name.lower().endswith(SUFFIXES):
         raise UserError(f"repository name {name!r}: use letters, digits, '.', '_' and '-' (starting with a "
                         "letter or digit), without a .yaml suffix; recipes in it are then NAME/recipe")
+    _no_option("URL_OR_DIR", url_or_dir, "give a git URL (https://..., file://..., git@host:...) or a folder "
+                                         "(./-name for a folder whose name starts with '-')")
+    if ref is not None:
+        _no_option("--ref", ref, "give a branch, tag or commit")
     repos = load_registry()
     if name in repos:
         raise UserError(f"a recipe repository named '{name}' is already added ({repos[name].url}); "
@@ -97,7 +107,7 @@ def add(name: str, url_or_dir: str, ref: str | None = None) -> Repo:
     # Clone next to the destination, then rename: a failed clone leaves nothing half-made under the name.
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
     try:
-        _git("clone", "--quiet", url, str(tmp))
+        _git("clone", "--quiet", "--", url, str(tmp))  # `--`: whatever the URL is, git reads it as one
         if ref is None:
             head = _rev("HEAD", tmp)
             if head is None:
@@ -120,6 +130,8 @@ def add(name: str, url_or_dir: str, ref: str | None = None) -> Repo:
 
 def update(name: str | None = None, ref: str | None = None) -> list[tuple[Repo, str]]:
     """Fetch and move the pin of one repository (or all): [(repo as now pinned, previous commit)]."""
+    if ref is not None:
+        _no_option("--ref", ref, "give a branch, tag or commit")
     repos = load_registry()
     if name is not None:
         _known(name, repos)

