@@ -137,6 +137,29 @@ def test_every_mapped_key_is_read_by_a_rule(tmp_path, monkeypatch, extra):
         assert set(MAPPED) - _Recording.read == set()
 
 
+GRPO = ("base_model: org/model\nrl: grpo\ntrl:\n  beta: 0.04\n  num_generations: 8\n  max_completion_length: 256\n"
+        "  loss_type: dr_grpo\n  scale_rewards: false\n  reward_funcs: [rewards.accuracy, rewards.format]\n"
+        "  reward_weights: [1.0, 0.5]\n  use_vllm: true\n")
+
+
+def test_grpo_and_its_trl_block_convert(tmp_path):
+    """rl: grpo's trl: block becomes the grpo: section (TRL's loss types to normalize); bnpo is only approximate;
+    an Axolotl GRPO dataset's transform is not run (said in the notes: the rows are read as prompt rows); a TRL key
+    we lack is refused by name."""
+    converted = _convert(tmp_path, GRPO + "datasets:\n  - {path: gsm8k, type: gsm8k.transform}\n")
+    recipe = yaml.safe_load(converted.text)
+    assert recipe["datasets"] == [{"path": "gsm8k", "format": "prompt"}]
+    assert any("gsm8k.transform is not run" in n for n in converted.conversion.notes)
+    assert recipe["train"]["objective"] == "grpo" and recipe["data"]["packing"] is False
+    g = recipe["grpo"]
+    assert (g["beta"], g["num_generations"], g["max_new_tokens"], g["normalize"], g["scale_rewards"]) == (
+        0.04, 8, 256, "constant", "none")
+    assert g["rewards"] == [{"function": "rewards:accuracy", "weight": 1.0}, {"function": "rewards:format", "weight": 0.5}]
+    assert "only approximately: bnpo" in _error(tmp_path, GRPO.replace("dr_grpo", "bnpo"))
+    assert "trl.delta: not supported" in _error(tmp_path, GRPO + "  delta: 2.0\n")
+    assert "trl: TRL trainer options are read with rl: grpo only" in _error(tmp_path, MINIMAL + "trl: {beta: 1}\n")
+
+
 def test_strict_reading(tmp_path):
     assert "duplicate key 'learning_rate'" in _error(tmp_path, MINIMAL + "learning_rate: 1e-4\nlearning_rate: 2e-4\n")
     train = yaml.safe_load(_convert(tmp_path, MINIMAL + "learning_rate: 1e-4\n").text)["train"]

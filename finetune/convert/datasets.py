@@ -75,6 +75,10 @@ def _entry(c: Conversion, where: str, entry: dict[str, Any]) -> tuple[dict[str, 
         if entry.get(name) is not None:
             out[ours] = str(entry[name])
     kind = entry.get("type")
+    if c.peek("train.objective") == "grpo":  # Axolotl's GRPO datasets name a Python transform finetune cannot run
+        c.note(f"{where}.type: {kind} is not run: finetune reads the rows as they are (format: prompt): each needs a "
+               "`prompt` (text or messages) and the fields your rewards read; a row without one stops the run")
+        return {**out, "format": "prompt"}, None
     if not isinstance(kind, str):
         what = "a custom prompt type (a mapping)" if isinstance(kind, dict) else "already tokenized rows (no type)"
         c.refuse(f"{where}.type", f"{what} is not supported; use alpaca, chat_template or completion")

@@ -119,7 +119,10 @@ MAPPED: dict[str, str] = {
     "use_mlflow": "logging.mlflow",
     "mlflow_experiment_name": "logging.mlflow_experiment",
     "plugins": "Liger, Cut Cross Entropy, kernels, expert parallel, SwanLab: dropped (speed, logging); others refused",
-    "rl": "dpo, ipo: train.objective: dpo; orpo: train.objective: orpo; others refused",
+    "rl": "dpo, ipo: train.objective: dpo; orpo: train.objective: orpo; grpo: train.objective: grpo; others refused",
+    "trl": "rl: grpo's grpo: section (beta, num_generations, max_completion_length, temperature, top_p, epsilon, "
+           "epsilon_high, num_iterations, scale_rewards, loss_type dapo/grpo/dr_grpo -> normalize, "
+           "mask_truncated_completions, reward_funcs, reward_weights); refused otherwise",
     "rl_beta": "dpo.beta or orpo.beta",
     "dpo_beta": "dpo.beta (rl_beta's old name)",
     "orpo_alpha": "orpo.beta",
@@ -304,7 +307,6 @@ REFUSED: dict[str, str] = {
     **_each("dpo_loss_weights dpo_use_weighting", "weighted or mixed DPO losses are not supported"),
     "dpo_norm_loss": "a length-normalized DPO loss is not supported (dpo.loss: ipo is length-averaged)",
     "rpo_alpha": "the RPO term (DPO plus NLL) is not supported",
-    "trl": "TRL trainer options are not supported (finetune's dpo: and orpo: sections)",
 }
 
 DATASET_MAPPED: dict[str, str] = {

@@ -118,6 +118,8 @@ def objective_rules(c: Conversion) -> None:
     """rl, rl_beta, dpo_beta, orpo_alpha, dpo_label_smoothing, dpo_loss_type."""
     rl = c.text("rl")
     beta = c.number("rl_beta", c.number("dpo_beta"))
+    if rl != "grpo" and c.has("trl"):
+        c.refuse("trl", "TRL trainer options are read with rl: grpo only (finetune's dpo: and orpo: sections)")
     if rl is None:
         for key in ("rl_beta", "dpo_beta", "orpo_alpha", "dpo_label_smoothing", "dpo_loss_type"):
             if c.has(key):
@@ -131,8 +133,56 @@ def objective_rules(c: Conversion) -> None:
         beta = beta if beta is not None else c.number("orpo_alpha")
         if beta is not None:
             c.put("orpo.beta", beta)
+    elif rl == "grpo":
+        c.put("train.objective", "grpo")
+        c.put("data.packing", False)
+        grpo_rules(c, c.mapping("trl") or {})
     else:
-        c.refuse("rl", f"{rl}: finetune trains SFT, DPO (rl: dpo, ipo) and ORPO; not {rl}")
+        c.refuse("rl", f"{rl}: finetune trains SFT, DPO (rl: dpo, ipo), ORPO and GRPO; not {rl}")
+
+
+# trl: key -> grpo: key, for the values that carry over as they are.
+_TRL_SAME = {"beta": "beta", "num_generations": "num_generations", "max_completion_length": "max_new_tokens",
+             "temperature": "temperature", "top_p": "top_p", "epsilon": "epsilon", "epsilon_high": "epsilon_high",
+             "num_iterations": "iterations", "mask_truncated_completions": "mask_truncated"}
+# TRL's loss types whose normalizer is exact under any split -> grpo.normalize.
+_LOSS_TYPES = {"dapo": "tokens", "grpo": "sequences", "dr_grpo": "constant"}
+_TRL_OTHER = {"loss_type", "scale_rewards", "reward_funcs", "reward_weights", "use_vllm", "vllm_mode",
+              "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization",
+              "log_completions", "num_completions_to_print", "sync_ref_model"}
+
+
+def grpo_rules(c: Conversion, trl: dict) -> None:
+    """Axolotl's trl: block (TRL's GRPOConfig) -> the grpo: section."""
+    for key in sorted(set(trl) - set(_TRL_SAME) - _TRL_OTHER):
+        c.refuse(f"trl.{key}", "not supported by finetune's GRPO (docs/rl.md)")
+    for key, ours in _TRL_SAME.items():
+        if trl.get(key) is not None:
+            c.put(f"grpo.{ours}", trl[key])
+    loss = trl.get("loss_type", "dapo")  # TRL 1.x's default
+    if loss == "bnpo":
+        c.approximate("trl.loss_type", "bnpo normalizes each micro-batch by its own tokens (its update depends on "
+                                       "the split); normalize: tokens is the same over the whole step")
+        loss = "dapo"
+    if loss not in _LOSS_TYPES:
+        c.refuse("trl.loss_type", f"{loss!r}: finetune's GRPO offers dapo, grpo and dr_grpo (grpo.normalize)")
+    else:
+        c.put("grpo.normalize", _LOSS_TYPES[loss])
+    scale = trl.get("scale_rewards", True)
+    c.put("grpo.scale_rewards", {True: "group", False: "none"}.get(scale, scale))
+    funcs, weights = trl.get("reward_funcs") or [], trl.get("reward_weights") or []
+    if weights and len(weights) != len(funcs):
+        c.refuse("trl.reward_weights", f"{len(weights)} weights for {len(funcs)} reward_funcs")
+    c.put("grpo.rewards", [{"function": _function(f), **({"weight": w} if weights else {})}
+                           for f, w in zip(funcs, weights or [1.0] * len(funcs))])
+    if trl.get("use_vllm"):
+        c.note("trl.use_vllm: finetune generates with transformers' generate (the generation seam, docs/rl.md)")
+
+
+def _function(name: str) -> str:
+    """Axolotl's `module.function` (a file next to the config) as finetune's `module:function`."""
+    module, _, function = str(name).rpartition(".")
+    return f"{module}:{function}" if module else name
 
 
 def _dpo(c: Conversion, rl: str, beta: float | None) -> None:
