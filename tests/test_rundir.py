@@ -57,9 +57,11 @@ def test_a_held_lock_refuses_with_the_holders_pid_and_a_killed_holders_lock_is_t
         assert message.startswith(f"output_dir {out} is in use by another finetune run (pid {proc.pid} on ")
         assert message.endswith(f"; lock file {out / lock.LOCK_NAME}). Wait for that run to end, or choose "
                                 "another output_dir.")
-        if mode == "flock":
-            with pytest.raises(UserError, match=f"pid {proc.pid} on "):
-                lock.check_free(out)  # the CLI's look before torchrun
+        if mode == "flock":  # the CLI's look before it hands over to torchrun (--nproc)
+            from finetune.cli import _preflight_output_dir
+
+            with pytest.raises(UserError, match=f"is in use by another finetune run \\(pid {proc.pid} on "):
+                _preflight_output_dir(validate(tiny_recipe(out)), overwrite=True)
     finally:
         _kill(proc)  # kill -9: the holder never releases; its note stays in the lock file
     assert json.loads((out / lock.LOCK_NAME).read_text())["pid"] == proc.pid
@@ -237,3 +239,27 @@ def test_every_run_file_name_is_known():
     recipe = validate({**tiny_recipe("out"), "checkpoint": {"every_steps": 1},
                        "logging": {"tensorboard": True, "wandb": True, "mlflow": True}})
     assert set(startup.run_files(recipe)) == set(RUN_FILES)
+
+
+def test_the_check_before_torchrun_names_what_it_skipped_when_it_refuses(tmp_path, capsys):
+    """`finetune train --nproc N` checks output_dir before torchrun starts (checkpoint sizes only): a truncated
+    checkpoint is named on stderr before the refusal, so the refusal's "each named above" holds there too."""
+    import torch
+
+    from finetune.cli import _preflight_output_dir
+    from finetune.run import checkpoint
+
+    recipe = _recipe(tmp_path, checkpoint={"every_steps": 1}, resume="auto")
+    out = Path(recipe.output_dir)
+    out.mkdir()
+    startup.claim(out, recipe, fresh=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    saved = checkpoint.save(out, 1, model, optimizer, scheduler, {"step": 1}, keep_last=2)
+    (saved / "state.pt").write_bytes(b"")
+    with pytest.raises(UserError, match=r"^resume: auto found nothing to resume in output_dir .*: 1 checkpoint\(s\)"):
+        _preflight_output_dir(recipe, overwrite=False)
+    assert capsys.readouterr().err.startswith(f"skipping checkpoint {saved}: state.pt is truncated or unreadable "
+                                              "(0 bytes; the manifest records ")
