@@ -107,7 +107,13 @@ def _lock_flock(path: Path, out: Path) -> int | None:
     """The fd of `path` with our flock on it; None when this filesystem has no flock."""
     fcntl = _fcntl()
     for _ in range(_ATTEMPTS):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), True
+        except FileExistsError:
+            try:
+                fd, created = os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+            except FileNotFoundError:
+                continue  # released meanwhile
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -117,6 +123,9 @@ def _lock_flock(path: Path, out: Path) -> int | None:
         except OSError as e:
             os.close(fd)
             if e.errno in _NO_FLOCK:
+                if created:  # the O_EXCL path creates it again, with its holder in it
+                    with contextlib.suppress(OSError):
+                        path.unlink()
                 return None
             raise
         if _same_file(path, fd):
