@@ -184,14 +184,23 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _preflight_output_dir(recipe: Recipe, overwrite: bool) -> None:
-    """The output_dir check the trainer makes, made before torchrun starts: a refusal then ends with our message
-    and exit code 2, not with torchrun's traceback of a failed worker. Nothing is removed here."""
+    """The output_dir checks the trainer makes, made before torchrun starts: a refusal then ends with our message
+    and exit code 2, not with torchrun's traceback of a failed worker. Nothing is removed or locked here, and the
+    checkpoints' sizes are checked, not their checksums (the trainer verifies those, once)."""
     from finetune.run.checkpoint import resume_path
-    from finetune.run.directory import check_output_dir
+    from finetune.run.lock import check_free
+    from finetune.run.startup import check_output_dir
 
     out = Path(recipe.output_dir)
-    resume_from = resume_path(recipe, out, warn=lambda message: None)  # the trainer says it again, once
-    check_output_dir(out, fresh=resume_from is None, overwrite=overwrite, restart_incomplete=recipe.resume == "auto")
+    check_free(out)
+    said: list[str] = []  # the trainer says these again; shown here only when the check refuses
+    try:
+        resume_from = resume_path(recipe, out, warn=said.append, deep=False)
+        check_output_dir(out, recipe, resume_from=resume_from, overwrite=overwrite)
+    except UserError:
+        for line in said:
+            print(line, file=sys.stderr)
+        raise
 
 
 def _exec_torchrun(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,6 +104,24 @@ def all_gather_objects(items: list) -> list:
     gathered: list[list] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, items)
     return [x for part in gathered for x in part]
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (a collective: every rank calls it); `flag` itself in one process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    return bool(all_reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
+
+
+def from_main(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a collective; picklable values): what rank 0 alone decided, e.g. the
+    checkpoint to resume from after verifying it."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

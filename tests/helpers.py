@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -60,3 +64,18 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (Frobenius) for one tensor: the usual relative difference of two weight tensors."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int) -> Iterator[None]:
+    """A full disk for this process alone, without a small filesystem: any write that would take a file past
+    `nbytes` fails with EFBIG (RLIMIT_FSIZE, with SIGXFSZ ignored), whoever writes it (safetensors, torch.save,
+    open()), each raising its own exception type. The limit is lifted again on exit."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)

@@ -3,7 +3,8 @@ that names the key or the file:line, no traceback, and loses nothing the user al
 
 One table (CASES) drives everything: each case writes a tiny recipe (the quickstart, shrunk to hidden 32 and 2
 layers, one step; `extends:` the real quickstart so it stays in step with it), a few data rows, and an
-output_dir that already holds a sentinel file and an earlier run's metrics.jsonl; then it runs the real CLI,
+output_dir that already holds a sentinel file and an earlier run's metrics.jsonl (with the earlier run's marker,
+finetune-run.json, unless the case says the files are another tool's); then it runs the real CLI,
 `python -m finetune train RECIPE ... --overwrite` (or `validate`). `--overwrite` is what gets a run past the
 earlier run to the bad input, and it is exactly when losing that earlier run would hurt.
 
@@ -102,6 +103,8 @@ class Case:
     stdout_expect: tuple[str, ...] = ()
     argv: tuple[str, ...] | None = None
     """The whole command line after `finetune` ({d} is the case folder), for commands that take no recipe."""
+    marked: bool = True
+    """The output_dir's earlier run carries finetune's marker (False: the files are another tool's)."""
 
 
 CASES = [
@@ -165,6 +168,27 @@ CASES = [
     Case("output_dir_not_writable", "output_dir under a regular file", "output_dir",
          ("output_dir {d}/blocker/out is not writable",),
          patch={"output_dir": "{d}/blocker/out"}, files={"blocker": "a regular file\n"}),
+    Case("output_dir_holds_foreign_files", "output_dir holds another tool's recipe.yaml and checkpoints/ "
+         "(no marker), with --overwrite", "output_dir",
+         ("output_dir {d}/out holds metrics.jsonl, recipe.yaml, checkpoints, which no finetune run there claims",
+          "finetune never writes over or removes files that are not its own, with or without --overwrite"),
+         patch={"checkpoint": {"every_steps": 1}}, marked=False,
+         files={"out/recipe.yaml": "the user's own recipe\n", "out/checkpoints/step-1/weights.bin": b"\x00" * 64}),
+    Case("resume_auto_nothing_to_resume", "resume: auto, and the run in output_dir has no checkpoint", "output_dir",
+         ("resume: auto found nothing to resume in output_dir {d}/out: no checkpoint (the run stopped before "
+          "writing its first one); it holds metrics.jsonl of run earlier-run. Nothing was deleted.",
+          "add --overwrite", "choose a new output_dir"),
+         patch={"resume": "auto"}, overwrite=False),
+    Case("resume_auto_damaged_checkpoint", "resume: auto, and the only checkpoint fails its manifest", "checkpoint",
+         ("resume: auto found nothing to resume in output_dir {d}/out: 1 checkpoint(s) in {d}/out/checkpoints "
+          "(step-1), none of which verifies (each named above)",),
+         patch={"resume": "auto", "checkpoint": {"every_steps": 1}}, overwrite=False,
+         files={"out/checkpoints/step-1/COMPLETE": '{"step": 1, "manifest": "manifest.json"}',
+                "out/checkpoints/step-1/trainer_state.json": "{}",
+                "out/checkpoints/step-1/manifest.json": json.dumps({"format": 1, "files": {
+                    "trainer_state.json": {"size": 10, "sha256": "0" * 64}}})},
+         stdout_expect=("skipping checkpoint {d}/out/checkpoints/step-1: trainer_state.json is truncated or "
+                        "unreadable (2 bytes; the manifest records 10)",)),
     # --- data files and rows ----------------------------------------------------------------------------
     Case("missing_data_file", "a data file that does not exist", "data",
          ("datasets.0.path: data file not found: missing.jsonl",),
@@ -313,9 +337,14 @@ def prepare(case: Case, d: Path) -> list[str]:
     (d / "out").mkdir(parents=True)
     (d / "out" / "sentinel.txt").write_text("the user's own file: must survive\n")
     (d / "out" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5, "note": "an earlier run"}\n')
+    if case.marked:
+        (d / "out" / "finetune-run.json").write_text(json.dumps({
+            "finetune_run": 1, "run_id": "earlier-run", "created": "2025-01-01 00:00:00 +0000",
+            "files": ["recipe.yaml", "versions.json", "metrics.jsonl", "final", "checkpoints"]}))
     files = {"train.jsonl": GOOD, **case.files}
     for name, content in files.items():
         path = d / name
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
     recipe = fill(case.recipe_text, d) if case.recipe_text is not None else \
         yaml.safe_dump(fill(deep_merge(BASE, case.patch), d), sort_keys=False)
@@ -573,7 +602,8 @@ def render_docs(outcomes: list[Outcome]) -> str:
         "",
         "Every row is a real run of `python -m finetune train RECIPE --overwrite` (or `finetune validate`,",
         "`finetune convert axolotl`, `finetune recipes add`) on a tiny recipe whose output_dir already holds a",
-        "user's file and an earlier run's `metrics.jsonl`.",
+        "user's file and an earlier run's `metrics.jsonl` (marked as finetune's by its `finetune-run.json`,",
+        "except where the row says the files are another tool's).",
         "A user error always exits with status 2 and one message naming the recipe key or the `file:line`,",
         "never a traceback (`--debug` shows one). `<tmp>` is the folder the case ran in.",
         "",
@@ -593,7 +623,9 @@ def render_docs(outcomes: list[Outcome]) -> str:
         "`data: 6 samples, ... ; 2 bad rows skipped`.",
         "",
         "With `--overwrite`, the earlier run is removed only after the tokenizer, the data and the model have",
-        "loaded: a run that fails on bad input leaves the earlier run as it was.",
+        "loaded: a run that fails on bad input leaves the earlier run as it was. Only what the earlier run's",
+        "`finetune-run.json` lists is ever removed, and `resume: auto` removes nothing (README, \"The run",
+        "directory\").",
         "",
     ])
 

@@ -175,6 +175,7 @@ def test_nproc_refuses_an_existing_run_before_torchrun_starts(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
+    (run / "finetune-run.json").write_text('{"run_id": "earlier", "files": ["metrics.jsonl"]}')  # an earlier run's
     r = single("train", str(QUICKSTART), f"output_dir={run}", *TINY, "--nproc", "2")
     assert r.returncode == 2, r.stderr[-3000:]
     assert "already holds a run" in r.stderr and "Traceback" not in r.stderr + r.stdout

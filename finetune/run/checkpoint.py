@@ -1,16 +1,15 @@
 """Atomic, resumable checkpoints: trainable weights (safetensors), optimizer, scheduler, RNG, data position.
 
-A checkpoint is written into a temporary directory, every file fsynced, a COMPLETE marker written last, and
-the directory renamed into place: a crash at any instant leaves the previous checkpoint intact and loadable,
-and a half-written one is never mistaken for a checkpoint. Resuming picks a checkpoint (`resume_path`),
-refuses one whose recipe changed the training (`check_resume_recipe`), and restores everything (`load`).
+A checkpoint is written into a temporary directory, every file fsynced, a COMPLETE marker and then a manifest
+(every file's size and sha256, run/manifest.py) written last, and the directory renamed into place: a crash at
+any instant leaves the previous checkpoint intact, and a half-written or damaged one is never mistaken for a
+checkpoint. Resuming picks a checkpoint that verifies (`resume_path`), refuses one whose recipe changed the
+training (`check_resume_recipe`), and restores everything (`load`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import re
 import shutil
@@ -22,8 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from finetune import dist
-from finetune.errors import UserError
+from finetune.errors import UserError, first_line
 from finetune.recipe import Recipe, default_training_keys, recipe_hash, training_keys
+from finetune.run import atomic, manifest
 from finetune.run.directory import RunDir
 
 MARKER = "COMPLETE"
@@ -59,65 +59,78 @@ def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.o
 
     Every rank calls this. Unsharded (one process, DDP): rank 0 writes the weights as safetensors. Sharded
     (FSDP2): every rank writes its shards through torch.distributed.checkpoint, which can be loaded back with
-    another world size. Either way rank 0 writes the marker last and renames the directory into place.
+    another world size. Either way rank 0 writes the marker and the manifest last and renames the directory into
+    place. A failure on any rank, of any exception type, removes the temporary directory on rank 0 and ends every
+    rank with one UserError naming the path and the free space.
     """
     root = checkpoint_root(output_dir)
-    final = root / f"{PREFIX}{step}"
-    tmp = root / f".tmp-{PREFIX}{step}"
+    target = root / f"{PREFIX}{step}"
+    tmp = atomic.temporary(target)
     main = dist.from_env().is_main
-    error: OSError | None = None
-    if main:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        except OSError as e:
-            error = e
-    dist.barrier()
+    error: Exception | None = None
     try:
-        if error is not None:
-            raise error
-        if dist.is_sharded(model):
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp / "dcp"))
-        elif main:
-            save_file(trainable_state(model), str(tmp / "model.safetensors"))
-            torch.save({"optimizer": optimizer.state_dict()}, tmp / "optimizer.pt")
         if main:
-            torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "state.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-            for file in tmp.rglob("*"):
-                if file.is_file():
-                    _fsync(file)
-    except OSError as e:
-        error = error or e
-    dist.barrier()
+            error = _attempt(atomic.make_temporary, tmp)
+        if not dist.any_rank(error is not None):
+            error = _attempt(_write_state, tmp, model, optimizer, scheduler, trainer_state, main)
+        failed = dist.any_rank(error is not None)
+        if main and not failed:
+            error = _attempt(_commit, tmp, target, step)
+            failed = error is not None
+    except BaseException:  # interrupted mid-write: no debris; the interrupt goes on
+        if main:
+            atomic.discard(tmp)
+        raise
+    if failed:
+        if main:
+            atomic.discard(tmp)
+        raise atomic.failure(target, error, f"the previous checkpoints are intact and the unfinished {tmp.name} "
+                             "was removed. Free disk space or fix permissions, then resume with resume: auto")
     if main:
-        if error is None:
-            try:
-                (tmp / MARKER).write_text(str(step))
-                _fsync(tmp / MARKER)
-                if final.exists():  # a rerun of the same step: replace it, never leave two
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                _fsync_dir(root)
-            except OSError as e:
-                error = e
-        if error is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise UserError(f"writing checkpoint {final} failed ({error}); the previous checkpoints are intact. "
-                            "Free disk space or fix permissions, then resume with resume: auto") from None
-        _prune(root, keep_last)
+        _prune(root, keep_last, step)
     dist.barrier()
-    return final
+    return target
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    complete = sorted(complete_checkpoints(root), key=_step_of)
-    for old in complete[:-keep_last]:
+def _attempt(fn: Callable[..., Any], *args: Any) -> Exception | None:
+    """Run fn(*args); the exception it raised, or None. Any type: safetensors and torch do not raise OSError."""
+    try:
+        fn(*args)
+    except Exception as e:
+        return e
+    return None
+
+
+def _write_state(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 trainer_state: dict[str, Any], main: bool) -> None:
+    if dist.is_sharded(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp / "dcp"))
+    elif main:
+        save_file(trainable_state(model), str(tmp / "model.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict()}, tmp / "optimizer.pt")
+    if main:
+        torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+
+
+def _commit(tmp: Path, target: Path, step: int) -> None:
+    """The marker, then the manifest of everything (marker included), then the rename."""
+    (tmp / MARKER).write_text(json.dumps({"step": step, "manifest": manifest.MANIFEST}))
+    atomic.fsync_tree(tmp)
+    manifest.write(tmp)
+    atomic.commit(tmp, target)
+
+
+def _prune(root: Path, keep_last: int, step: int) -> None:
+    """Keep the newest `keep_last` checkpoints up to `step`. A newer one is left from a run that went further
+    and was resumed from an older checkpoint (the newer one failed its check): this run rewrites it when it gets
+    there, and it must not count among the kept, or the checkpoint just written could be pruned."""
+    upto = sorted((p for p in complete_checkpoints(root) if _step_of(p) <= step), key=_step_of)
+    for old in upto[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -133,36 +146,75 @@ def complete_checkpoints(root: Path) -> list[Path]:
             if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and (p / MARKER).exists()]
 
 
-def find_latest(output_dir: Path, warn: Any = print) -> Path | None:
-    """The newest checkpoint that is complete and readable; broken ones are skipped with a message."""
+def find_latest(output_dir: Path, warn: Any = print, deep: bool = True) -> Path | None:
+    """The newest checkpoint that passes `verify`; each one that fails is named in one line and skipped."""
     for path in sorted(complete_checkpoints(checkpoint_root(output_dir)), key=_step_of, reverse=True):
-        problem = _verify(path)
+        problem = verify(path, deep)
         if problem is None:
+            _note_legacy(path, warn)
             return path
         warn(f"skipping checkpoint {path}: {problem}")
     return None
 
 
-def _verify(path: Path) -> str | None:
+def verify(path: Path, deep: bool = True) -> str | None:
+    """None when the checkpoint can be resumed, else what is wrong with it, in words.
+
+    With a manifest: every file's size and (deep) sha256. Without one (written before finetune wrote manifests):
+    every file loaded (deep), which catches a truncated or garbled file but not a changed byte inside a tensor.
+    Not deep: the sizes and which files are there, for a quick look (the CLI's check before torchrun).
+    """
+    if not path.is_dir():
+        return "not a directory"
+    if not (path / MARKER).is_file():
+        return f"{MARKER} is missing: not a checkpoint, or one whose write did not finish"
+    if (path / manifest.MANIFEST).exists() or _promises_manifest(path):
+        return manifest.check(path, deep) or _layout_problem(path)
+    return _load_everything(path) if deep else _layout_problem(path)
+
+
+def _promises_manifest(path: Path) -> bool:
+    """Whether the marker says a manifest was written (a checkpoint from before manifests has the step only)."""
+    try:
+        return "manifest" in json.loads((path / MARKER).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _layout_problem(path: Path) -> str | None:
+    sharded = (path / "dcp").is_dir()
+    needed = ["trainer_state.json", "state.pt", *(["dcp/.metadata"] if sharded else ["model.safetensors",
+                                                                                      "optimizer.pt"])]
+    missing = [name for name in needed if not (path / name).is_file()]
+    return f"{missing[0]} is missing" if missing else None
+
+
+def _load_everything(path: Path) -> str | None:
+    problem = _layout_problem(path)
+    if problem:
+        return problem
     try:
         json.loads((path / "trainer_state.json").read_text())
-        if (path / "dcp").is_dir():
-            if not (path / "dcp" / ".metadata").is_file():
-                return "dcp/.metadata is missing"
-        else:
+        if not (path / "dcp").is_dir():
             load_file(str(path / "model.safetensors"))
-            if not (path / "optimizer.pt").is_file():
-                return "optimizer.pt is missing"
-        if not (path / "state.pt").is_file():
-            return "state.pt is missing"
+            torch.load(path / "optimizer.pt", weights_only=True)
+        torch.load(path / "state.pt", weights_only=True)
     except Exception as e:  # any failure to read means this checkpoint cannot be resumed
-        return f"unreadable ({type(e).__name__}: {e})"
+        return f"unreadable ({type(e).__name__}: {first_line(e)})"
     return None
 
 
+def _note_legacy(path: Path, warn: Callable[[str], Any]) -> None:
+    if not (path / manifest.MANIFEST).exists():
+        warn(f"checkpoint {path} has no {manifest.MANIFEST} (written by an older finetune): checked by loading "
+             "its files, which cannot see a changed byte inside a tensor")
+
+
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns its trainer_state."""
-    problem = _verify(path)
+    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns its trainer_state.
+
+    The content was verified by `resume_path` (on rank 0); here only its layout is checked again."""
+    problem = verify(path, deep=False)
     if problem:
         raise UserError(f"resume: checkpoint {path} cannot be used: {problem}")
     if (path / "dcp").is_dir() != dist.is_sharded(model):
@@ -198,19 +250,6 @@ def _load_unsharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True)["optimizer"])
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories; rename is still atomic
-        _fsync(path)
-
-
 # --- what a checkpoint records about the run, and resuming from it -------------------------------------------
 
 def trainer_state(recipe: Recipe, *, step: int, epoch: int, samples_key: str | None, global_batch: int,
@@ -221,16 +260,23 @@ def trainer_state(recipe: Recipe, *, step: int, epoch: int, samples_key: str | N
             "tokens_seen": tokens_seen, "samples_seen": samples_seen}
 
 
-def resume_path(recipe: Recipe, out: Path, warn: Callable[[str], Any]) -> Path | None:
-    """The checkpoint to resume from: none, the newest complete one (auto), or the one the recipe names.
-    `warn` shows what the user should know (a skipped broken checkpoint, what auto chose)."""
+def resume_path(recipe: Recipe, out: Path, warn: Callable[[str], Any], deep: bool = True) -> Path | None:
+    """The checkpoint to resume from: none, the newest one that verifies (auto; None when none does), or the one
+    the recipe names (a UserError when it does not verify). `warn` shows what the user should know (a skipped
+    checkpoint, what auto chose). `deep=False` checks sizes only (the CLI's quick look before torchrun)."""
     if recipe.resume is None:
         return None
     if recipe.resume == "auto":
-        found = find_latest(out, warn=warn)
-        warn(f"resume: auto -> {found or 'no complete checkpoint, starting fresh'}")
+        found = find_latest(out, warn=warn, deep=deep)
+        if found is not None:
+            warn(f"resume: auto -> {found}")
         return found
-    return Path(recipe.resume)
+    path = Path(recipe.resume)
+    problem = verify(path, deep)
+    if problem:
+        raise UserError(f"resume: checkpoint {path} cannot be used: {problem}")
+    _note_legacy(path, warn)
+    return path
 
 
 # How one step's rows are split (micro-batch x accumulation x ranks) does not change the training: only the

@@ -5,8 +5,10 @@ This is the one module that spells out the layout (docs/design.md, "The run dire
     output_dir/recipe.yaml        the fully resolved recipe
     output_dir/versions.json      library versions and the device
     output_dir/metrics.jsonl      one JSON object per optimizer step, plus eval lines
-    output_dir/checkpoints/step-N/   resumable state (finetune/checkpoint.py writes it)
+    output_dir/checkpoints/step-N/   resumable state (finetune/run/checkpoint.py writes it)
     output_dir/final/             the trained model (or adapter) in HF format
+    output_dir/finetune-run.json  the marker: the run's id and the entries it owns (finetune/run/startup.py)
+    output_dir/finetune-run.lock  held by the live run, gone when it ends (finetune/run/lock.py)
 
 Everything else reaches those files through `RunDir` and the readers here. No torch: `finetune plot` and
 `finetune runs compare` stay light.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,11 @@ class RunDir:
         return self.root / "final"
 
     @property
+    def marker(self) -> Path:
+        """finetune-run.json: this directory is a finetune run's, which run, and which of its entries are the run's."""
+        return self.root / MARKER_NAME
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 
@@ -63,8 +69,9 @@ class RunDir:
         return self.root / name
 
 
+MARKER_NAME = "finetune-run.json"
 TRACKER_FILES = ("wandb", "mlflow.db", "mlartifacts", "mlruns")
-# Everything a run writes: what --overwrite replaces and what makes a directory "hold a run".
+# Every entry a run may write (which ones a run owns, its marker lists: run/startup.py).
 RUN_FILES = ("metrics.jsonl", "recipe.yaml", "versions.json", "checkpoints", "final", "tensorboard", *TRACKER_FILES)
 
 
@@ -195,37 +202,7 @@ def total_elapsed(lines: list[dict[str, Any]]) -> float:
     return total + last
 
 
-# --- starting a run in a directory ----------------------------------------------------------------------
-
-def check_output_dir(out: Path, *, fresh: bool, overwrite: bool, restart_incomplete: bool = False) -> list[str]:
-    """Refuse to start a fresh run over an existing one unless asked; check the directory is writable.
-
-    Returns the earlier run's files that --overwrite will replace. They are removed only after the tokenizer,
-    the data and the model have loaded, so a bad input never costs the user the run they already had.
-    """
-    existing = [name for name in RUN_FILES if (out / name).exists()]
-    # resume: auto with no complete checkpoint restarts a run that never finished (killed before its first
-    # checkpoint); a finished run (final/ exists) is never replaced without --overwrite.
-    if fresh and existing and restart_incomplete and "final" not in existing:
-        overwrite = True
-    if fresh and existing and not overwrite:
-        raise UserError(f"output_dir {out} already holds a run ({', '.join(existing)}). Use resume: auto to "
-                        "continue it, another output_dir, or --overwrite to replace it.")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"output_dir {out} is not writable ({e})") from None
-    return existing if fresh and overwrite else []
-
-
-def remove_previous_run(out: Path, names: list[str]) -> None:
-    for name in names:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-
+# --- writing a run (rank 0; finetune/run/startup.py decides whether it may) -----------------------------
 
 def write_run_header(run: RunDir, recipe_yaml: str, versions: dict[str, Any]) -> None:
     """recipe.yaml and versions.json, written when a run starts (or resumes: the resumed launch's versions)."""
@@ -248,21 +225,3 @@ def truncate_metrics(run: RunDir, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     tmp.replace(path)
-
-
-def check_disk_room(out: Path, model: Any, checkpointing: bool) -> None:
-    """Refuse to start when the disk cannot hold the final model (and a checkpoint, if the recipe writes them).
-
-    A checkpoint holds the trainable weights and two float32 AdamW moments per trainable weight; the final
-    model holds every weight (or only the adapter, when one is trained).
-    """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    adapter = hasattr(model, "peft_config")
-    final_bytes = trainable_bytes if adapter else sum(p.numel() * p.element_size() for p in model.parameters())
-    needed = final_bytes + (trainable_bytes + 8 * sum(p.numel() for p in trainable) if checkpointing else 0)
-    free = shutil.disk_usage(out).free
-    if free < needed * 1.1:  # a margin for tokenizer files, metrics and filesystem overhead
-        raise UserError(f"output_dir {out}: {free / 2**30:.2f} GiB free, but the final model"
-                        f"{' and a checkpoint' if checkpointing else ''} need about {needed * 1.1 / 2**30:.2f} GiB. "
-                        "Free disk space or choose another output_dir.")

@@ -11,7 +11,9 @@ whose gradient is applied. What a micro-batch's loss and counts are is the objec
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,15 +42,8 @@ from finetune.model.loading import count_parameters, save_final
 from finetune.objectives import Objective
 from finetune.recipe import Recipe, features, to_yaml
 from finetune.rl.plan import RolloutPlan
-from finetune.run import checkpoint
-from finetune.run.directory import (
-    RunDir,
-    check_disk_room,
-    check_output_dir,
-    remove_previous_run,
-    truncate_metrics,
-    write_run_header,
-)
+from finetune.run import atomic, checkpoint, lock, startup
+from finetune.run.directory import RunDir, truncate_metrics, write_run_header
 from finetune.train.evaluate import evaluate_loss
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import gather_full_state, wrap_model
@@ -65,7 +60,7 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
     console = console or Console(soft_wrap=True)
     if not world.is_main:
         console = Console(quiet=True, soft_wrap=True)
-    with dist.process_group(world) as device:
+    with dist.process_group(world) as device, _run_lock(recipe, world, console):
         run = setup(recipe, world, device, console, overwrite=overwrite, allow_unpinned=allow_unpinned)
         try:
             train_loop(run)
@@ -74,6 +69,16 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
                 run.logger.close(ok=False)  # trackers record the run as failed
             raise
     return run.out.root
+
+
+@contextlib.contextmanager
+def _run_lock(recipe: Recipe, world: dist.World, console: Console) -> Iterator[None]:
+    """Rank 0 holds output_dir's run lock from before it reads the directory until the run has ended."""
+    if not world.is_main:
+        yield
+        return
+    with lock.acquire(Path(recipe.output_dir), note=lambda m: _warn(console, m)):
+        yield
 
 
 @dataclass
@@ -122,11 +127,14 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     out = RunDir(Path(recipe.output_dir))
     impl = resolve_impl(recipe.loss.impl, device)
     warnings = _enforce_versions(recipe, impl, allow_unpinned, console)
-    resume_from = checkpoint.resume_path(recipe, out.root, warn=lambda m: _warn(console, m))
-    # Checked now, before anything slow; an old run is only removed once everything has loaded (below).
-    replaced = check_output_dir(out.root, fresh=resume_from is None, overwrite=overwrite,
-                                restart_incomplete=recipe.resume == "auto") if world.is_main else []
-    dist.barrier()
+    # Rank 0 verifies the checkpoints (their checksums) and checks the directory, holding the run lock; the other
+    # ranks take its answer. Checked now, before anything slow; an old run is only removed once everything loaded.
+    replaced: list[str] = []
+    resume_from = None
+    if world.is_main:
+        resume_from = checkpoint.resume_path(recipe, out.root, warn=lambda m: _warn(console, m))
+        replaced = startup.check_output_dir(out.root, recipe, resume_from=resume_from, overwrite=overwrite)
+    resume_from = dist.from_main(resume_from)
 
     torch.manual_seed(recipe.seed)
     if recipe.model.trust_remote_code:  # said before the tokenizer and the model load, i.e. before that code runs
@@ -143,7 +151,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
     lm = parts.lm
     if world.is_main:
-        check_disk_room(Path(recipe.output_dir), lm, checkpointing=checkpoint_every is not None)
+        _check_disk_room(recipe, out, lm, checkpoint_every is not None, replaced, resumed=resume_from is not None)
     n_params, kernels_used = _report_model(recipe, parts, world, plan, compiled[0], console)
     net = wrap_model(parts.net, recipe, world, device)
     optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
@@ -155,10 +163,18 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
         console.print(f"resumed from {resume_from} at step {start.step}")
     logger = _open_run_dir(recipe, out, console, replaced, versions.snapshot(warnings) | {"run": kernels_used}, plan,
-                           start) if world.is_main else None
+                           start, resumed=resume_from is not None) if world.is_main else None
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
                plan, parts.evals, parts.samples_key, logger, start, n_params,
                plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every)
+
+
+def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpointing: bool, replaced: list[str],
+                     resumed: bool) -> None:
+    """keep_last + 1 checkpoints coexist while the newest is written (fewer to add when a resume has some)."""
+    on_disk = len(checkpoint.complete_checkpoints(out.checkpoints)) if resumed else 0
+    copies = startup.checkpoint_copies(recipe.checkpoint.keep_last, on_disk) if checkpointing else 0
+    startup.check_disk_room(out.root, lm, checkpoints=copies, reclaim=startup.tree_bytes(out.root, replaced))
 
 
 def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: Console) -> list[str]:
@@ -205,10 +221,16 @@ def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPla
 
 
 def _open_run_dir(recipe: Recipe, out: RunDir, console: Console, replaced: list[str], snapshot: dict[str, Any],
-                  plan: StepPlan, start: Progress) -> MetricsLogger:
-    """Rank 0, once everything has loaded: replace an earlier run (--overwrite), record the recipe and the
-    versions, drop metrics lines a resume re-runs, and open the metrics sinks."""
-    remove_previous_run(out.root, replaced)
+                  plan: StepPlan, start: Progress, *, resumed: bool) -> MetricsLogger:
+    """Rank 0, once everything has loaded: replace an earlier run (--overwrite), mark the directory as this run's,
+    record the recipe and the versions, drop metrics lines a resume re-runs, and open the metrics sinks."""
+    startup.remove_previous_run(out.root, replaced)
+    debris = [*atomic.remove_temporaries(out.checkpoints, checkpoint.PREFIX),
+              *atomic.remove_temporaries(out.root, out.final.name)]
+    if debris:
+        _warn(console, f"removed what interrupted saves left in {out.root}: {', '.join(debris)}")
+    marker = startup.claim(out.root, recipe, fresh=not resumed)
+    console.print(f"run {marker.run_id} in {out.root}", markup=False, highlight=False)
     write_run_header(out, to_yaml(recipe), snapshot)
     if start.step:
         truncate_metrics(out, start.step)
@@ -372,9 +394,14 @@ def _save_checkpoint(run: Run, done: Progress, epoch: int) -> None:
 
 
 def _save_final(run: Run) -> None:
+    """final/ is written like a checkpoint: into a temporary directory renamed into place, so a disk that fills
+    during the save leaves no half final/ (and no debris), only a message."""
     full_state = gather_full_state(run.net, run.lm)  # a collective under FSDP: every rank takes part
     if run.world.is_main:
-        save_final(run.lm, run.tokenizer, run.out.final, state_dict=full_state)
+        atomic.write_dir(run.out.final, lambda tmp: save_final(run.lm, run.tokenizer, tmp, state_dict=full_state),
+                         "nothing was half-written: final/ is as it was before this save. Free disk space, then "
+                         "run again: with resume: auto it continues from the newest checkpoint (without "
+                         "checkpoints, use --overwrite)")
         run.logger.close()
         run.console.print(f"done: {run.out.final}")
 
