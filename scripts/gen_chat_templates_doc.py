@@ -48,8 +48,8 @@ A `chat` (or `alpaca`) example is rendered once with the tokenizer's chat templa
 
 **The rule, the same for every template.** Each message is located in the rendering of the *whole* conversation
 (by rendering it again with that message's text replaced by a sentinel: the two renderings differ exactly where the
-message's text went), so templates that render a turn differently depending on what follows it (Qwen3, Phi-3.5,
-gpt-oss) are handled like any other. An assistant turn trains everything from the end of the template's assistant
+message's text went; four renderings locate every message of a conversation of any length), so templates that
+render a turn differently depending on what follows it (Qwen3, Phi-3.5, gpt-oss) are handled like any other. An assistant turn trains everything from the end of the template's assistant
 header (what `add_generation_prompt` appends) up to and including the end-of-turn marker the template writes after
 the content (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, `<|end|>`, `<|return|>`, `</s>`, ...). Nothing of the
 headers, the system or user text, or what the template writes between turns (the newline after `<|im_end|>`) is

@@ -1,6 +1,6 @@
 """The preprocessed-data cache: tokenized samples and their statistics on disk, keyed by everything they depend on.
 
-Tokenizing (chat templates rendered once per message, offsets mapped to labels) is the slow part of loading data, and
+Tokenizing (chat templates rendered, offsets mapped to labels) is the slow part of loading data, and
 it is the same for every run that shares data, tokenizer and data settings. `finetune preprocess` and
 `finetune train` keep the samples under `<cache root>/<key>/`. The key is a SHA-256 over:
 
