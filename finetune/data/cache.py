@@ -57,9 +57,9 @@ from finetune.data.stats import DataStats
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DatasetConfig, Recipe, local_data_path
 
-# Bump whenever sources.py, formats.py, tokenize.py or the truncation in tokenize_examples change what samples
-# a row gives: every existing entry then stops matching.
-DATA_VERSION = 2
+# Bump whenever sources.py, formats.py, messages.py, tokenize.py or the truncation in tokenize_examples change
+# what samples a row gives: every existing entry then stops matching.
+DATA_VERSION = 3  # 3: tool calls, tool messages and tools reach the template; unknown message fields are bad rows
 CACHE_ENV = "FINETUNE_CACHE_DIR"
 SPLITS = ("train", "eval")
 # tokenizer_config.json keys that say where a tokenizer was loaded from, not how it tokenizes.

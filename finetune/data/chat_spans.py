@@ -129,10 +129,16 @@ def end_of_turn_markers(tokenizer: Any) -> tuple[str, ...]:
 def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
     """Where assistant message i's trained text starts: after the assistant header in front of its content."""
     if ctx.header:
-        # No header in front of this turn: the template renders history differently from its generation prompt
-        # (DeepSeek-R1-distill's prompt ends with a '<think>\n' prefill history lacks): the turn starts at its text.
-        k = ctx.full.rfind(ctx.header, lo, p)
-        return k + len(ctx.header) if k >= 0 else p
+        # Without the whole header in front of this turn, the template renders history differently from its
+        # generation prompt (DeepSeek-R1-distill's prompt ends with a '<think>\n' prefill history lacks; Qwen3 with
+        # enable_thinking false, an empty think block): the turn starts after the longest part of the header that
+        # is there, cut after a newline or an added token ('<｜Assistant｜>', '<|im_start|>assistant\n'), so that a
+        # tool call rendered without content ('<tool_call>...') is trained whole; else at its text.
+        for part in _header_parts(ctx.header, ctx.added):
+            k = ctx.full.rfind(part, lo, p)
+            if k >= 0:
+                return k + len(part)
+        return p
     # A template whose generation prompt adds nothing (Mistral): after a user message, the turn starts where the
     # user turn's closing text ('[/INST]') ends; else where the prefix rendered with the generation prompt ends,
     # when it is a prefix of the whole (one more rendering for this turn); else at its text.
@@ -149,6 +155,20 @@ def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
         if prefix is not None and ctx.full.startswith(prefix) and lo <= len(prefix) <= p:
             return len(prefix)
     return p
+
+
+def _header_parts(header: str, added: frozenset[str]) -> list[str]:
+    """The header and its prefixes that end after a newline or an added token, longest first."""
+    cuts = {len(header)}
+    for i, ch in enumerate(header):
+        if ch == "\n":
+            cuts.add(i + 1)
+    for token in added:
+        at = header.find(token) if token else -1
+        while at >= 0:
+            cuts.add(at + len(token))
+            at = header.find(token, at + 1)
+    return [header[:c] for c in sorted(cuts, reverse=True)]
 
 
 def _turn_end(ctx: _Context, q: int, hi: int) -> tuple[int, str]:
@@ -170,6 +190,7 @@ class _Context:
     header: str
     closing: str
     markers: tuple[str, ...]
+    added: frozenset[str]
 
 
 class _Neighbours:
@@ -214,7 +235,8 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
     found = find_regions(render, msgs, full, tools)
     regions = list(found.regions)
     ctx = _Context(full, msgs, regions, render, _probe("header", tokenizer, template_kwargs),
-                   _probe("closing", tokenizer, template_kwargs), end_of_turn_markers(tokenizer))
+                   _probe("closing", tokenizer, template_kwargs), end_of_turn_markers(tokenizer),
+                   added_tokens(tokenizer)[0])
     neighbours = _Neighbours(regions, len(full))
     turns, unrendered = [], []
     for i in sorted(set(wanted)):
