@@ -10,6 +10,7 @@ import copy
 import json
 import random
 import re
+import time
 
 import pytest
 from chat_families import ANSWER, FAMILIES, FAMILY, QWEN_CALL, TOOL_EXPECTED, WEATHER_TOOL, tool_row
@@ -201,29 +202,58 @@ def test_preference_rows_with_tool_calls():
         to_pair(RawRow(bad, "p.jsonl:1"))
 
 
-def test_random_tool_conversations_train_every_call_and_answer():
-    # Random rounds of calls, several tool answers and final answers on the families that render tools.
-    rng = random.Random("tools")
-    for name in ("qwen2.5", "qwen3", "mistral-small-3.2", "gpt-oss"):
-        family = FAMILY[name]
-        for _ in range(5):
-            row = {"tools": [WEATHER_TOOL], "messages": []}
-            for r in range(rng.randint(1, 3)):
-                row["messages"].append({"role": "user", "content": f"Round {r}?"})
-                for c in range(rng.randint(1, 2)):
-                    call_id = f"c{r}{c}abcdef"  # 9 characters, as Mistral requires
-                    row["messages"].append({"role": "assistant", "content": "", "tool_calls": [
-                        {"id": call_id, "type": "function",
-                         "function": {"name": "get_weather", "arguments": {"city": f"C{r}{c}"}}}]})
-                    row["messages"].append({"role": "tool", "tool_call_id": call_id, "content": f"{r}{c} degrees"})
-                row["messages"].append({"role": "assistant", "content": f"Answer {r}."})
-            sample, text = tokenized(family, row)
-            runs = trained_runs(family.build(), text, sample)
-            assistants = [m for m in row["messages"] if m["role"] == "assistant"]
-            assert len(runs) == len(assistants), (name, runs)
-            for run, m in zip(runs, assistants):
-                want = m["tool_calls"][0]["function"]["arguments"]["city"] if m.get("tool_calls") else m["content"]
-                assert want in run and " degrees" not in run and "Round" not in run, (name, run)
+# How each family's trained text of a call starts (what the model generates after the generation prompt).
+CALL_STARTS = {"qwen2.5": '<tool_call>\n{"name": "get_weather"', "qwen3": '<tool_call>\n{"name": "get_weather"',
+               "qwen3-no-thinking": '<tool_call>\n{"name": "get_weather"', "llama3.1": '{"name": "get_weather"',
+               "mistral-nemo": '[TOOL_CALLS][{"name": "get_weather"', "mistral-small-3.2": "[TOOL_CALLS]get_weather",
+               "gpt-oss": " to=functions.get_weather<|channel|>commentary json<|message|>"}
+
+
+def tool_conversation(rng: random.Random, rounds: int) -> dict:
+    """Rounds of a user question, one or two calls each answered by the tool, and a final answer."""
+    row: dict = {"tools": [WEATHER_TOOL], "messages": []}
+    for r in range(rounds):
+        row["messages"].append({"role": "user", "content": f"Round {r}?"})
+        for c in range(rng.randint(1, 2)):
+            call_id = f"c{r % 100:02d}{c}abcde"  # 9 characters, as Mistral requires
+            row["messages"].append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": call_id, "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": f"C{r}-{c}"}}}]})
+            row["messages"].append({"role": "tool", "tool_call_id": call_id, "content": f"{r}{c} degrees"})
+        row["messages"].append({"role": "assistant", "content": f"Answer {r}."})
+    return row
+
+
+@pytest.mark.parametrize("name", sorted(CALL_STARTS))
+def test_random_tool_conversations_train_every_call_and_answer_whole(name):
+    # Calls after the user's question, after a tool's answer, before and after the last user message (Mistral puts
+    # the tools there, so earlier prefixes do not render as prefixes of the whole).
+    rng = random.Random(f"tools-{name}")
+    family = FAMILY[name]
+    for _ in range(4):
+        row = tool_conversation(rng, rng.randint(1, 3))
+        sample, text = tokenized(family, row)
+        runs = trained_runs(family.build(), text, sample)
+        assistants = [m for m in row["messages"] if m["role"] == "assistant"]
+        assert len(runs) == len(assistants), runs
+        for run, m in zip(runs, assistants):
+            if m.get("tool_calls"):
+                city = m["tool_calls"][0]["function"]["arguments"]["city"]
+                assert run.startswith(CALL_STARTS[name]) and city in run and "degrees" not in run, run
+            else:
+                assert m["content"] in run and not run.startswith("Round"), run
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo"])
+def test_a_2000_message_tool_chat_tokenizes_in_bounded_time(name):
+    # Not gpt-oss: its template looks ahead over the rest of the conversation at every call, so each of the four
+    # renderings is itself quadratic (2.5 s for 2,500 messages here).
+    row = tool_conversation(random.Random(0), 500)  # 2,000-2,500 messages
+    started = time.perf_counter()
+    sample, _ = tokenized(FAMILY[name], row)
+    seconds = time.perf_counter() - started
+    assert seconds < 15, f"{seconds:.1f} s"  # measured 1.5-3 s here
+    assert sum(1 for label in sample["labels"] if label != IGNORE_INDEX) > 5000
 
 
 def test_tool_rows_count_in_build_samples(tmp_path):

@@ -22,7 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.chat_regions import REASONING_FIELDS, TemplateNotLocal, common_prefix, find_regions
+from finetune.data.chat_regions import (
+    REASONING_FIELDS,
+    TemplateNotLocal,
+    common_prefix,
+    find_regions,
+    sentinel_char,
+)
 
 __all__ = ["REASONING_FIELDS", "ChatLayout", "TemplateNotLocal", "TurnSpan", "added_tokens", "chat_layout",
            "end_of_turn_markers", "render_chat", "trained_tokens"]
@@ -139,12 +145,13 @@ def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
             if k >= 0:
                 return k + len(part)
         return p
-    # A template whose generation prompt adds nothing (Mistral): after a user message, the turn starts where the
-    # user turn's closing text ('[/INST]') ends; else where the prefix rendered with the generation prompt ends,
-    # when it is a prefix of the whole (one more rendering for this turn); else at its text.
+    # A template whose generation prompt adds nothing (Mistral): after a user or tool message, the turn starts
+    # where that message's closing text ends ('[/INST]', '[/TOOL_RESULTS]'); else where the prefix rendered with
+    # the generation prompt ends, when it is a prefix of the whole (one more rendering for this turn); else at its
+    # text.
     before = ctx.regions[i - 1] if i else None
-    if before and ctx.messages[i - 1]["role"] == "user":
-        closing = ctx.closing
+    if before and ctx.messages[i - 1]["role"] in ("user", "tool"):
+        closing = ctx.closing if ctx.messages[i - 1]["role"] == "user" else _tool_closing(ctx, i - 1)
         if closing and ctx.full.startswith(closing, before[1]) and before[1] + len(closing) <= p:
             return before[1] + len(closing)
     if i:
@@ -155,6 +162,21 @@ def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
         if prefix is not None and ctx.full.startswith(prefix) and lo <= len(prefix) <= p:
             return len(prefix)
     return p
+
+
+def _tool_closing(ctx: _Context, j: int) -> str:
+    """What the template writes after tool message j's content, measured on a short conversation that ends with it
+    (its content a sentinel, after the call it answers): one small rendering, whatever the conversation's length."""
+    if not ctx.sentinel:
+        ctx.sentinel = sentinel_char(ctx.full, ctx.messages)
+    c = ctx.sentinel
+    call = ctx.messages[j - 1] if j and ctx.messages[j - 1].get("tool_calls") else None
+    probe = [{"role": "user", "content": "Hi"}, *([call] if call else []), {**ctx.messages[j], "content": c}]
+    try:
+        text = ctx.render(probe)
+    except Exception:  # a template that refuses the short conversation: no closing to look for
+        return ""
+    return text.split(c, 1)[1] if text.count(c) == 1 else ""
 
 
 def _header_parts(header: str, added: frozenset[str]) -> list[str]:
@@ -191,6 +213,8 @@ class _Context:
     closing: str
     markers: tuple[str, ...]
     added: frozenset[str]
+    sentinel: str = ""
+    """A character found nowhere in the conversation: found when first needed, then kept."""
 
 
 class _Neighbours:
