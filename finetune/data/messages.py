@@ -66,8 +66,7 @@ def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFi
     message = {k: v for k, v in message.items() if k not in fields.ignore}
     calls = tool_calls(f"{origin}: message {i} (assistant)", message.get("tool_calls"))
     if not isinstance(content, str) and not (content is None and calls):
-        raise BadRow(f"{origin}: message {i} ({role}) needs a string {fields.content!r}"
-                     + (" (or null beside tool_calls)" if role == "assistant" else ""))
+        raise BadRow(f"{origin}: message {i} ({role}) needs a string {fields.content!r}")
     out: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
     for key in REASONING_FIELDS:
         if message.get(key) is not None:
