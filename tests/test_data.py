@@ -505,3 +505,21 @@ def test_text_the_tokenizer_cannot_encode_is_a_bad_row(tmp_path, tokenizer, fmt,
     raw["data"]["on_bad_row"] = "error"
     with pytest.raises(BadRow, match=re.escape(f"{data}:2: the tokenizer cannot encode this row")):
         build_samples(validate(raw), tokenizer)
+
+
+def test_a_huge_jsonl_line_costs_memory_up_to_the_limit_only(tmp_path):
+    # A 40 MB line under the default 8 MiB limit: read in pieces and dropped, never held whole, decoded or parsed
+    # (10 MiB at peak here; held whole, decoded and parsed as before, 153 MiB).
+    import tracemalloc
+
+    path = tmp_path / "d.jsonl"
+    with path.open("wb") as handle:
+        handle.write(json.dumps(chat_row(1)).encode() + b"\n" + b'{"text": "' + b"x" * 40_000_000 + b'"}\n')
+    tracemalloc.start()
+    try:
+        rows = list(read_rows(str(path)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rows[1].error.startswith("the row is 40,000,012 bytes, over data.max_row_bytes (8,388,608)")
+    assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB"

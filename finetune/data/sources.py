@@ -97,19 +97,24 @@ def _bounded(rows: Iterator[RawRow], limit: int) -> Iterator[RawRow]:
 
 
 def _lines(handle: Any, limit: int) -> Iterator[tuple[bytes | None, int]]:
-    """Each line (None when its content, line ending left out, is over `limit` bytes) and its size. A long line is
-    read in pieces of at most 1 MiB and dropped as it is read."""
-    while raw := handle.readline(limit + 2):
-        ending = 2 if raw.endswith(b"\r\n") else 1 if raw.endswith(b"\n") else 0
-        if ending or len(raw) < limit + 2:  # the whole line (the last one may have no line ending)
-            size = len(raw) - ending
-            yield (raw if size <= limit else None), size
-            continue
-        size = len(raw)
-        while (piece := handle.readline(1 << 20)) and not piece.endswith(b"\n"):
+    """Each line (None when its content, line ending left out, is over `limit` bytes) and that size. Lines are read
+    in pieces of at most 1 MiB; a long line's pieces are dropped once it is known to be too long."""
+    while True:
+        pieces: list[bytes] | None = []
+        size, piece = 0, b""
+        while piece := handle.readline(1 << 20):
             size += len(piece)
-        size += len(piece) - (2 if piece.endswith(b"\r\n") else 1 if piece.endswith(b"\n") else 0)
-        yield None, size
+            if pieces is not None:
+                pieces.append(piece)
+                if size > limit + 2:
+                    pieces = None  # too long whatever its line ending: count the rest, keep nothing
+            if piece.endswith(b"\n"):
+                break
+        if not size:
+            return
+        raw = b"".join(pieces) if pieces is not None else piece
+        ending = 2 if raw.endswith(b"\r\n") else 1 if raw.endswith(b"\n") else 0
+        yield (raw if pieces is not None and size - ending <= limit else None), size - ending
 
 
 def _read_jsonl(file: Path, limit: int) -> Iterator[RawRow]:
