@@ -19,7 +19,7 @@ import bisect
 import json
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.data.chat_regions import (
@@ -140,7 +140,9 @@ def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
         # enable_thinking false, an empty think block): the turn starts after the longest part of the header that
         # is there, cut after a newline or an added token ('<｜Assistant｜>', '<|im_start|>assistant\n'), so that a
         # tool call rendered without content ('<tool_call>...') is trained whole; else at its text.
-        for part in _header_parts(ctx.header, ctx.added):
+        if not ctx.header_parts:
+            ctx.header_parts = _header_parts(ctx.header, ctx.added)
+        for part in ctx.header_parts:
             k = ctx.full.rfind(part, lo, p)
             if k >= 0:
                 return k + len(part)
@@ -215,6 +217,8 @@ class _Context:
     added: frozenset[str]
     sentinel: str = ""
     """A character found nowhere in the conversation: found when first needed, then kept."""
+    header_parts: list[str] = field(default_factory=list)
+    """The header and its prefixes (_header_parts): made when first needed, then kept."""
 
 
 class _Neighbours:
