@@ -21,11 +21,11 @@ for extra in (ROOT, ROOT / "tests"):  # run from a checkout without installing; 
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from chat_families import FAMILIES, TOKENIZERS, Family, conversations  # noqa: E402
+from chat_families import FAMILIES, TOKENIZERS, Family, conversations, tool_row  # noqa: E402
 
 from finetune.data.chat_spans import render_chat  # noqa: E402
 from finetune.data.formats import to_example  # noqa: E402
-from finetune.data.sources import RawRow  # noqa: E402
+from finetune.data.sources import BadRow, RawRow  # noqa: E402
 from finetune.data.tokenize import tokenize_example  # noqa: E402
 from finetune.labels import IGNORE_INDEX  # noqa: E402
 
@@ -48,8 +48,8 @@ A `chat` (or `alpaca`) example is rendered once with the tokenizer's chat templa
 
 **The rule, the same for every template.** Each message is located in the rendering of the *whole* conversation
 (by rendering it again with that message's text replaced by a sentinel: the two renderings differ exactly where the
-message's text went), so templates that render a turn differently depending on what follows it (Qwen3, Phi-3.5,
-gpt-oss) are handled like any other. An assistant turn trains everything from the end of the template's assistant
+message's text went; four renderings locate every message of a conversation of any length), so templates that
+render a turn differently depending on what follows it (Qwen3, Phi-3.5, gpt-oss) are handled like any other. An assistant turn trains everything from the end of the template's assistant
 header (what `add_generation_prompt` appends) up to and including the end-of-turn marker the template writes after
 the content (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, `<|end|>`, `<|return|>`, `</s>`, ...). Nothing of the
 headers, the system or user text, or what the template writes between turns (the newline after `<|im_end|>`) is
@@ -81,6 +81,22 @@ counts such rows. **Leading whitespace of an answer** that the tokenizer merges 
 and SmolLM2's pre-tokenizers join the header's newline with the content's leading newlines; Phi-3.5's
 `<|assistant|>` strips what follows it) is not trained: no mask over tokens can train it without the header.
 
+**Tool use.** Assistant messages may carry `tool_calls` (OpenAI's `{id, type: function, function: {name,
+arguments}}` or `{name, arguments}`; arguments as an object, or as a JSON string, which is parsed), `role: tool`
+messages the tools' answers (with `tool_call_id` and `name` where the template reads them), and a row `tools`, the
+function schemas, passed to the template as `tools=`. The template decides how they look. A call is trained as the
+rest of an assistant turn: from the end of the assistant header (where the history's turns lack the tail of the
+generation prompt, as Qwen3's with `enable_thinking: false` lack the empty think block, after the part of the
+header that is there) through the end-of-turn marker after it (`<|call|>` for gpt-oss); a tool's answer is input,
+never trained. A template that leaves out a message's calls (no tool support, or one call per message where there
+are more) or the row's tools makes a bad row, named with its `file:line`. Each family's rendering of one tool-use
+row (a call with JSON-string arguments and no content, the tool's answer, the final answer) is shown below.
+
+**Every field is read or refused.** A message field other than the role, content, `train`, the reasoning fields,
+`tool_calls` (assistant), `tool_call_id` and `name` (tool) is a bad row naming it, unless
+`data.ignore_message_fields` lists it; an assistant message that is trained and empty (no content, reasoning or tool
+calls) is a bad row too: it would teach the model to answer with nothing.
+
 `finetune preprocess RECIPE --show N` prints N samples with their trained text marked.
 
 ## Families tested
@@ -97,11 +113,12 @@ tests/chat_families.py).
 """
 
 
-def marked(family: Family, messages: list[dict]) -> str:
+def marked(family: Family, row: dict) -> str:
     """The rendering with each trained run of tokens wrapped in [[...]], as finetune masks it now."""
     tokenizer = family.build()
-    sample = tokenize_example(to_example(RawRow({"messages": messages}, "doc"), "chat"), tokenizer, family.kwargs)
-    text = render_chat(tokenizer, messages, family.kwargs)
+    example = to_example(RawRow(row, "doc"), "chat")
+    sample = tokenize_example(example, tokenizer, family.kwargs)
+    text = render_chat(tokenizer, example.messages, family.kwargs, tools=example.tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     assert encoded["input_ids"] == sample["input_ids"]
     added = {v: k for k, v in tokenizer.get_added_vocab().items()}
@@ -138,15 +155,33 @@ def family_section(family: Family) -> str:
     cases = ["multi"] + ([REASONING_EXAMPLE[family.name]] if family.name in REASONING_EXAMPLE else [])
     for case in cases:
         messages = conversations(family.system_ok)[case]
-        lines += ["", "```", marked(family, messages).replace("```", "` ` `"), "```"]
+        lines += ["", "```", marked(family, {"messages": messages}).replace("```", "` ` `"), "```"]
+    try:
+        tools = marked(family, tool_row())
+    except BadRow as e:
+        lines += ["", f"Tool use: a bad row ({str(e).removeprefix('doc: ')})."]
+    else:
+        # The tools' schemas fill Llama's and gpt-oss's prompts: only the conversation after them is shown.
+        start = tools.find("Weather in Paris?")
+        lines += ["", "Tool use:", "", "```", ("..." if start > 0 else "") + tools[max(start, 0):], "```"]
     return "\n".join(lines) + "\n"
 
 
+def tool_use(family: Family) -> str:
+    """Does the family's template render tool_row()? In words, for the summary table."""
+    try:
+        marked(family, tool_row())
+    except BadRow as e:
+        return "no: the template leaves the calls out" if "does not render" in str(e) else \
+            "no: the template refuses the tool role"
+    return "yes"
+
+
 def summary_table() -> str:
-    rows = ["| family | tokenizer | trained per assistant turn |", "| --- | --- | --- |"]
+    rows = ["| family | tokenizer | trained per assistant turn | tool calls |", "| --- | --- | --- | --- |"]
     for f in FAMILIES:
         kind = "stand-in" if TOKENIZERS[f.tokenizer].stand_in else "real"
-        rows.append(f"| {f.title} | {kind} | {f.rule.replace('|', chr(92) + '|')} |")
+        rows.append(f"| {f.title} | {kind} | {f.rule.replace('|', chr(92) + '|')} | {tool_use(f)} |")
     return "\n".join(rows) + "\n"
 
 

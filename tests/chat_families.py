@@ -344,5 +344,49 @@ def random_conversation(rng: random.Random, family: Family) -> list[dict[str, st
     for _ in range(rng.randint(1, 4)):
         msgs.append(user("".join(rng.choices(FRAGMENTS + USER_ONLY, k=rng.randint(1, 6)))))
         content = "".join(rng.choices(FRAGMENTS, k=rng.randint(0, 6)))
-        msgs.append(assistant(content or "x" if family.tokenizer == "gpt-oss" else content))
+        msgs.append(assistant(content if content.strip() else content + "x"))  # an empty answer is a bad row
     return msgs
+
+
+# --- tool use ----------------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def tool_row() -> dict[str, Any]:
+    """A tool-use row as OpenAI's API gives it: `tools`, a call with JSON-string arguments and no content, the tool's
+    answer (a 9-character call id: Mistral's templates require one), and the final answer."""
+    return {"tools": [WEATHER_TOOL], "messages": [
+        user("Weather in Paris?"),
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call00001", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": '{"temp_c": 18}'},
+        assistant("It is 18 C in Paris.")]}
+
+
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+ANSWER = "It is 18 C in Paris."
+# Per family: the trained text of each assistant turn of tool_row(), or the bad row's reason.
+TOOL_EXPECTED: dict[str, list[str] | str] = {
+    "llama3.1": ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', ANSWER + "<|eot_id|>"],
+    "llama3.2": ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', ANSWER + "<|eot_id|>"],
+    "qwen2.5": [QWEN_CALL, ANSWER + "<|im_end|>"],
+    "qwen3": [QWEN_CALL, "<think>\n\n</think>\n\n" + ANSWER + "<|im_end|>"],
+    "qwen3-no-thinking": [QWEN_CALL, ANSWER + "<|im_end|>"],
+    "qwen3-0.6b-older": [QWEN_CALL, "<think>\n\n</think>\n\n" + ANSWER + "<|im_end|>"],
+    "qwen3-2507": [QWEN_CALL, ANSWER + "<|im_end|>"],
+    "gemma2": "the chat template refused this conversation: Conversation roles must alternate",
+    "gemma3": "the chat template refused this conversation: Conversation roles must alternate",
+    "phi3.5": "the chat template does not render the tool_calls of message 1",
+    "phi4": "the chat template does not render the tool_calls of message 1",
+    "mistral-nemo": ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
+                     ANSWER + "</s>"],
+    "mistral-small-3.2": ['[TOOL_CALLS]get_weather[CALL_ID]call00001[ARGS]{"city": "Paris"}</s>', ANSWER + "</s>"],
+    "smollm2": "the chat template does not render the tool_calls of message 1",
+    "gpt-oss": [' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+                "<|channel|>final<|message|>" + ANSWER + "<|return|>"],
+    "r1-distill-qwen": "the chat template does not render the tool_calls of message 1",
+}

@@ -61,6 +61,19 @@ def jsonl(*rows: Any) -> str:
 
 
 GOOD = jsonl(*GOOD_ROWS)
+TOOL_ROW = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+            "messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                         {"role": "tool", "content": "18 C"},
+                         {"role": "assistant", "content": "18 C in Paris."}]}
+
+
+def with_arguments(row: dict, arguments: Any) -> dict:
+    """`row` with its first tool call's arguments replaced."""
+    messages = [dict(m) for m in row["messages"]]
+    messages[1]["tool_calls"] = [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]
+    return {**row, "messages": messages}
 
 # The billion laughs under model.config: nine levels of ten aliases each, 10^9 values in under 1 KB.
 ALIAS_BOMB = "model:\n  config:\n    l0: &l0 [" + ", ".join(["lol"] * 10) + "]\n" + "".join(
@@ -256,6 +269,43 @@ CASES = [
          ("one optimizer step needs 16 rows but an epoch has only 6", "data.drop_last: false"),
          patch={"data": {"drop_last": True, "packing": False},
                 "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 4}}),
+    # --- rows that were dropped silently or killed the run (issue 22) ----------------------------------------
+    Case("lone_surrogate", "a JSON-escaped lone surrogate (`\\ud800`) in a message", "data",
+         ("{d}/train.jsonl:2: the tokenizer cannot encode this row: the text holds a lone surrogate '\\ud800'",
+          "data.on_bad_row: skip"),
+         files={"train.jsonl": jsonl(GOOD_ROWS[0], chat("half a pair: \ud800", "ok"), *GOOD_ROWS[1:])}),
+    Case("lone_surrogate_skipped", "a lone surrogate with on_bad_row: skip: the run goes on", "data", (),
+         patch={"data": {"on_bad_row": "skip"}, "output_dir": "{d}/fresh"},
+         files={"train.jsonl": jsonl(GOOD_ROWS[0], chat("half a pair: \ud800", "ok"), *GOOD_ROWS[1:])},
+         exit_code=0, stdout_expect=("1 bad rows skipped", "done: {d}/fresh/final")),
+    Case("row_over_max_row_bytes", "a row larger than data.max_row_bytes", "data",
+         ("{d}/train.jsonl:3: the row is 2,086 bytes, over data.max_row_bytes (1,000); it was not read",),
+         patch={"data": {"max_row_bytes": 1000}},
+         files={"train.jsonl": jsonl(*GOOD_ROWS[:2], chat("x" * 2000, "y"), *GOOD_ROWS[2:])}),
+    Case("unknown_message_field", "a message field finetune does not read", "data",
+         ("{d}/train.jsonl:2: message 1 (assistant) has 'metadata', which finetune does not read",
+          "data.ignore_message_fields"),
+         files={"train.jsonl": jsonl(GOOD_ROWS[0], {"messages": [GOOD_ROWS[1]["messages"][0],
+                                                                 {**GOOD_ROWS[1]["messages"][1], "metadata": "x"}]})}),
+    Case("empty_assistant_message", "an empty trained assistant message", "data",
+         ("{d}/train.jsonl:2: message 1 (assistant) is empty (no content, reasoning or tool_calls)",
+          '"train": false'),
+         files={"train.jsonl": jsonl(GOOD_ROWS[0], chat("Say nothing", ""), *GOOD_ROWS[1:])}),
+    Case("tool_calls_not_rendered", "tool calls, with a template that does not render them", "data",
+         ("{d}/train.jsonl:1: the chat template does not render the tool_calls of message 1",
+          "tokenizer.chat_template"),
+         files={"train.jsonl": jsonl(TOOL_ROW, *GOOD_ROWS)}),
+    Case("tool_call_arguments_not_json", "tool call arguments that are text but not JSON", "data",
+         ("{d}/train.jsonl:1: message 1 (assistant): tool call 0 (get_weather): 'arguments' is a string that is not "
+          "JSON",), patch={"tokenizer": {"chat_template": "qwen2_5"}},
+         files={"train.jsonl": jsonl(with_arguments(TOOL_ROW, "{city: Paris}"), *GOOD_ROWS)}),
+    Case("tools_not_rendered", "a row's tools, with a template that does not render them", "data",
+         ("{d}/train.jsonl:1: the chat template does not render the row's tools",),
+         files={"train.jsonl": jsonl({**GOOD_ROWS[0], "tools": TOOL_ROW["tools"]}, *GOOD_ROWS)}),
+    Case("tool_calls_trained", "tool calls and tool messages with a template that renders them: the run goes on",
+         "data", (), patch={"tokenizer": {"chat_template": "qwen2_5"}, "data": {"max_seq_len": 512},
+                            "output_dir": "{d}/fresh"},
+         files={"train.jsonl": jsonl(TOOL_ROW, *GOOD_ROWS)}, exit_code=0, stdout_expect=("done: {d}/fresh/final",)),
     # --- model and tokenizer paths -----------------------------------------------------------------------
     Case("tokenizer_path_missing", "tokenizer.path does not exist", "model",
          ("tokenizer '{d}/no-tokenizer' could not be loaded", "tokenizer.path"),
@@ -573,8 +623,13 @@ def message_of(o: Outcome) -> str:
     """The message as the docs show it: stderr's first line (plus the first listed problem under a header),
     with the case folder written as <tmp>."""
     lines = [line for line in o.result.stderr.splitlines() if line.strip()]
-    if o.case.exit_code == 0:  # the line the case is about: what it expects on stdout
-        lines = [next(line for line in o.result.stdout.splitlines() if o.text(o.case.stdout_expect[0]) in line)]
+    if o.case.exit_code == 0:  # the line the case is about: what it expects on stdout, else the data summary
+        out = o.result.stdout.splitlines()
+        if o.case.stdout_expect:
+            lines = [next(line for line in out if o.text(o.case.stdout_expect[0]) in line)]
+        else:
+            lines = [next((line for line in out if "bad rows skipped" in line),
+                          next((line for line in out if line.startswith("data:")), ""))]
     shown = lines[0] if lines else ""
     if shown.endswith(":") and len(lines) > 1:
         shown += " " + lines[1].strip()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -431,3 +432,94 @@ def test_hub_dataset_offline_is_a_clear_user_error(monkeypatch):
     assert result.stdout.startswith("USERERROR dataset 'no-such-org/no-such-dataset': not a local file, and "
                                     "loading it from the Hugging Face hub failed"), result.stdout
     assert "check the path (relative to the recipe file)" in result.stdout
+
+
+# --- rows too large, text the tokenizer cannot encode ---------------------------------------------------------
+
+def test_a_jsonl_line_over_max_row_bytes_is_a_bad_row_never_read_whole(tmp_path):
+    path = tmp_path / "d.jsonl"
+    row = json.dumps(chat_row(1)).encode()  # 81 bytes
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 3_000_000}]}).encode()
+    path.write_bytes(row + b"\n" + big + b"\r\n" + row[:-1] + b" }\r\n" + row)  # the last line ends without newline
+    limit = len(row) + 1
+    rows = list(read_rows(str(path), max_row_bytes=limit))
+    assert [r.origin for r in rows] == [f"{path}:{n}" for n in (1, 2, 3, 4)]
+    assert rows[1].error == (f"the row is {len(big):,} bytes, over data.max_row_bytes ({limit:,}); it was not read "
+                             "(raise the limit to read it)")
+    assert [r.data for r in rows if r.error is None] == [chat_row(1)] * 3  # a line of exactly the limit is read
+    assert list(read_rows(str(path), max_row_bytes=len(row) - 1))[0].error.startswith(f"the row is {len(row)} bytes")
+
+
+def test_rows_of_other_formats_over_max_row_bytes_are_bad_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = "é" * 600  # 1,200 bytes in UTF-8
+    (tmp_path / "d.json").write_text(json.dumps([{"text": "short"}, {"text": text}]), encoding="utf-8")
+    pq.write_table(pa.table({"text": ["short", text]}), tmp_path / "d.parquet")
+    with (tmp_path / "d.csv").open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([["text", "more"], ["short", "x"], [text[:400], text[:400]]])
+    for name, second in (("d.json", "d.json:1"), ("d.parquet", "d.parquet[row 1]"), ("d.csv", "d.csv:3")):
+        rows = list(read_rows(str(tmp_path / name), max_row_bytes=1000))
+        assert rows[0].error is None and rows[1].origin == str(tmp_path / second), name
+        size = 1608 if name == "d.csv" else 1204  # the UTF-8 bytes of every string, keys included
+        assert rows[1].error == (f"the row is {size:,} bytes, over data.max_row_bytes (1,000); it was not read "
+                                 "(raise the limit to read it)"), name
+
+
+def test_a_csv_field_over_max_row_bytes_stops_with_its_line(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("text\nshort\n" + "x" * 200_000 + "\nshort\n", encoding="utf-8")
+    assert len(list(read_rows(str(path)))) == 3  # over csv's own 128 KiB field limit, under the default 8 MiB
+    with pytest.raises(UserError, match=re.escape(f"{path}:3: a CSV field over data.max_row_bytes (100,000 "
+                                                  "characters)")):
+        list(read_rows(str(path), max_row_bytes=100_000))
+    assert csv.field_size_limit() == 131072  # the process-wide setting is put back
+
+
+def test_max_row_bytes_reaches_the_rows_from_the_recipe(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "train.jsonl", [chat_row(1), chat_row(2 * 10**400)])
+    raw = tiny_recipe(tmp_path / "run", data)
+    raw["data"].update(max_row_bytes=200, on_bad_row="skip")
+    train, _, stats, _ = build_samples(validate(raw), tokenizer)
+    assert len(train) == 1 and stats.bad_rows_skipped == 1
+    assert stats.bad_row_examples[0].startswith(f"{data}:2: the row is 8")
+
+
+@pytest.mark.parametrize("fmt,row", [
+    ("chat", '{"messages": [{"role": "user", "content": "a\\ud800b"}, {"role": "assistant", "content": "ok"}]}'),
+    ("completion", '{"text": "lone \\udfff surrogate"}'),
+    ("alpaca", '{"instruction": "x", "output": "\\ud83d"}'),
+])
+def test_text_the_tokenizer_cannot_encode_is_a_bad_row(tmp_path, tokenizer, fmt, row):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(chat_row(1) if fmt == "chat" else {"text": "fine", "instruction": "a", "output": "b"})
+                    + "\n" + row + "\n", encoding="utf-8")
+    raw = tiny_recipe(tmp_path / "run", data, fmt)
+    raw["data"]["on_bad_row"] = "skip"
+    train, _, stats, _ = build_samples(validate(raw), tokenizer)
+    assert len(train) == 1 and stats.bad_rows_skipped == 1
+    why = stats.bad_row_examples[0]
+    assert why.startswith(f"{data}:2: the tokenizer cannot encode this row: the text holds a lone surrogate '\\")
+    assert why.encode("utf-8")  # printable
+    raw["data"]["on_bad_row"] = "error"
+    with pytest.raises(BadRow, match=re.escape(f"{data}:2: the tokenizer cannot encode this row")):
+        build_samples(validate(raw), tokenizer)
+
+
+def test_a_huge_jsonl_line_costs_memory_up_to_the_limit_only(tmp_path):
+    # A 40 MB line under the default 8 MiB limit: read in pieces and dropped, never held whole, decoded or parsed
+    # (10 MiB at peak here; held whole, decoded and parsed as before, 153 MiB).
+    import tracemalloc
+
+    path = tmp_path / "d.jsonl"
+    with path.open("wb") as handle:
+        handle.write(json.dumps(chat_row(1)).encode() + b"\n" + b'{"text": "' + b"x" * 40_000_000 + b'"}\n')
+    tracemalloc.start()
+    try:
+        rows = list(read_rows(str(path)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rows[1].error.startswith("the row is 40,000,012 bytes, over data.max_row_bytes (8,388,608)")
+    assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB"

@@ -1,6 +1,6 @@
 """The preprocessed-data cache: tokenized samples and their statistics on disk, keyed by everything they depend on.
 
-Tokenizing (chat templates rendered once per message, offsets mapped to labels) is the slow part of loading data, and
+Tokenizing (chat templates rendered, offsets mapped to labels) is the slow part of loading data, and
 it is the same for every run that shares data, tokenizer and data settings. `finetune preprocess` and
 `finetune train` keep the samples under `<cache root>/<key>/`. The key is a SHA-256 over:
 
@@ -57,9 +57,9 @@ from finetune.data.stats import DataStats
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DatasetConfig, Recipe, local_data_path
 
-# Bump whenever sources.py, formats.py, tokenize.py or the truncation in tokenize_examples change what samples
-# a row gives: every existing entry then stops matching.
-DATA_VERSION = 2
+# Bump whenever sources.py, formats.py, messages.py, tokenize.py or the truncation in tokenize_examples change
+# what samples a row gives: every existing entry then stops matching.
+DATA_VERSION = 3  # 3: tool calls, tool messages and tools reach the template; unknown message fields are bad rows
 CACHE_ENV = "FINETUNE_CACHE_DIR"
 SPLITS = ("train", "eval")
 # tokenizer_config.json keys that say where a tokenizer was loaded from, not how it tokenizes.

@@ -1,18 +1,16 @@
 """Where each message of a conversation lands in its chat-template rendering: the trained character spans.
 
-The conversation is rendered once, and that text is what gets tokenized. Each message is then located in it by
-rendering the conversation again with that message's free text (content, reasoning) replaced by a sentinel
-made of a character that occurs nowhere else: the two renderings agree outside one stretch, and that stretch
-(longest common prefix and suffix) is exactly the text the message produced, whatever the template did to it
-(strip, trim, reasoning split off or dropped). N+1 renderings for N messages, and exact for every template,
-also for those that render a turn differently depending on what follows it (Qwen3, Phi-3.5, gpt-oss): nothing
-assumes that a prefix of the conversation renders as a prefix of the whole.
+The conversation is rendered once, and that text is what gets tokenized. chat_regions.py locates each message's
+text in it (its region: what changes when the message's content, reasoning and tool-call arguments are replaced by
+a sentinel), exactly for every template, also for those that render a turn differently depending on what follows
+it (Qwen3, Phi-3.5, gpt-oss), in a number of renderings that does not grow with the conversation.
 
 A trained assistant turn runs from the end of the template's assistant header (what `add_generation_prompt`
-appends) to the end-of-turn marker the template writes after the content, both included: text the template
+appends) to the end-of-turn marker the template writes after the message's text, both included: text the template
 puts between header and content is what the model generates after the generation prompt (Qwen3's think block,
-gpt-oss's `<|channel|>final<|message|>`), so it is trained. A trained system or user message is its content plus
-the end-of-turn marker after it. docs/chat-templates.md shows the result for each tested family.
+gpt-oss's `<|channel|>final<|message|>`, a tool call's `<tool_call>` tags), so it is trained. A trained system,
+user or tool message is its content plus the end-of-turn marker after it. docs/chat-templates.md shows the result
+for each tested family.
 """
 
 from __future__ import annotations
@@ -21,10 +19,19 @@ import bisect
 import json
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.errors import UserError
+from finetune.data.chat_regions import (
+    REASONING_FIELDS,
+    TemplateNotLocal,
+    common_prefix,
+    find_regions,
+    sentinel_char,
+)
+
+__all__ = ["REASONING_FIELDS", "ChatLayout", "TemplateNotLocal", "TurnSpan", "added_tokens", "chat_layout",
+           "end_of_turn_markers", "render_chat", "trained_tokens"]
 
 # Single tokens that end a turn in the official templates we know. Only those that are one added token of the
 # tokenizer at hand count (plain text never matches), plus the tokenizer's eos.
@@ -32,13 +39,6 @@ END_OF_TURN_MARKERS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|return|>", "<|call|>", "</s>",
     "<｜end▁of▁sentence｜>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<turn|>",
 )
-# Message fields besides `content` whose text a template renders (transformers aliases them onto each other).
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-class TemplateNotLocal(UserError):
-    """The template renders one message differently when another message's text changes."""
-
 
 @dataclass(frozen=True)
 class TurnSpan:
@@ -65,60 +65,19 @@ class ChatLayout:
     unrendered: tuple[int, ...]
     """Messages asked for whose text the template does not render at all (Mistral Nemo drops the system prompt
     unless the last message is a user's)."""
+    calls_not_rendered: tuple[int, ...] = ()
+    """Messages whose tool calls the template does not render, all or some (a template without tool support)."""
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None,
-                add_generation_prompt: bool = False) -> str:
-    """The chat template's rendering of `messages` (template kwargs passed through, as at inference)."""
+                add_generation_prompt: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The chat template's rendering of `messages` (template kwargs and the row's tools passed through, as at
+    inference)."""
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = [dict(t) for t in tools]
     return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **dict(template_kwargs or {}))
-
-
-def _common_prefix(a: str, b: str) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:  # binary search on slice equality: C-speed compares, no Python loop over characters
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _common_suffix(a: str, b: str, limit: int) -> int:
-    lo, hi = 0, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[len(a) - mid:] == b[len(b) - mid:]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _diff_region(full: str, other: str) -> tuple[int, int]:
-    """[p, q) in `full` outside of which `full` and `other` agree."""
-    p = _common_prefix(full, other)
-    return p, len(full) - _common_suffix(full, other, min(len(full), len(other)) - p)
-
-
-def _sentinel_char(full: str, messages: Sequence[Mapping[str, Any]]) -> str:
-    texts = [full, *(v for m in messages for v in m.values() if isinstance(v, str))]
-    for code in range(0xE000, 0xF900):  # the private-use area: never produced by a template
-        c = chr(code)
-        if not any(c in t for t in texts):
-            return c
-    raise UserError("this conversation uses every private-use character; it cannot be masked")  # pragma: no cover
-
-
-def _with_sentinel(message: Mapping[str, Any], mark: str) -> dict[str, Any]:
-    """`message` with its free text replaced by `mark` (other fields and empty reasoning fields kept)."""
-    out = dict(message)
-    out["content"] = mark
-    for key in REASONING_FIELDS:
-        if isinstance(out.get(key), str) and out[key]:
-            out[key] = mark + "r"
-    return out
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
 
 
 _PROBES: dict[tuple[str, str, str, str], str] = {}  # (kind, template, kwargs, special tokens) -> text
@@ -139,7 +98,7 @@ def _probe(kind: str, tokenizer: Any, template_kwargs: Mapping[str, Any] | None)
                 probe = [{"role": "user", "content": "Hi"}]
                 plain = render_chat(tokenizer, probe, template_kwargs)
                 prompted = render_chat(tokenizer, probe, template_kwargs, add_generation_prompt=True)
-                found = prompted[_common_prefix(prompted, plain):]
+                found = prompted[common_prefix(prompted, plain):]
             else:
                 plain = render_chat(tokenizer, [{"role": "user", "content": "\ue000"}], template_kwargs)
                 found = plain.split("\ue000", 1)[1] if plain.count("\ue000") == 1 else ""
@@ -173,33 +132,30 @@ def end_of_turn_markers(tokenizer: Any) -> tuple[str, ...]:
     return tuple(sorted(found, key=lambda m: (-len(m), m)))
 
 
-def _regions(render: Any, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int] | None]:
-    """Each message's region in `full`, None for a message whose text the template does not render."""
-    c = _sentinel_char(full, messages)
-    regions: list[tuple[int, int] | None] = []
-    for j, message in enumerate(messages):
-        other = render([*messages[:j], _with_sentinel(message, f"{c}{j}{c}"), *messages[j + 1:]])
-        regions.append(None if other == full else _diff_region(full, other))
-    for i, a in enumerate(regions):
-        for j in range(i + 1, len(regions)):
-            b = regions[j]
-            if a and b and a[0] < b[1] and b[0] < a[1] and (a[0] < a[1] or b[0] < b[1]):
-                raise TemplateNotLocal(
-                    f"the chat template renders message {i} ({messages[i]['role']}) differently when the text of "
-                    f"message {j} ({messages[j]['role']}) changes, so their turns cannot be told apart for label "
-                    "masking. Use another template (tokenizer.chat_template), or set train_on_inputs: true.")
-    return regions
-
-
 def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
     """Where assistant message i's trained text starts: after the assistant header in front of its content."""
-    k = ctx.full.rfind(ctx.header, lo, p) if ctx.header else -1
-    if k >= 0:
-        return k + len(ctx.header)
-    # No header in front of this turn: the template renders history differently from its generation prompt
-    # (DeepSeek-R1-distill's prompt ends with a '<think>\n' prefill history lacks), or has none (Mistral).
-    # Where the prefix rendered with the generation prompt is a prefix of the whole, the turn starts where it
-    # ends; without a generation prompt, where the user turn's closing text ('[/INST]') ends; else at the content.
+    if ctx.header:
+        # Without the whole header in front of this turn, the template renders history differently from its
+        # generation prompt (DeepSeek-R1-distill's prompt ends with a '<think>\n' prefill history lacks; Qwen3 with
+        # enable_thinking false, an empty think block): the turn starts after the longest part of the header that
+        # is there, cut after a newline or an added token ('<｜Assistant｜>', '<|im_start|>assistant\n'), so that a
+        # tool call rendered without content ('<tool_call>...') is trained whole; else at its text.
+        if not ctx.header_parts:
+            ctx.header_parts = _header_parts(ctx.header, ctx.added)
+        for part in ctx.header_parts:
+            k = ctx.full.rfind(part, lo, p)
+            if k >= 0:
+                return k + len(part)
+        return p
+    # A template whose generation prompt adds nothing (Mistral): after a user or tool message, the turn starts
+    # where that message's closing text ends ('[/INST]', '[/TOOL_RESULTS]'); else where the prefix rendered with
+    # the generation prompt ends, when it is a prefix of the whole (one more rendering for this turn); else at its
+    # text.
+    before = ctx.regions[i - 1] if i else None
+    if before and ctx.messages[i - 1]["role"] in ("user", "tool"):
+        closing = ctx.closing if ctx.messages[i - 1]["role"] == "user" else _tool_closing(ctx, i - 1)
+        if closing and ctx.full.startswith(closing, before[1]) and before[1] + len(closing) <= p:
+            return before[1] + len(closing)
     if i:
         try:
             prefix = ctx.render(ctx.messages[:i], add_generation_prompt=True)
@@ -207,12 +163,36 @@ def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
             prefix = None
         if prefix is not None and ctx.full.startswith(prefix) and lo <= len(prefix) <= p:
             return len(prefix)
-        before = ctx.regions[i - 1]
-        if not ctx.header and before and ctx.messages[i - 1]["role"] == "user":
-            closing = ctx.closing
-            if closing and ctx.full.startswith(closing, before[1]) and before[1] + len(closing) <= p:
-                return before[1] + len(closing)
     return p
+
+
+def _tool_closing(ctx: _Context, j: int) -> str:
+    """What the template writes after tool message j's content, measured on a short conversation that ends with it
+    (its content a sentinel, after the call it answers): one small rendering, whatever the conversation's length."""
+    if not ctx.sentinel:
+        ctx.sentinel = sentinel_char(ctx.full, ctx.messages)
+    c = ctx.sentinel
+    call = ctx.messages[j - 1] if j and ctx.messages[j - 1].get("tool_calls") else None
+    probe = [{"role": "user", "content": "Hi"}, *([call] if call else []), {**ctx.messages[j], "content": c}]
+    try:
+        text = ctx.render(probe)
+    except Exception:  # a template that refuses the short conversation: no closing to look for
+        return ""
+    return text.split(c, 1)[1] if text.count(c) == 1 else ""
+
+
+def _header_parts(header: str, added: frozenset[str]) -> list[str]:
+    """The header and its prefixes that end after a newline or an added token, longest first."""
+    cuts = {len(header)}
+    for i, ch in enumerate(header):
+        if ch == "\n":
+            cuts.add(i + 1)
+    for token in added:
+        at = header.find(token) if token else -1
+        while at >= 0:
+            cuts.add(at + len(token))
+            at = header.find(token, at + 1)
+    return [header[:c] for c in sorted(cuts, reverse=True)]
 
 
 def _turn_end(ctx: _Context, q: int, hi: int) -> tuple[int, str]:
@@ -234,11 +214,42 @@ class _Context:
     header: str
     closing: str
     markers: tuple[str, ...]
+    added: frozenset[str]
+    sentinel: str = ""
+    """A character found nowhere in the conversation: found when first needed, then kept."""
+    header_parts: list[str] = field(default_factory=list)
+    """The header and its prefixes (_header_parts): made when first needed, then kept."""
+
+
+class _Neighbours:
+    """For a message's region, where the regions of the others end before it and start after it (bisect: linear in
+    the conversation overall). Regions never overlap (chat_regions.py checks), so sorted by start they are sorted by
+    end too."""
+
+    def __init__(self, regions: Sequence[tuple[int, int] | None], length: int) -> None:
+        self.sorted = sorted((r[0], r[1], j) for j, r in enumerate(regions) if r is not None)
+        self.starts = [a for a, _, _ in self.sorted]
+        self.ends = [b for _, b, _ in self.sorted]
+        self.length = length
+
+    def around(self, i: int, p: int, q: int) -> tuple[int, int]:
+        """(lo, hi): the end of the last other region ending at or before p, the start of the first other region
+        starting at or after q that ends after p."""
+        k = bisect.bisect_right(self.ends, p) - 1
+        while k >= 0 and self.sorted[k][2] == i:
+            k -= 1
+        lo = self.ends[k] if k >= 0 else 0
+        k = bisect.bisect_left(self.starts, q)
+        while k < len(self.sorted) and (self.sorted[k][2] == i or self.sorted[k][1] <= p):
+            k += 1
+        hi = self.starts[k] if k < len(self.sorted) else self.length
+        return lo, hi
 
 
 def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: Sequence[int],
-                template_kwargs: Mapping[str, Any] | None = None) -> ChatLayout:
-    """The rendering of `messages` and the trained span of each message index in `wanted`.
+                template_kwargs: Mapping[str, Any] | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> ChatLayout:
+    """The rendering of `messages` (with the row's `tools`) and the trained span of each message index in `wanted`.
 
     Raises TemplateNotLocal when two messages' regions overlap (the template is not local: reported rather
     than mis-masked); exceptions of the template itself (a refused conversation) pass through.
@@ -246,12 +257,15 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
     msgs = [dict(m) for m in messages]
 
     def render(part: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        return render_chat(tokenizer, part, template_kwargs, add_generation_prompt)
+        return render_chat(tokenizer, part, template_kwargs, add_generation_prompt, tools)
 
     full = render(msgs)
-    regions = _regions(render, msgs, full)
+    found = find_regions(render, msgs, full, tools)
+    regions = list(found.regions)
     ctx = _Context(full, msgs, regions, render, _probe("header", tokenizer, template_kwargs),
-                   _probe("closing", tokenizer, template_kwargs), end_of_turn_markers(tokenizer))
+                   _probe("closing", tokenizer, template_kwargs), end_of_turn_markers(tokenizer),
+                   added_tokens(tokenizer)[0])
+    neighbours = _Neighbours(regions, len(full))
     turns, unrendered = [], []
     for i in sorted(set(wanted)):
         region = regions[i]
@@ -259,13 +273,11 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
             unrendered.append(i)
             continue
         p, q = region
-        others = [r for j, r in enumerate(regions) if r is not None and j != i]
-        lo = max((b for a, b in others if b <= p), default=0)
-        hi = min((a for a, b in others if a >= q and b > p), default=len(full))
+        lo, hi = neighbours.around(i, p, q)
         start = _turn_start(ctx, i, lo, p) if msgs[i]["role"] == "assistant" else p
         end, marker = _turn_end(ctx, q, hi)
         turns.append(TurnSpan(i, start, p, q, end, marker))
-    return ChatLayout(full, tuple(turns), tuple(unrendered))
+    return ChatLayout(full, tuple(turns), tuple(unrendered), found.calls_not_rendered)
 
 
 def trained_tokens(offsets: Sequence[tuple[int, int]], turns: Sequence[TurnSpan]) -> list[bool]:

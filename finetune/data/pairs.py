@@ -4,7 +4,8 @@ A row is `prompt` (a string, or a list of chat messages) with `chosen` and `reje
 assistant messages), or the implicit-prompt form: `chosen` and `rejected` are two whole conversations, and the
 prompt is their longest common prefix of messages. Each side is rendered with the chat template as one
 conversation (prompt + completion), and only the completion's assistant turns are scored, by the same masking
-as SFT data (finetune/data/tokenize.py).
+as SFT data (finetune/data/tokenize.py). Messages are read as chat rows' are (messages.py: reasoning, tool calls,
+tool messages; any other field is a bad row), and a row's `tools` are passed to the template for both sides.
 
 A pair is one sample of two documents (chosen, then rejected), {"input_ids", "labels", "docs": [n_chosen,
 n_rejected]}, and it stays whole: it is never split across rows, micro-batches or ranks, and data.max_seq_len
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.data.formats import ROLES, Example, MessageFields
+from finetune.data.messages import chat_message, row_tools
 from finetune.data.sources import BadRow, RawRow
 from finetune.data.tokenize import tokenize_example
 from finetune.labels import IGNORE_INDEX
 
-Messages = tuple[dict[str, str], ...]
+Messages = tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,13 @@ class PairExample:
     prompt: Messages
     chosen: Messages
     rejected: Messages
+    tools: tuple[dict[str, Any], ...] | None = None
+    """The row's `tools` (function schemas), passed to the chat template for both sides."""
 
     def side(self, completion: Messages) -> Example:
         """One side as a chat example whose scored turns are the completion's assistant turns."""
         trained = (False,) * len(self.prompt) + tuple(m["role"] == "assistant" for m in completion)
-        return Example(self.origin, messages=self.prompt + completion, trained=trained)
+        return Example(self.origin, messages=self.prompt + completion, trained=trained, tools=self.tools)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ def to_pair(row: RawRow, fields: PairFields = PairFields()) -> PairExample:
             raise BadRow(f"{row.origin}: '{name}' must start with an assistant message")
     if chosen == rejected:
         raise BadRow(f"{row.origin}: {f.chosen!r} and {f.rejected!r} are the same; a pair must differ")
-    return PairExample(row.origin, prompt, chosen, rejected)
+    return PairExample(row.origin, prompt, chosen, rejected, row_tools(row.origin, data))
 
 
 def _messages(origin: str, key: str, value: Any, default_role: str, fields: MessageFields) -> Messages:
@@ -87,10 +91,11 @@ def _messages(origin: str, key: str, value: Any, default_role: str, fields: Mess
     out = []
     for i, m in enumerate(value):
         role = fields.role_of(m.get(fields.role)) if isinstance(m, dict) else None
-        if role not in ROLES or not isinstance(m.get(fields.content), str):
+        content = m.get(fields.content) if isinstance(m, dict) else None
+        if role not in ROLES or not (isinstance(content, str) or (content is None and m.get("tool_calls"))):
             raise BadRow(f"{origin}: '{key}' message {i} needs a role ({', '.join(ROLES)}) and a string content "
                          f"(fields {fields.role!r}, {fields.content!r})")
-        out.append({"role": role, "content": m[fields.content]})
+        out.append(chat_message(f"{origin}: '{key}'", i, m, fields))  # other fields as in chat rows
     return tuple(out)
 
 

@@ -25,22 +25,24 @@ from finetune.recipe import DataConfig, DatasetConfig, Recipe
 
 
 def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats,
-                  key: str = "datasets") -> list[Example]:
+                  key: str = "datasets", data: DataConfig | None = None) -> list[Example]:
     """Read and convert every row of the given datasets; bad rows raise or are counted per `on_bad_row`.
 
     `key` is the recipe list the configs come from: a problem with a whole source (missing file, unreadable
-    hub dataset) is reported as `datasets.N.path: ...`, a problem with one row by its `file:line`.
+    hub dataset) is reported as `datasets.N.path: ...`, a problem with one row by its `file:line`. `data` gives
+    max_row_bytes and ignore_message_fields (their defaults when None).
     """
+    data = data or DataConfig()
     examples = []
     for index, cfg in enumerate(configs):
         taken = 0
         try:
-            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name):
+            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes):
                 if cfg.max_rows is not None and taken >= cfg.max_rows:
                     break
                 stats.rows_read += 1
                 try:
-                    examples.append(row_example(row, cfg))
+                    examples.append(row_example(row, cfg, tuple(data.ignore_message_fields)))
                     taken += 1
                 except BadRow as e:
                     stats.bad_row(e, on_bad_row)
@@ -51,9 +53,10 @@ def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
     return examples
 
 
-def row_example(row: Any, cfg: DatasetConfig) -> Example | PairExample:
-    """One row of a dataset as its format reads it, through the dataset's field and role mappings."""
-    fields = MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field)
+def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = ()) -> Example | PairExample:
+    """One row of a dataset as its format reads it, through the dataset's field and role mappings (message fields
+    in `ignore` left out)."""
+    fields = MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore)
     if cfg.format == "preference":
         return to_pair(row, PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, fields))
     return to_example(row, cfg.format, messages_field=cfg.messages_field, text_field=cfg.text_field,
@@ -187,8 +190,8 @@ def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict
     """Train and eval samples for a recipe: eval from eval_datasets, else a seeded val_fraction split."""
     train_stats, eval_stats = DataStats(), DataStats()
     on_bad = recipe.data.on_bad_row
-    train_examples = load_examples(recipe.datasets, on_bad, train_stats, "datasets")
-    eval_examples = load_examples(recipe.eval_datasets, on_bad, eval_stats, "eval_datasets")
+    train_examples = load_examples(recipe.datasets, on_bad, train_stats, "datasets", recipe.data)
+    eval_examples = load_examples(recipe.eval_datasets, on_bad, eval_stats, "eval_datasets", recipe.data)
     if not recipe.eval_datasets and recipe.data.val_fraction > 0:
         order = list(range(len(train_examples)))
         random.Random(recipe.seed).shuffle(order)

@@ -2,10 +2,17 @@
 
 The origin (`file:line`) travels with the row so that any later problem (bad JSON, missing field, unknown
 role) can name exactly where it is.
+
+A row larger than `max_row_bytes` (data.max_row_bytes) is a bad row, found before it is parsed where the format
+allows: a JSONL line is measured while it is read, in pieces, and never held whole or parsed when it is too long.
+Other formats are measured by the UTF-8 bytes of their strings (keys and values): .json and .parquet files are read
+whole anyway, CSV fields are bounded by the same limit (a longer field stops the read: the CSV reader cannot find
+the next row after it), hub rows come one at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 from collections.abc import Iterator
@@ -31,8 +38,14 @@ class BadRow(UserError):
     """A row that cannot be used; `data.on_bad_row: skip` counts these instead of stopping."""
 
 
-def read_rows(path: str, *, split: str = "train", name: str | None = None) -> Iterator[RawRow]:
-    """Yield the rows of a local data file or a hub dataset. Malformed rows come with `error` set."""
+# data.max_row_bytes's default (the schema's too): far above any real chat row, far below what takes gigabytes.
+DEFAULT_MAX_ROW_BYTES = 8 * 1024 * 1024
+
+
+def read_rows(path: str, *, split: str = "train", name: str | None = None,
+              max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[RawRow]:
+    """Yield the rows of a local data file or a hub dataset. Malformed rows, and rows over `max_row_bytes`, come
+    with `error` set."""
     local = local_data_path(path)
     if local is not None:
         if local.is_dir():
@@ -41,31 +54,76 @@ def read_rows(path: str, *, split: str = "train", name: str | None = None) -> It
             # Relative paths were already tried against the recipe's folder (recipe.py), then the cwd.
             raise UserError(data_file_not_found(path))
         try:
-            yield from _read_local(local)
+            yield from _read_local(local, max_row_bytes)
         except OSError as e:  # unreadable (permissions) or vanished while reading
             raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
     else:
-        yield from _read_hub(path, split=split, subset=name)
+        yield from _bounded(_read_hub(path, split=split, subset=name), max_row_bytes)
 
 
-def _read_local(file: Path) -> Iterator[RawRow]:
+def _read_local(file: Path, limit: int) -> Iterator[RawRow]:
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
-        yield from _read_jsonl(file)
+        yield from _read_jsonl(file, limit)
     elif suffix == ".json":
-        yield from _read_json(file)
+        yield from _bounded(_read_json(file), limit)
     elif suffix == ".csv":
-        yield from _read_csv(file)
+        yield from _bounded(_read_csv(file, limit), limit)
     elif suffix == ".parquet":
-        yield from _read_parquet(file)
+        yield from _bounded(_read_parquet(file), limit)
     else:
         raise UserError(f"{file}: unsupported data file type {suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}")
 
 
-def _read_jsonl(file: Path) -> Iterator[RawRow]:
+def _too_large(size: int, limit: int) -> str:
+    return f"the row is {size:,} bytes, over data.max_row_bytes ({limit:,}); it was not read (raise the limit to read it)"
+
+
+def _text_bytes(value: Any) -> int:
+    """The UTF-8 bytes of every string in a row (keys and values), a measure of its size for any format."""
+    if isinstance(value, str):
+        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        return sum(_text_bytes(k) + _text_bytes(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_bytes(v) for v in value)
+    return 0
+
+
+def _bounded(rows: Iterator[RawRow], limit: int) -> Iterator[RawRow]:
+    for row in rows:
+        size = _text_bytes(row.data) if row.error is None else 0
+        yield _bad(row.origin, _too_large(size, limit)) if size > limit else row
+
+
+def _lines(handle: Any, limit: int) -> Iterator[tuple[bytes | None, int]]:
+    """Each line (None when its content, line ending left out, is over `limit` bytes) and that size. Lines are read
+    in pieces of at most 1 MiB; a long line's pieces are dropped once it is known to be too long."""
+    while True:
+        pieces: list[bytes] | None = []
+        size, piece = 0, b""
+        while piece := handle.readline(1 << 20):
+            size += len(piece)
+            if pieces is not None:
+                pieces.append(piece)
+                if size > limit + 2:
+                    pieces = None  # too long whatever its line ending: count the rest, keep nothing
+            if piece.endswith(b"\n"):
+                break
+        if not size:
+            return
+        raw = b"".join(pieces) if pieces is not None else piece
+        ending = 2 if raw.endswith(b"\r\n") else 1 if raw.endswith(b"\n") else 0
+        yield (raw if pieces is not None and size - ending <= limit else None), size - ending
+
+
+def _read_jsonl(file: Path, limit: int) -> Iterator[RawRow]:
     with file.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        for number, (raw, size) in enumerate(_lines(handle, limit), start=1):
             origin = f"{file}:{number}"
+            if raw is None:
+                yield _bad(origin, _too_large(size, limit))
+                continue
             try:
                 # utf-8-sig on the first line: editors on Windows start files with a BOM, which json rejects.
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
@@ -123,9 +181,20 @@ def _item_lines(text: str) -> list[int]:
             i += 1
 
 
-def _read_csv(file: Path) -> Iterator[RawRow]:
+@contextlib.contextmanager
+def _csv_field_limit(limit: int) -> Iterator[None]:
+    """csv's field size limit (a process-wide setting, 128 KiB by default) set to `limit` while one file is read."""
+    before = csv.field_size_limit(limit)
     try:
-        with file.open(newline="", encoding="utf-8-sig") as handle:
+        yield
+    finally:
+        csv.field_size_limit(before)
+
+
+def _read_csv(file: Path, limit: int) -> Iterator[RawRow]:
+    reader = None
+    try:
+        with _csv_field_limit(limit), file.open(newline="", encoding="utf-8-sig") as handle:
             reader = csv.DictReader(handle)
             for row in reader:
                 # DictReader's line_num is the physical line just read (header is line 1).
@@ -138,7 +207,11 @@ def _read_csv(file: Path) -> Iterator[RawRow]:
     except UnicodeDecodeError as e:
         raise UserError(f"{file}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except csv.Error as e:  # e.g. a field over the size limit, a NUL byte
-        raise UserError(f"{file}:{reader.line_num}: malformed CSV: {e}") from None
+        line = reader.line_num + 1 if reader else 1
+        if "field larger than field limit" in str(e):
+            raise UserError(f"{file}:{line}: a CSV field over data.max_row_bytes ({limit:,} characters); the "
+                            "reader cannot find the next row after it: raise the limit to read it") from None
+        raise UserError(f"{file}:{line}: malformed CSV: {e}") from None
 
 
 def _read_parquet(file: Path) -> Iterator[RawRow]:

@@ -23,12 +23,14 @@ class DataStats:
 
     def bad_row(self, error: BadRow, on_bad_row: str) -> None:
         """Stop on a bad row (`data.on_bad_row: error`) or count it and keep a few examples (`skip`)."""
+        # Printable whatever the row held: a lone surrogate quoted from a row would make printing the message fail.
+        why = str(error).encode("utf-8", "backslashreplace").decode("utf-8")
         if on_bad_row == "error":
-            raise BadRow(f"{error}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
+            raise BadRow(f"{why}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
                          "(they are counted).") from None
         self.bad_rows_skipped += 1
         if len(self.bad_row_examples) < 5:
-            self.bad_row_examples.append(str(error))
+            self.bad_row_examples.append(why)
     # Token accounting, so that `finetune preprocess` can show nothing vanished:
     # input_tokens == tokens + truncated_tokens + dropped_tokens.
     input_tokens: int = 0  # tokens of every tokenized sample, before truncation

@@ -1,11 +1,14 @@
 """Examples -> token ids and labels, with -100 on every token that is not trained.
 
 A chat example is rendered once with the tokenizer's chat template (and the recipe's
-tokenizer.chat_template_kwargs) and that text is tokenized. chat_spans.py finds the character span of every
+tokenizer.chat_template_kwargs, and the row's `tools`) and that text is tokenized. chat_spans.py finds the character span of every
 trained message in it; a token is trained when its first character lies in one. For an assistant turn the span
 is what follows the assistant header up to and including the end-of-turn marker (ChatML: the content plus
 `<|im_end|>`, not the newline the template writes between turns: the model stops at `<|im_end|>`). Which
-messages are trained was decided by formats.py (roles_to_train, per-message `train` flags).
+messages are trained was decided by formats.py (roles_to_train, per-message `train` flags). An assistant
+message's tool calls are part of its turn (the template decides how they look), so they are trained with it;
+a tool message is an input, like a user message. A template that leaves out a message's tool calls, or the row's
+tools, makes the row a bad row.
 `train_on_inputs: true` trains every token (but the first, which nothing predicts), except the turns of
 messages marked `train: false`.
 
@@ -13,6 +16,10 @@ Text in a message that spells one of the tokenizer's added tokens (`<|im_end|>` 
 becomes that token, as it does when the same text is rendered and tokenized at inference (transformers splits
 added tokens out of any text); masking stays exact by character. Such rows are counted (`notes`), so
 `finetune preprocess` can say how many there are.
+
+Whatever the template or the tokenizer refuses in a row (a conversation the template rejects, text the tokenizer
+cannot encode, such as a lone surrogate from a JSON `\ud800` escape without its pair) is a bad row naming the
+row's origin, so `data.on_bad_row: skip` skips it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from finetune.data.chat_spans import (
     TemplateNotLocal,
     added_tokens,
     chat_layout,
+    render_chat,
     trained_tokens,
 )
 from finetune.data.formats import Example
@@ -51,7 +59,7 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
     if example.completion is not None:
         ids, labels = _tokenize_prompted(example, tokenizer)
     elif example.text is not None:
-        ids = tokenizer(example.text, add_special_tokens=True)["input_ids"]
+        ids = encode(tokenizer, example.origin, example.text, add_special_tokens=True)["input_ids"]
         # The eos teaches the model where a document ends; some tokenizers' post-processors add it already.
         if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
             ids = [*ids, tokenizer.eos_token_id]
@@ -63,12 +71,27 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
     return {"input_ids": ids, "labels": labels}
 
 
+def encode(tokenizer: Any, origin: str, text: str, **kwargs: Any) -> Any:
+    """tokenizer(text, **kwargs); what it cannot encode is a bad row (the tokenizer's own message is cryptic)."""
+    try:
+        return tokenizer(text, **kwargs)
+    except Exception as e:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as u:
+            why = (f"the text holds a lone surrogate {text[u.start]!r} (half of a UTF-16 pair: a JSON "
+                   "\\ud800-style escape without its other half), which is not Unicode text")
+        else:
+            why = f"{type(e).__name__}: {e}"
+        raise BadRow(f"{origin}: the tokenizer cannot encode this row: {why}") from None
+
+
 def _tokenize_prompted(example: Example, tokenizer: Any) -> tuple[list[int], list[int]]:
     """A fixed prompt and its completion, tokenized apart as Axolotl's alpaca does: the prompt with the tokenizer's
     special tokens (its bos), the completion without a leading bos and with the eos appended unless it ends with
     one. The completion and that eos are trained (and the prompt too with train_on_inputs)."""
-    prompt = list(tokenizer(example.prompt, add_special_tokens=True)["input_ids"])
-    completion = list(tokenizer(example.completion, add_special_tokens=True)["input_ids"])
+    prompt = list(encode(tokenizer, example.origin, example.prompt, add_special_tokens=True)["input_ids"])
+    completion = list(encode(tokenizer, example.origin, example.completion, add_special_tokens=True)["input_ids"])
     eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
     if eos is not None and (not completion or completion[-1] != eos):
         completion.append(eos)
@@ -88,12 +111,13 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
     # train_on_inputs trains everything; only messages marked train: false need locating, to be masked.
     wanted = [i for i, t in enumerate(trained) if t != example.train_on_inputs]
     try:
-        layout = chat_layout(tokenizer, messages, wanted, template_kwargs)
+        layout = chat_layout(tokenizer, messages, wanted, template_kwargs, example.tools)
     except TemplateNotLocal as e:
         raise UserError(f"{example.origin}: {e}") from None
     except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
         raise BadRow(f"{example.origin}: the chat template refused this conversation: {e}") from None
-    encoded = tokenizer(layout.text, add_special_tokens=False, return_offsets_mapping=True)
+    _check_tools_rendered(example, tokenizer, template_kwargs, layout)
+    encoded = encode(tokenizer, example.origin, layout.text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     in_spans = trained_tokens(encoded["offset_mapping"], layout.turns)
     labels = [t if flag != example.train_on_inputs else IGNORE_INDEX for t, flag in zip(ids, in_spans)]
@@ -101,7 +125,30 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
     return ids, labels
 
 
-def _take_notes(notes: Counter[str], tokenizer: Any, messages: list[dict[str, str]], layout: ChatLayout,
+def _check_tools_rendered(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
+                          layout: ChatLayout) -> None:
+    """Tool calls and tools the template leaves out would be data dropped unseen: a bad row."""
+    if layout.calls_not_rendered:
+        i = layout.calls_not_rendered[0]
+        raise BadRow(f"{example.origin}: the chat template does not render the tool_calls of message {i} (all of "
+                     "them, or all but some: a template without tool support, or one that takes one call per "
+                     "message); use a template that renders them (tokenizer.chat_template)")
+    if example.tools:
+        # On a lone user turn, with and without the tools: rendering the whole row again would cost as much as the
+        # whole (gpt-oss's template is quadratic in the number of calls).
+        probe = [{"role": "user", "content": "Hi"}]
+        try:
+            rendered = render_chat(tokenizer, probe, template_kwargs, tools=example.tools)
+            without = render_chat(tokenizer, probe, template_kwargs)
+        except Exception:  # refused either way: the tools make a difference
+            return
+        if without == rendered:
+            raise BadRow(f"{example.origin}: the chat template does not render the row's tools, so the model would "
+                         "learn to call functions it is never shown; use a template that renders them "
+                         "(tokenizer.chat_template)")
+
+
+def _take_notes(notes: Counter[str], tokenizer: Any, messages: list[dict[str, Any]], layout: ChatLayout,
                 train_on_inputs: bool) -> None:
     """Count what the template did to the trained turns, and text that spells a special token."""
     notes[NOTE_UNRENDERED] += len(layout.unrendered)
@@ -109,7 +156,7 @@ def _take_notes(notes: Counter[str], tokenizer: Any, messages: list[dict[str, st
         for turn in layout.turns:
             message = messages[turn.message_index]
             rendered = layout.text[turn.start:turn.end]
-            texts = [message["content"], *(message.get(k) or "" for k in REASONING_FIELDS)]
+            texts = [message.get("content") or "", *(message.get(k) or "" for k in REASONING_FIELDS)]
             if any(t.strip() and t.strip() not in rendered for t in texts):
                 notes[NOTE_ALTERED] += 1  # e.g. reasoning the template drops from earlier turns (Qwen3, R1)
     _, specials = added_tokens(tokenizer)

@@ -151,9 +151,9 @@ class DatasetConfig(Section):
     """chat, preference: the field of a message holding its role (ShareGPT rows: from)."""
     content_field: str = "content"
     """chat, preference: the field of a message holding its text (ShareGPT rows: value)."""
-    role_map: dict[str, Literal["system", "user", "assistant"]] = Field(default_factory=dict)
-    """chat, preference: other names of the roles, e.g. {human: user, gpt: assistant} (ShareGPT). system, user and
-    assistant always mean themselves; any other role is a bad row."""
+    role_map: dict[str, Literal["system", "user", "assistant", "tool"]] = Field(default_factory=dict)
+    """chat, preference: other names of the roles, e.g. {human: user, gpt: assistant, observation: tool} (ShareGPT).
+    system, user, assistant and tool always mean themselves; any other role is a bad row."""
     system_field: str | None = None
     """chat: a row field whose text becomes a leading system message when the conversation has none (Axolotl reads
     `system` so). null: no such field."""
@@ -200,6 +200,12 @@ class DataConfig(Section):
     """Processes for tokenization."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed data row stops the run (error) or is skipped and counted (skip)."""
+    max_row_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    """A row larger than this (default 8 MiB) is a bad row, rejected before it is parsed (a JSONL line's bytes; other
+    formats: the UTF-8 bytes of the row's strings). One huge row would otherwise take gigabytes to parse and tokenize."""
+    ignore_message_fields: list[str] = Field(default_factory=list)
+    """chat, preference: message fields to leave out. Any field a message has besides those finetune reads is a
+    bad row naming it (README, "Your own model and data"), so that no data is dropped unseen."""
     cache_dir: str | None = None
     """Where tokenized data is cached; null: $FINETUNE_CACHE_DIR, else ~/.cache/finetune/data. Deleting it is always safe."""
 

@@ -1,0 +1,280 @@
+"""Where each message's text lands in a conversation's rendering: its region, the stretch of the whole rendering
+that changes when the message's free text is replaced by a sentinel (chat_spans.py turns regions into spans).
+
+A message's free text: its content, its reasoning fields and the arguments of its tool calls. The sentinel is made
+of a character that occurs nowhere in the conversation or its rendering (a private-use one): `c7c` for message 7's
+content, `c7rc` for its reasoning, `c7a0c` for the arguments of its first tool call. A rendering with sentinels
+agrees with the real one outside the sentinels' regions, and each region is found by the longest common prefix and
+suffix of the two renderings, so it is exactly the text the message produced, whatever the template did to it
+(strip, trim, reasoning split off or dropped, a tool call wrapped in tags).
+
+Two ways to find them, with the same answer:
+
+* `regions_at_once`, four renderings whatever the length of the conversation (linear time): S, every message's
+  text replaced at once, gives the order in which the template renders the messages; messages are dealt
+  alternately, in that order, to two halves A and B; X_A (A real, the rest replaced) and X_B. Each message of A lies
+  between two messages of B, whose sentinels sit at known places both in S and in X_A: the windows between them
+  differ only by this one message, so their common prefix and suffix give its region, exactly as a rendering
+  with only this message replaced would. Then the check: S with every message's sentinel stretch swapped for its
+  real text must be the real rendering, character for character, and the stretches must not overlap. A
+  conversation that fails (a template that renders one message differently when another's text changes, or
+  renders a message's text twice) is passed to the second way, which either agrees or reports the template.
+* `regions_one_by_one`: N+1 renderings for N messages, each with one message replaced (quadratic time).
+
+Neither assumes that a prefix of a conversation renders as a prefix of the whole.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.errors import UserError
+
+# Message fields besides `content` whose text a template renders (transformers aliases them onto each other).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+Render = Callable[[list[dict[str, Any]]], str]
+Region = tuple[int, int]
+
+
+class TemplateNotLocal(UserError):
+    """The template renders one message differently when another message's text changes."""
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Each message's region in the real rendering (None: the template does not render its text), and the messages
+    whose tool calls the template does not render (all of them, or some)."""
+
+    regions: tuple[Region | None, ...]
+    calls_not_rendered: tuple[int, ...]
+
+
+# --- sentinels ---------------------------------------------------------------------------------------------
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a nested value (keys too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def sentinel_char(full: str, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+    """A private-use character found nowhere in the rendering, the messages or the tools."""
+    texts = [full, *_strings(list(messages)), *_strings(tools)]
+    for code in range(0xE000, 0xF900):  # the private-use area: never produced by a template
+        c = chr(code)
+        if not any(c in t for t in texts):
+            return c
+    raise UserError("this conversation uses every private-use character; it cannot be masked")  # pragma: no cover
+
+
+def _sentinel_arguments(arguments: Any, mark: str) -> Any:
+    # Of the arguments' own kind: a template may test `arguments is string`, or iterate an object's items.
+    return mark if isinstance(arguments, str) else {mark: mark}
+
+
+def sentinel_message(message: Mapping[str, Any], c: str, j: int) -> dict[str, Any]:
+    """Message j with its free text replaced by sentinels (other fields, empty reasoning kept).
+
+    Content is replaced unless it is empty or None beside tool calls: those calls then mark where the message is.
+    """
+    out = dict(message)
+    calls = out.get("tool_calls") or []
+    if isinstance(out.get("content"), str) and (out["content"] or not calls):
+        out["content"] = f"{c}{j}{c}"
+    for key in REASONING_FIELDS:
+        if isinstance(out.get(key), str) and out[key]:
+            out[key] = f"{c}{j}r{c}"
+    if calls:
+        replaced = []
+        for k, call in enumerate(calls):
+            call, mark = dict(call), f"{c}{j}a{k}{c}"
+            if isinstance(call.get("function"), Mapping):
+                function = dict(call["function"])
+                function["arguments"] = _sentinel_arguments(function.get("arguments"), mark)
+                call["function"] = function
+            else:
+                call["arguments"] = _sentinel_arguments(call.get("arguments"), mark)
+            replaced.append(call)
+        out["tool_calls"] = replaced
+    return out
+
+
+@dataclass(frozen=True)
+class _Marks:
+    """The sentinels found in one rendering."""
+
+    spans: dict[int, Region]
+    """Per message: from its first sentinel's start to its last one's end."""
+    order: tuple[int, ...]
+    """Messages in the order their sentinels appear."""
+    calls: dict[int, frozenset[int]]
+    """Per message: the tool calls whose argument sentinels appear."""
+
+
+def _marks(text: str, c: str) -> _Marks | None:
+    """The sentinels of `text`; None when one message's sentinels are split by another's, or stray marks remain."""
+    spans: dict[int, Region] = {}
+    calls: dict[int, set[int]] = {}
+    order: list[int] = []
+    found = 0
+    for m in re.finditer(f"{c}(\\d+)(?:r|a(\\d+))?{c}", text):
+        found += 1
+        j = int(m.group(1))
+        if j in spans:
+            if order[-1] != j:
+                return None
+            spans[j] = (spans[j][0], m.end())
+        else:
+            spans[j] = (m.start(), m.end())
+            order.append(j)
+        if m.group(2) is not None:
+            calls.setdefault(j, set()).add(int(m.group(2)))
+    if text.count(c) != 2 * found:
+        return None
+    return _Marks(spans, tuple(order), {j: frozenset(k) for j, k in calls.items()})
+
+
+def _calls_missing(messages: Sequence[Mapping[str, Any]], found: Callable[[int], frozenset[int]]) -> tuple[int, ...]:
+    """Messages with tool calls whose argument sentinels do not all appear."""
+    return tuple(j for j, m in enumerate(messages)
+                 if m.get("tool_calls") and found(j) != frozenset(range(len(m["tool_calls"]))))
+
+
+# --- common prefix and suffix --------------------------------------------------------------------------------
+
+def common_prefix(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # binary search on slice equality: C-speed compares, no Python loop over characters
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid:] == b[len(b) - mid:]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _diff(a: str, b: str) -> tuple[int, int]:
+    """(p, s): `a` and `b` agree on their first p and last s characters, and no more (p + s <= either length)."""
+    p = common_prefix(a, b)
+    return p, _common_suffix(a, b, min(len(a), len(b)) - p)
+
+
+# --- one by one ----------------------------------------------------------------------------------------------
+
+def regions_one_by_one(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None) -> Regions:
+    """N renderings, each with one message replaced. Raises TemplateNotLocal when two regions overlap."""
+    c = sentinel_char(full, messages, tools)
+    regions: list[Region | None] = []
+    calls: dict[int, frozenset[int]] = {}
+    for j, message in enumerate(messages):
+        other = render([*messages[:j], sentinel_message(message, c, j), *messages[j + 1:]])
+        if other == full:
+            regions.append(None)
+        else:
+            p, s = _diff(full, other)
+            regions.append((p, len(full) - s))
+        if message.get("tool_calls"):
+            calls[j] = frozenset(k for k in range(len(message["tool_calls"])) if f"{c}{j}a{k}{c}" in other)
+    for i, a in enumerate(regions):
+        for j in range(i + 1, len(regions)):
+            b = regions[j]
+            if a and b and a[0] < b[1] and b[0] < a[1] and (a[0] < a[1] or b[0] < b[1]):
+                raise TemplateNotLocal(
+                    f"the chat template renders message {i} ({messages[i]['role']}) differently when the text of "
+                    f"message {j} ({messages[j]['role']}) changes, so their turns cannot be told apart for label "
+                    "masking. Use another template (tokenizer.chat_template), or set train_on_inputs: true.")
+    return Regions(tuple(regions), _calls_missing(messages, lambda j: calls.get(j, frozenset())))
+
+
+# --- at once -------------------------------------------------------------------------------------------------
+
+def _window(marks: _Marks, order: Sequence[int], pos: int, length: int) -> Region:
+    """Between the sentinels of the messages rendered just before and just after order[pos]."""
+    start = marks.spans[order[pos - 1]][1] if pos else 0
+    end = marks.spans[order[pos + 1]][0] if pos + 1 < len(order) else length
+    return start, end
+
+
+def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None) -> Regions | None:
+    """Four renderings; None when the check fails (then regions_one_by_one decides)."""
+    c = sentinel_char(full, messages, tools)
+    replaced = [sentinel_message(m, c, j) for j, m in enumerate(messages)]
+    try:
+        every = render(replaced)
+    except Exception:  # a template that refuses the sentinels: the slow way renders one at a time
+        return None
+    marks = _marks(every, c)
+    if marks is None:
+        return None
+    order = marks.order
+    stretch: dict[int, Region] = {}  # per message: its region in `every`
+    real: dict[int, str] = {}  # per message: its region's text in the real rendering
+    for half in (set(order[0::2]), set(order[1::2])):
+        if not half:
+            continue
+        try:
+            text = render([m if j in half else replaced[j] for j, m in enumerate(messages)])
+        except Exception:
+            return None
+        found = _marks(text, c)
+        if found is None or found.order != tuple(j for j in order if j not in half):
+            return None
+        for pos, j in enumerate(order):
+            if j not in half:
+                continue
+            s0, s1 = _window(marks, order, pos, len(every))
+            x0, x1 = _window(found, order, pos, len(text))
+            p, s = _diff(text[x0:x1], every[s0:s1])
+            stretch[j] = (s0 + p, s1 - s)
+            real[j] = text[x0 + p:x1 - s]
+    return _rebuilt(messages, full, every, order, stretch, real, marks)
+
+
+def _rebuilt(messages: list[dict[str, Any]], full: str, every: str, order: Sequence[int], stretch: dict[int, Region],
+             real: dict[int, str], marks: _Marks) -> Regions | None:
+    """The regions in the real rendering, if swapping every stretch of `every` for its real text gives it exactly."""
+    regions: list[Region | None] = [None] * len(messages)
+    parts, at, length = [], 0, 0
+    for j in order:
+        a, b = stretch[j]
+        if a < at:  # overlapping stretches: the template is not local here
+            return None
+        parts.append(every[at:a])
+        length += a - at
+        regions[j] = (length, length + len(real[j]))
+        parts.append(real[j])
+        length += len(real[j])
+        at = b
+    parts.append(every[at:])
+    if "".join(parts) != full:
+        return None
+    return Regions(tuple(regions), _calls_missing(messages, lambda j: marks.calls.get(j, frozenset())))
+
+
+def find_regions(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None) -> Regions:
+    """Each message's region: at once when the check holds, else one by one (which may raise TemplateNotLocal)."""
+    found = regions_at_once(render, messages, full, tools)
+    return found if found is not None else regions_one_by_one(render, messages, full, tools)
+

@@ -1,0 +1,112 @@
+"""Locating each message in its rendering (finetune/data/chat_regions.py): the linear way (four renderings) gives
+exactly what rendering once per message gives, on every family's fixed and random conversations; a conversation
+it cannot check goes the slow way; and a long chat costs a fixed number of renderings, so time linear in its length.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import pytest
+from chat_families import FAMILIES, FAMILY, conversations, random_conversation
+
+from finetune.data.chat_regions import find_regions, regions_at_once, regions_one_by_one
+from finetune.data.chat_spans import chat_layout, render_chat
+from finetune.data.formats import to_example
+from finetune.data.sources import RawRow
+from finetune.data.tokenize import tokenize_example
+from finetune.labels import IGNORE_INDEX
+
+LONG_CHAT_MESSAGES = 2000
+LONG_CHAT_BOUND_S = 10.0  # measured 0.2-0.4 s here; rendering once per message took 37-186 s on this machine
+
+
+def long_chat(n_messages: int) -> list[dict[str, str]]:
+    msgs = []
+    for i in range(n_messages // 2):
+        msgs += [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+                 {"role": "assistant", "content": f"It is {2 * i}."}]
+    return msgs
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its chat-template renderings (delegates everything else)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.renders = 0
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self.renders += 1
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_at_once_agrees_with_one_by_one(family):
+    tokenizer = family.build()
+
+    def render(part):
+        return render_chat(tokenizer, part, family.kwargs)
+
+    rng = random.Random(f"regions-{family.name}")
+    cases = [m for s in (False, True) if s <= family.system_ok for m in conversations(s).values()]
+    cases += [random_conversation(rng, family) for _ in range(12)]
+    for messages in cases:
+        full = render(messages)
+        fast = regions_at_once(render, messages, full)
+        assert fast is not None, messages
+        assert fast == regions_one_by_one(render, messages, full)
+
+
+def test_a_conversation_the_fast_way_cannot_check_goes_the_slow_way():
+    # A template that cuts content to 2 characters cuts the sentinels too: the fast way cannot pair them up.
+    family = FAMILY["qwen2.5"]
+    tokenizer = family.build()
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content[:2] }}<|im_end|>{% endfor %}"
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "World"}]
+
+    def render(part):
+        return render_chat(tokenizer, part, None)
+
+    full = render(messages)
+    assert full == "<user>He<|im_end|><assistant>Wo<|im_end|>"
+    assert regions_at_once(render, messages, full) is None
+    slow = regions_one_by_one(render, messages, full)
+    assert find_regions(render, messages, full) == slow
+    assert [full[a:b] for a, b in slow.regions] == ["He", "Wo"]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3-no-thinking", "mistral-nemo", "gpt-oss", "r1-distill-qwen"])
+def test_a_long_chat_costs_as_many_renderings_as_a_short_one(name):
+    family = FAMILY[name]
+    chat_layout(family.build(), long_chat(2), [1], family.kwargs)  # the header and closing probes, cached
+    counts = []
+    for n in (4, LONG_CHAT_MESSAGES):
+        tokenizer = CountingTokenizer(family.build())
+        messages = long_chat(n)
+        layout = chat_layout(tokenizer, messages, [i for i in range(n) if i % 2], family.kwargs)
+        assert len(layout.turns) == n // 2
+        counts.append(tokenizer.renders)
+    assert counts == [4, 4]  # the whole, every message replaced, each half replaced
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1", "mistral-nemo"])
+def test_a_2000_message_chat_tokenizes_in_bounded_time(name):
+    family = FAMILY[name]
+    tokenizer = family.build()
+    messages = long_chat(LONG_CHAT_MESSAGES)
+    example = to_example(RawRow({"messages": messages}, "t.jsonl:1"), "chat")
+    started = time.perf_counter()
+    sample = tokenize_example(example, tokenizer, family.kwargs)
+    seconds = time.perf_counter() - started
+    assert seconds < LONG_CHAT_BOUND_S, f"{seconds:.1f} s"
+    trained = tokenizer.decode([t for t, label in zip(sample["input_ids"], sample["labels"]) if label != IGNORE_INDEX])
+    assert trained.startswith("It is 0.") and trained.count("It is ") == LONG_CHAT_MESSAGES // 2
