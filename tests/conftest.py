@@ -112,6 +112,46 @@ def needs(module: str, distribution: str | None = None, minimum: str | None = No
     return found
 
 
+# --- Liger's kernels under Triton's interpreter ------------------------------------------------------------
+# Tests of our Liger path run Liger's Triton kernels on the CPU with Triton's interpreter, which must be on before
+# Triton is imported (it decides when each kernel is defined). It is switched on in a child process, never in the
+# pytest process: setting TRITON_INTERPRET here, before any import, would also change every other test's process
+# (Triton importable and interpreting, Liger importable: resolve_impl, the kernels' checks and bitsandbytes see
+# another environment), and under pytest-xdist each worker is its own process anyway. One child per worker, started
+# by the first test that asks for it, then reused: the function runs there and its result (or its exception, with
+# the child's traceback) comes back. The function must be importable by name (module level in a tests/ module).
+
+def _liger_installed() -> None:
+    import importlib.util
+
+    missing = [m for m in ("triton", "liger_kernel") if importlib.util.find_spec(m) is None]
+    if missing:
+        message = f"{', '.join(missing)} not installed here (`make test` installs them: the dev extra)"
+        if strict_env():
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def _interpreter_pool() -> Any:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import liger_interpreter
+
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=liger_interpreter.enable)
+    yield pool
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def interpreted(_interpreter_pool: Any) -> Callable[..., Any]:
+    """`interpreted(fn, *args)`: fn(*args) in the worker's child process with TRITON_INTERPRET=1; its result."""
+    _liger_installed()
+    return lambda fn, *args, **kwargs: _interpreter_pool.submit(fn, *args, **kwargs).result(timeout=600)
+
+
 def python_path(*first: Path | str, without: Path | None = None) -> str:
     """A PYTHONPATH for a child process: `first`, then this process's PYTHONPATH (on a GPU machine the libraries
     may live only there, e.g. /tmp/site), less `without` (e.g. the checkout, when a test must import an installed
