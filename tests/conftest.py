@@ -54,9 +54,9 @@ def tiny_recipe(output_dir: str | Path, data: str | Path = "train.jsonl", fmt: s
 
 # --- the environment a test assumes ------------------------------------------------------------------------
 # CI (`make test`) runs in the tested environment: the pins of finetune/versions.py, torch in its tested range,
-# bitsandbytes and the dev extras installed, liger-kernel and flash-attn absent. Tests that read that environment
-# itself (not a faked one) are marked `pinned_env` and skip elsewhere (a GPU machine with torch 2.11 and
-# liger-kernel, say), naming each difference; an optional package a test needs is asked for with `needs()`, which
+# bitsandbytes, liger-kernel (run on the CPU by Triton's interpreter) and the dev extras installed, flash-attn
+# absent. Tests that read that environment itself (not a faked one) are marked `pinned_env` and skip elsewhere (a
+# GPU machine with torch 2.11 and flash-attn, say), naming each difference; an optional package a test needs is asked for with `needs()`, which
 # skips where it is missing. With FINETUNE_TEST_ENV=require (`make test` sets it) neither skips: in CI a
 # difference is a failure, never a silent skip.
 STRICT_ENV = "FINETUNE_TEST_ENV"
@@ -71,13 +71,12 @@ def pinned_env_differences() -> list[str]:
     from finetune import versions  # light: metadata only, no torch
 
     out = []
-    for package in ("torch", "transformers", "peft", "bitsandbytes"):
+    for package in ("torch", "transformers", "peft", "bitsandbytes", "liger-kernel"):
         wanted, installed = versions.wanted_spec(package), versions.installed_version(package)
         if versions.compare_version(package, wanted, installed) is not None:
             out.append(f"{package} {installed or 'missing'} (tested {wanted})")
-    for package in ("liger-kernel", "flash-attn"):
-        if (installed := versions.installed_version(package)) is not None:
-            out.append(f"{package} {installed} installed (the tested environment has none)")
+    if (installed := versions.installed_version("flash-attn")) is not None:
+        out.append(f"flash-attn {installed} installed (the tested environment has none)")
     return out
 
 

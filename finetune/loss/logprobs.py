@@ -49,8 +49,11 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     if impl == "liger":
         if h.device.type != "cuda":
             resolve_impl("liger", h.device)  # raises the UserError naming loss.impl, unless the interpreter is on
-        return -liger_token_losses(h, w, b, y, softcap), keep
-    if impl != "chunked":
+        if h.shape[0]:
+            return -liger_token_losses(h, w, b, y, softcap), keep
+        # No target rows (a filler micro-batch): Liger 0.8.5 divides by zero; chunked's empty result reaches every
+        # input, so the backward and the distributed hooks run.
+    elif impl != "chunked":
         raise ValueError(f"impl must be resolved with resolve_impl() first; got {impl!r}")
     return _ChunkedTokenLogprobs.apply(h, w, b, y, chunk_size, softcap), keep
 
