@@ -134,21 +134,22 @@ def _liger_installed() -> None:
 @pytest.fixture(scope="session")
 def _interpreter_pool() -> Any:
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     import liger_interpreter
 
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=liger_interpreter.enable)
+    pool = multiprocessing.get_context("spawn").Pool(1, initializer=liger_interpreter.enable)
     yield pool
-    pool.shutdown(wait=True, cancel_futures=True)
+    # Ended, not awaited: a child that takes seconds to exit (torch's cleanup) would keep the xdist worker past
+    # execnet's 5 s shutdown grace, which then interrupts it.
+    pool.terminate()
 
 
 @pytest.fixture
 def interpreted(_interpreter_pool: Any) -> Callable[..., Any]:
-    """`interpreted(fn, *args)`: fn(*args) in the worker's child process with TRITON_INTERPRET=1; its result."""
+    """`interpreted(fn, *args)`: fn(*args) in the worker's child process with TRITON_INTERPRET=1; its result, or its
+    exception (with the child's traceback as its cause)."""
     _liger_installed()
-    return lambda fn, *args, **kwargs: _interpreter_pool.submit(fn, *args, **kwargs).result(timeout=600)
+    return lambda fn, *args: _interpreter_pool.apply_async(fn, args).get(timeout=600)
 
 
 def python_path(*first: Path | str, without: Path | None = None) -> str:

@@ -1,5 +1,5 @@
 """The child process of the `interpreted` fixture (conftest.py): Triton's interpreter on before anything imports
-Triton. Imports nothing but `os`: the pool unpickles `enable` before it runs, so this module is imported first."""
+Triton. Imports nothing but `os`: the pool's child unpickles `enable` before it runs, so this module is imported first."""
 
 import os
 
