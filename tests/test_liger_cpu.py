@@ -319,17 +319,17 @@ def test_liger_loss_contract(interpreted, packing):
         assert loss <= FP32 and grads <= FP32, (name, got)
 
 
-# --- the CLI: a recipe run, 2 gloo ranks, verify ----------------------------------------------------------------
+# --- verify, and the CLI: a recipe run, 2 gloo ranks -----------------------------------------------------------
 
-# The tests' tiny model on a few short rows: 3 steps of 8 rows, an eval of 4 samples at the end.
-SHORT = [*TINY, "data.max_seq_len=64", "datasets.0.max_rows=64", "eval_datasets.0.max_rows=4", "train.max_steps=3"]
+# The tests' tiny model on a few short rows: 2 steps of 8 rows, an eval of 4 samples at the end.
+SHORT = [*TINY, "data.max_seq_len=64", "datasets.0.max_rows=64", "eval_datasets.0.max_rows=4", "train.max_steps=2",
+         "data.packing_check=false"]
 
 
 def _finetune(*args: str, interpreter: bool = True, nproc: int = 1) -> subprocess.CompletedProcess:
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    env = {**TEST_ENV, "FINETUNE_DEVICE": "cpu", **({"TRITON_INTERPRET": "1"} if interpreter else {})}
-    if not interpreter:
-        env.pop("TRITON_INTERPRET", None)
+    env = {k: v for k, v in TEST_ENV.items() if k != "TRITON_INTERPRET"}
+    env |= {"FINETUNE_DEVICE": "cpu", **({"TRITON_INTERPRET": "1"} if interpreter else {})}
     result = subprocess.run([sys.executable, *launch, "-m", "finetune", *args], cwd=ROOT, capture_output=True,
                             text=True, env=env, timeout=300)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
@@ -338,7 +338,7 @@ def _finetune(*args: str, interpreter: bool = True, nproc: int = 1) -> subproces
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The same 3 steps: chunked as micro 4 x accumulation 2 (no interpreter), Liger as 8 x 1, and Liger on 2 gloo
+    """The same 2 steps: chunked as micro 4 x accumulation 2 (no interpreter), Liger as 8 x 1, and Liger on 2 gloo
     ranks of 2 x 2 (DDP)."""
     from conftest import _liger_installed
 
@@ -356,7 +356,7 @@ def runs(tmp_path_factory) -> dict:
 
 def _same_steps(run_dir, ref_dir) -> None:
     lines, ref = train_lines(run_dir), train_lines(ref_dir)
-    assert [r["step"] for r in lines] == [r["step"] for r in ref] == [1, 2, 3]
+    assert [r["step"] for r in lines] == [r["step"] for r in ref] == [1, 2]
     for a, b in zip(lines, ref):
         assert a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) <= FP32 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
@@ -381,18 +381,18 @@ def test_liger_on_two_gloo_ranks_equals_one_process(runs):
     assert set(got) == set(want) and all(rel_diff(got[k], want[k]) <= FP32 for k in want)
 
 
-def test_verify_passes_with_liger():
-    result = _finetune("verify", str(QUICKSTART), *TINY, LIGER, "data.max_seq_len=64", "datasets.0.max_rows=64")
-    assert "PASS: max relative gradient difference" in result.stdout
+def _verify_sft() -> tuple[float, float]:
+    """`finetune verify`'s check of the quickstart recipe (the tests' tiny model) with loss.impl liger: micro 4 x
+    accumulation 2 against one batch of the step's 8 rows. Returns (configured, naive)."""
+    from finetune.commands.verify import verify
+    from finetune.recipe import load_recipe
+
+    result = verify(load_recipe(QUICKSTART, [*TINY, LIGER, "data.max_seq_len=64", "datasets.0.max_rows=64"]))
+    return result.configured_max, result.naive_max
 
 
-def test_without_the_interpreter_liger_is_refused_naming_it(tmp_path):
-    """Refused before anything loads (resolve_impl comes first in `finetune train`)."""
-    env = {k: v for k, v in TEST_ENV.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "finetune", "train", str(QUICKSTART), *TINY, LIGER,
-                             f"output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                            env={**env, "FINETUNE_DEVICE": "cpu"}, timeout=300)
-    assert result.returncode != 0
-    said = " ".join((result.stdout + result.stderr).split())
-    assert "loss.impl: liger needs a CUDA device but the model is on 'cpu'" in said
-    assert "or set TRITON_INTERPRET=1 in the environment to run Liger's kernels in Triton's interpreter" in said
+def test_verify_passes_with_liger(interpreted):
+    """`TRITON_INTERPRET=1 finetune verify examples/yaml/quickstart.yaml loss.impl=liger` (the CLI around this,
+    tested with chunked in test_train_cli.py) passes on the quickstart itself too: 7.65e-07, the naive 4.4e-02."""
+    configured, naive = interpreted(_verify_sft)
+    assert configured <= FP32 and naive > 1e-3, (configured, naive)

@@ -115,15 +115,15 @@ def test_nothing_in_a_step_would_wait_for_the_device_but_transformers_packed_che
 
 
 def _liger_step_syncs() -> tuple[list[float], list[list[tuple[str, str]]]]:
-    """In the interpreter's child process (conftest.interpreted): 2 steps of 2 micro-batches with loss.impl liger,
-    each step's syncing ops counted as above; with their losses."""
+    """In the interpreter's child process (conftest.interpreted): a step of 2 micro-batches with loss.impl liger,
+    its syncing ops counted as above; with its loss."""
     counters = []
 
     def count(_):
         counters.append(_CountSyncs())
         return counters[-1]
 
-    losses = _steps(torch.device("cpu"), n_steps=2, accumulation=2, around_step=count, impl="liger")
+    losses = _steps(torch.device("cpu"), n_steps=1, accumulation=2, around_step=count, impl="liger")
     return losses, [c.calls for c in counters]
 
 
@@ -133,6 +133,7 @@ def test_liger_reads_the_device_twice_per_micro_batch(interpreted):
     the backward (on CUDA the scalar 1.0 it compares with is also copied to the device each time). So loss.impl
     auto is chunked on CUDA too, where a step with it reads the device once (above). The same losses as chunked."""
     losses, steps = interpreted(_liger_step_syncs)
+    assert len(steps) == 1
     for calls in steps:
         liger = [(op, where) for op, where in calls if "/liger_kernel/" in where]
         rest = [where for _, where in calls if "/liger_kernel/" not in where]
@@ -140,7 +141,7 @@ def test_liger_reads_the_device_twice_per_micro_batch(interpreted):
         assert liger[0][1].endswith(":fused_linear_cross_entropy_forward"), liger
         assert liger[1][1].endswith(":fused_linear_cross_entropy_backward"), liger
         assert len(rest) == 2 and all(w.endswith(":find_packed_sequence_indices") for w in rest), calls
-    chunked = _steps(torch.device("cpu"), n_steps=2, accumulation=2, around_step=lambda i: contextlib.nullcontext())
+    chunked = _steps(torch.device("cpu"), n_steps=1, accumulation=2, around_step=lambda i: contextlib.nullcontext())
     assert losses == pytest.approx(chunked, rel=1e-5)
 
 

@@ -114,7 +114,7 @@ def _shared_namespaces() -> list[tuple[str, ModuleType | type]]:
     and torch.nn and torch.nn.functional (Liger's Mllama and SigLIP functions set `nn.LayerNorm` there)."""
     out: list[tuple[str, ModuleType | type]] = []
     for name, module in list(sys.modules.items()):
-        if module is None or not (name == "transformers" or name.startswith("transformers.")):
+        if not isinstance(module, ModuleType) or not (name == "transformers" or name.startswith("transformers.")):
             continue
         out.append((name, module))
         out += [(f"{name}.{k}", v) for k, v in list(vars(module).items())
