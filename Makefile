@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install quickstart test test-gpu lint bench clean
 
-# Reinstall when the dependency list changes. constraints.txt pins torch so that no package pulls a CUDA build.
+# Reinstall when the dependency list changes. constraints.txt pins torch so that no package pulls a CUDA build, and
+# the triton whose interpreter runs Liger's kernels in the tests (the dev extra brings liger-kernel and triton).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip

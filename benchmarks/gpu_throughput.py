@@ -4,8 +4,8 @@ and TRL's SFTTrainer on the same model and data when `trl` imports.
     python3 benchmarks/gpu_throughput.py [--model DIR] [--steps 30] [--seq 2048] [--micro 4] [--data lognormal]
                                          [--rows default,per-doc,...] [--long] [--smoke] [--list]
 
-Every row is the quickstart recipe with the model swapped: bf16, packed rows of --seq tokens, loss `auto` (Liger on
-CUDA when liger-kernel imports), AdamW, micro-batch --micro, no accumulation, no eval; a row changes one thing:
+Every row is the quickstart recipe with the model swapped: bf16, packed rows of --seq tokens, loss `auto` (chunked),
+AdamW, micro-batch --micro, no accumulation, no eval; a row changes one thing:
 
   default       attn auto: packed rows through torch's varlen_attn (the documents' cu_seqlens found once per
                 micro-batch on the CPU), one device read per step
@@ -15,7 +15,8 @@ CUDA when liger-kernel imports), AdamW, micro-batch --micro, no accumulation, no
   micro8        default at micro-batch 2 x --micro: with `default`, the fixed per-step overhead
   padded16      data.packing=false, micro-batch 16
   lora          adapter.type=lora (rank 16, all linear layers)
-  liger         model.liger_kernels=true: Liger's fused RMSNorm, SwiGLU and RoPE (opt-in, unmeasured so far)
+  liger-loss    loss.impl=liger: Liger's fused linear cross-entropy instead of chunked (auto's loss until issue 23)
+  liger         model.liger_kernels=true: Liger's fused RMSNorm and SwiGLU (opt-in, unmeasured so far)
   compile       train.compile=true: each decoder layer compiled, the packed attention left out (opt-in,
                 unmeasured so far; its first step holds the compilation)
   liger+compile both
@@ -63,6 +64,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], int]] = {
     "micro8": ([], {}, 2),
     "padded16": (["data.packing=false"], {}, -16),
     "lora": (["adapter.type=lora", "adapter.r=16", "adapter.alpha=32"], {}, 1),
+    "liger-loss": (["loss.impl=liger"], {}, 1),
     "liger": (["model.liger_kernels=true"], {}, 1),
     "compile": (["train.compile=true"], {}, 1),
     "liger+compile": (["model.liger_kernels=true", "train.compile=true"], {}, 1),

@@ -54,9 +54,9 @@ def tiny_recipe(output_dir: str | Path, data: str | Path = "train.jsonl", fmt: s
 
 # --- the environment a test assumes ------------------------------------------------------------------------
 # CI (`make test`) runs in the tested environment: the pins of finetune/versions.py, torch in its tested range,
-# bitsandbytes and the dev extras installed, liger-kernel and flash-attn absent. Tests that read that environment
-# itself (not a faked one) are marked `pinned_env` and skip elsewhere (a GPU machine with torch 2.11 and
-# liger-kernel, say), naming each difference; an optional package a test needs is asked for with `needs()`, which
+# bitsandbytes, liger-kernel (run on the CPU by Triton's interpreter) and the dev extras installed, flash-attn
+# absent. Tests that read that environment itself (not a faked one) are marked `pinned_env` and skip elsewhere (a
+# GPU machine with torch 2.11 and flash-attn, say), naming each difference; an optional package a test needs is asked for with `needs()`, which
 # skips where it is missing. With FINETUNE_TEST_ENV=require (`make test` sets it) neither skips: in CI a
 # difference is a failure, never a silent skip.
 STRICT_ENV = "FINETUNE_TEST_ENV"
@@ -71,13 +71,12 @@ def pinned_env_differences() -> list[str]:
     from finetune import versions  # light: metadata only, no torch
 
     out = []
-    for package in ("torch", "transformers", "peft", "bitsandbytes"):
+    for package in ("torch", "transformers", "peft", "bitsandbytes", "liger-kernel"):
         wanted, installed = versions.wanted_spec(package), versions.installed_version(package)
         if versions.compare_version(package, wanted, installed) is not None:
             out.append(f"{package} {installed or 'missing'} (tested {wanted})")
-    for package in ("liger-kernel", "flash-attn"):
-        if (installed := versions.installed_version(package)) is not None:
-            out.append(f"{package} {installed} installed (the tested environment has none)")
+    if (installed := versions.installed_version("flash-attn")) is not None:
+        out.append(f"flash-attn {installed} installed (the tested environment has none)")
     return out
 
 
@@ -110,6 +109,47 @@ def needs(module: str, distribution: str | None = None, minimum: str | None = No
             pytest.fail(f"{distribution or module} {installed} is older than the {minimum} this test needs")
         pytest.skip(f"{distribution or module} {installed} is older than the {minimum} this test needs")
     return found
+
+
+# --- Liger's kernels under Triton's interpreter ------------------------------------------------------------
+# Tests of our Liger path run Liger's Triton kernels on the CPU with Triton's interpreter, which must be on before
+# Triton is imported (it decides when each kernel is defined). It is switched on in a child process, never in the
+# pytest process: setting TRITON_INTERPRET here, before any import, would also change every other test's process
+# (Triton importable and interpreting, Liger importable: resolve_impl, the kernels' checks and bitsandbytes see
+# another environment), and under pytest-xdist each worker is its own process anyway. One child per worker, started
+# by the first test that asks for it, then reused: the function runs there and its result (or its exception, with
+# the child's traceback) comes back. The function must be importable by name (module level in a tests/ module).
+
+def _liger_installed() -> None:
+    import importlib.util
+
+    missing = [m for m in ("triton", "liger_kernel") if importlib.util.find_spec(m) is None]
+    if missing:
+        message = f"{', '.join(missing)} not installed here (`make test` installs them: the dev extra)"
+        if strict_env():
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def _interpreter_pool() -> Any:
+    import multiprocessing
+
+    import liger_interpreter
+
+    pool = multiprocessing.get_context("spawn").Pool(1, initializer=liger_interpreter.enable)
+    yield pool
+    # Ended, not awaited: a child that takes seconds to exit (torch's cleanup) would keep the xdist worker past
+    # execnet's 5 s shutdown grace, which then interrupts it.
+    pool.terminate()
+
+
+@pytest.fixture
+def interpreted(_interpreter_pool: Any) -> Callable[..., Any]:
+    """`interpreted(fn, *args)`: fn(*args) in the worker's child process with TRITON_INTERPRET=1; its result, or its
+    exception (with the child's traceback as its cause)."""
+    _liger_installed()
+    return lambda fn, *args: _interpreter_pool.apply_async(fn, args).get(timeout=600)
 
 
 def python_path(*first: Path | str, without: Path | None = None) -> str:

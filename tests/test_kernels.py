@@ -1,8 +1,9 @@
 """finetune/kernels.py: the opt-in model.liger_kernels and train.compile.
 
-Liger's kernels are CUDA-only and liger-kernel is absent from the tested environment, so its decision (installed?
-CUDA? an architecture Liger supports?) is a pure function of the device and of the import's result, tested here on
-a CPU; the numbers are compared on a GPU only (`gpu`). Compilation runs on a CPU (inductor through gcc): one
+Liger's RMSNorm and SwiGLU kernels do not run in Triton's interpreter, so its decision (installed? CUDA? an
+architecture Liger supports?) is a pure function of the device and of the import's result, tested here on a CPU, and
+the numbers are compared on a GPU only (`gpu`); how Liger is applied to a model instance (its changes to
+transformers' modules put back) is checked in the interpreter's child process, where liger_kernel imports. Compilation runs on a CPU (inductor through gcc): one
 training step compiled equals the same step eager, packed and padded; parameter names stay; micro-batches with other
 document boundaries do not recompile.
 """
@@ -74,13 +75,15 @@ def test_liger_swiglu_on_an_mlp_that_is_not_silu_is_refused():
     assert kernels.liger_problem(torch.device("cuda"), TABLE, "", "gemma", "gelu_pytorch_tanh") is None
 
 
-def test_liger_kernels_applied_never_include_a_loss():
-    assert kernels.liger_kernels_of(_llama_like) == ["rope", "rms_norm", "swiglu"]
-    assert kernels.liger_kernels_of(_granite_like) == ["rope", "rms_norm", "swiglu"]
-    assert kernels.liger_kernels_of(_gemma_like) == ["rope", "rms_norm", "geglu"]
-    # What we pass, for every architecture: our loss is already fused (finetune/loss.py).
+def test_liger_kernels_applied_never_include_a_loss_or_rope():
+    assert kernels.liger_kernels_of(_llama_like) == ["rms_norm", "swiglu"]
+    assert kernels.liger_kernels_of(_granite_like) == ["rms_norm", "swiglu"]
+    assert kernels.liger_kernels_of(_gemma_like) == ["rms_norm", "geglu"]
+    # What we pass, for every architecture: our loss is already fused (finetune/loss/); Liger's RoPE can only replace
+    # transformers' function for the whole process.
     assert kernels.LIGER_SETTINGS["cross_entropy"] is False
     assert kernels.LIGER_SETTINGS["fused_linear_cross_entropy"] is False
+    assert kernels.LIGER_SETTINGS["rope"] is False
     assert set(kernels.LIGER_SETTINGS) <= set(inspect.signature(_llama_like).parameters)
 
 
@@ -111,11 +114,49 @@ def test_liger_kernels_equal_torch(tokenizer, dtype: str, tolerance: float):
         cfg = ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), dtype=dtype, liger_kernels=liger)
         lm = load_model(cfg, AdapterConfig(), tokenizer, seed=0, device=device).to(device)
         if liger:
-            assert kernels.liger_summary(lm) == "rope, rms_norm, swiglu"
+            assert kernels.liger_summary(lm) == "LigerRMSNorm x5, LigerSwiGLUMLP x2"
         results.append(_step(lm, _packed_batch(tokenizer, [[5, 7, 10], [12, 3]]), device))
     (loss0, grads0), (loss1, grads1) = results
     assert abs(loss1 - loss0) <= tolerance * abs(loss0)
     assert _rel(grads1, grads0) <= tolerance
+
+
+def _liger_on_an_instance() -> dict:
+    """In the interpreter's child process (conftest.interpreted, where liger_kernel imports): Liger's instance API
+    applied to one tiny Llama (nothing runs), then what transformers' Llama module and a Llama built afterwards
+    look like."""
+    from transformers.models.llama import modeling_llama
+
+    tokenizer = load_tokenizer(TokenizerConfig(path=str(TOKENIZER_DIR)), ModelConfig())
+    lm = _model(tokenizer)  # first: building a model caches a few values on transformers' classes
+    names = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb", "LlamaAttention", "LlamaForCausalLM")
+    before = {name: getattr(modeling_llama, name) for name in names}
+    classes = {name: dict(vars(before[name])) for name in ("LlamaRMSNorm", "LlamaMLP", "LlamaForCausalLM")}
+    layer_norm = torch.nn.LayerNorm
+    restored = kernels.apply_liger_to_instance(lm)
+    changed = [n for n in names if getattr(modeling_llama, n) is not before[n]]
+    classes_changed = [n for n, d in classes.items() if dict(vars(before[n])) != d]
+    later = _model(tokenizer)
+    return {"restored": restored, "changed": changed, "classes_changed": classes_changed,
+            "layer_norm_same": torch.nn.LayerNorm is layer_norm, "instance": dict(kernels.liger_modules(lm)),
+            "summary": kernels.liger_summary(lm), "later": dict(kernels.liger_modules(later)),
+            "later_patched": [n for n, m in later.named_modules() if "forward" in vars(m)],
+            "later_types": sorted({type(m).__name__ for m in later.modules() if "Norm" in type(m).__name__
+                                   or "MLP" in type(m).__name__})}
+
+
+def test_liger_on_an_instance_leaves_transformers_as_it_was(interpreted):
+    """Liger's instance API rebinds transformers' LlamaRMSNorm and LlamaMLP (and its RoPE function, which we do not
+    ask for) for the whole process; apply_liger puts them back: the instance keeps Liger's modules, a Llama built
+    afterwards (the DPO reference, `finetune eval` after training) is transformers' own."""
+    seen = interpreted(_liger_on_an_instance)
+    where = "transformers.models.llama.modeling_llama"
+    assert sorted(seen["restored"]) == [f"{where}.LlamaMLP", f"{where}.LlamaRMSNorm"]
+    assert seen["changed"] == [] and seen["classes_changed"] == [] and seen["layer_norm_same"]
+    assert seen["instance"] == {"LigerRMSNorm": 5, "LigerSwiGLUMLP": 2}  # 2 layers x 2 norms + the final norm
+    assert seen["summary"] == "LigerRMSNorm x5, LigerSwiGLUMLP x2"
+    assert seen["later"] == {} and seen["later_patched"] == []
+    assert seen["later_types"] == ["LlamaMLP", "LlamaRMSNorm"]
 
 
 # --- train.compile --------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from finetune.train.step import clip_gradients, forward_backward, read_step, ste
 
 # Ops that make the host wait for a GPU (a read, or an output whose shape depends on the values).
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.bincount.default",
-           "aten.masked_select.default", "aten._unique2.default", "aten.unique_consecutive.default"}
+           "aten.masked_select.default", "aten._unique2.default", "aten.unique_consecutive.default",
+           "aten.equal.default"}
 
 
 class _CountSyncs(TorchDispatchMode):
@@ -53,11 +54,11 @@ class _CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _setup(device: torch.device, dtype: str = "float32"):
+def _setup(device: torch.device, dtype: str = "float32", impl: str = "auto"):
     tokenizer = load_tokenizer(TokenizerConfig(path=str(REPO_ROOT / "examples" / "tokenizer")), ModelConfig())
     cfg = ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), dtype=dtype)
     lm = load_model(cfg, AdapterConfig(), tokenizer, seed=0).to(device)
-    net = CausalLMWithLoss.for_recipe(lm, LossConfig(), resolve_impl("auto", device))
+    net = CausalLMWithLoss.for_recipe(lm, LossConfig(), resolve_impl(impl, device))
     optimizer = build_optimizer(lm.named_parameters(), TrainConfig(lr=1e-3))
     gen = torch.Generator().manual_seed(0)
     samples = []
@@ -70,11 +71,11 @@ def _setup(device: torch.device, dtype: str = "float32"):
 
 
 def _steps(device: torch.device, n_steps: int, accumulation: int, around_step,
-           around_update=lambda i: contextlib.nullcontext()) -> list[float]:
+           around_update=lambda i: contextlib.nullcontext(), impl: str = "auto") -> list[float]:
     """n_steps training steps as the trainer takes them (step.py, then the update, its ratio read one step late);
     `around_step(i)` is a context manager around step i's forward, backward, clipping and read, `around_update(i)`
-    around its optimizer step and update ratio. Returns the losses."""
-    lm, net, optimizer, micro_batches = _setup(device, "bfloat16" if device.type == "cuda" else "float32")
+    around its optimizer step and update ratio; `impl` the loss.impl. Returns the losses."""
+    lm, net, optimizer, micro_batches = _setup(device, "bfloat16" if device.type == "cuda" else "float32", impl)
     params = [p for p in net.parameters() if p.requires_grad]
     world, objective, late, losses = dist.World(), SFT(), [], []
     for i in range(n_steps):
@@ -111,6 +112,37 @@ def test_nothing_in_a_step_would_wait_for_the_device_but_transformers_packed_che
         assert all(where.split(":")[0].endswith("transformers/masking_utils.py") and where.endswith(
             ":find_packed_sequence_indices") for _, where in counter.calls), \
             counter.calls
+
+
+def _liger_step_syncs() -> tuple[list[float], list[list[tuple[str, str]]]]:
+    """In the interpreter's child process (conftest.interpreted): a step of 2 micro-batches with loss.impl liger,
+    its syncing ops counted as above; with its loss."""
+    counters = []
+
+    def count(_):
+        counters.append(_CountSyncs())
+        return counters[-1]
+
+    losses = _steps(torch.device("cpu"), n_steps=1, accumulation=2, around_step=count, impl="liger")
+    return losses, [c.calls for c in counters]
+
+
+def test_liger_reads_the_device_twice_per_micro_batch(interpreted):
+    """Liger's fused loss (under Triton's interpreter on the CPU: its own Python code runs as on CUDA) reads the
+    device twice per micro-batch: `.item()` of its target count in the forward, `torch.equal(grad_output, 1.0)` in
+    the backward (on CUDA the scalar 1.0 it compares with is also copied to the device each time). So loss.impl
+    auto is chunked on CUDA too, where a step with it reads the device once (above). The same losses as chunked."""
+    losses, steps = interpreted(_liger_step_syncs)
+    assert len(steps) == 1
+    for calls in steps:
+        liger = [(op, where) for op, where in calls if "/liger_kernel/" in where]
+        rest = [where for _, where in calls if "/liger_kernel/" not in where]
+        assert [op for op, _ in liger] == ["aten._local_scalar_dense.default", "aten.equal.default"] * 2, calls
+        assert liger[0][1].endswith(":fused_linear_cross_entropy_forward"), liger
+        assert liger[1][1].endswith(":fused_linear_cross_entropy_backward"), liger
+        assert len(rest) == 2 and all(w.endswith(":find_packed_sequence_indices") for w in rest), calls
+    chunked = _steps(torch.device("cpu"), n_steps=1, accumulation=2, around_step=lambda i: contextlib.nullcontext())
+    assert losses == pytest.approx(chunked, rel=1e-5)
 
 
 @pytest.mark.gpu

@@ -20,16 +20,17 @@ else:  # the project supports 3.10, where tomllib is the third-party tomli
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The tested environment as our own lookup would report it: what CI installs (`make install`), with the optional
-# packages it leaves out (liger-kernel, flash-attn, wandb, mlflow) absent.
-TESTED = {"torch": versions.TORCH_TESTED, **{p: versions.PINNED[p] for p in ("transformers", "peft", "bitsandbytes")},
+# The tested environment as our own lookup would report it: what CI installs (`make install`: liger-kernel comes
+# with the dev extra), with the optional packages it leaves out (flash-attn, wandb, mlflow) absent.
+TESTED = {"torch": versions.TORCH_TESTED,
+          **{p: versions.PINNED[p] for p in ("transformers", "peft", "bitsandbytes", "liger-kernel")},
           "tensorboard": "2.20.0", "gguf": "0.17.1", "tokenizers": "0.22.1", "safetensors": "0.6.2"}
 
 
 @pytest.fixture(params=[pytest.param("installed", marks=pytest.mark.pinned_env), "tested"])
 def environment(request, monkeypatch) -> str:
     """`installed`: the tests read this machine's packages (the tested environment in CI; skipped where it differs,
-    e.g. torch 2.11 and liger-kernel on a GPU machine). `tested`: the same tests against the tested environment
+    e.g. torch 2.11 and flash-attn on a GPU machine). `tested`: the same tests against the tested environment
     faked through versions.installed_version, so the rules are checked on every machine."""
     if request.param == "tested":
         real = versions.installed_version
@@ -141,25 +142,25 @@ def test_enforce_raises_and_allow_returns_warnings(monkeypatch, environment):
 
 def test_enforce_missing_package_raises_even_when_allowed(monkeypatch, environment):
     monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
-    # liger-kernel is not installed in the tested environment.
-    assert versions.installed_version("liger-kernel") is None
+    # flash-attn is not installed in the tested environment.
+    assert versions.installed_version("flash-attn") is None
     for allow in (False, True):
         with pytest.raises(UserError) as err:
-            versions.enforce([*versions.CORE, "liger-kernel"], allow_unpinned=allow)
+            versions.enforce([*versions.CORE, "flash-attn"], allow_unpinned=allow)
         message = str(err.value)
-        assert "liger-kernel: not installed" in message
-        assert "pip install 'liger-kernel==0.8.5'" in message
+        assert "flash-attn: not installed" in message
+        assert "pip install 'flash-attn==2.8.3.post2' --no-build-isolation" in message
         assert "transformers" not in message
     assert "--allow-unpinned" in message  # explains that the flag does not cover missing packages
 
 
 def test_require_packages(monkeypatch, environment):
     with pytest.raises(UserError) as err:
-        versions.require_packages(["liger", "bnb"])
+        versions.require_packages(["flash_attention_2", "bnb", "liger"])
     message = str(err.value)
-    assert "pip install 'liger-kernel==0.8.5'" in message
-    assert "pip install 'finetune[liger]'" in message
-    assert "bitsandbytes" not in message  # installed here, so not reported
+    assert "pip install 'flash-attn==2.8.3.post2' --no-build-isolation" in message
+    assert "pip install 'finetune[flash]'" in message
+    assert "bitsandbytes" not in message and "liger" not in message  # installed here, so not reported
     versions.require_packages(["bnb", "tensorboard"])  # both installed: no error
     versions.require_packages([])
     with pytest.raises(ValueError, match="unknown feature"):
@@ -189,7 +190,7 @@ def test_snapshot_is_json_and_complete(environment):
         assert key in data, key
     assert data["unpinned_warnings"] == ["w1"]
     assert data["transformers"] == versions.PINNED["transformers"]
-    assert data["liger-kernel"] is None
+    assert data["liger-kernel"] == versions.PINNED["liger-kernel"] and data["flash-attn"] is None
     assert {"device", "count", "cuda_version", "bf16"} <= set(data["device_info"])
 
 
@@ -200,8 +201,8 @@ def test_env_table_renders(environment):
     console.print(versions.env_table())
     text = console.export_text()
     assert "transformers" in text and "ok" in text
-    assert "optional-missing" in text  # liger-kernel / flash-attn are absent here
-    assert "pip install 'liger-kernel==0.8.5'" in text
+    assert "optional-missing" in text  # flash-attn is absent here
+    assert "pip install 'flash-attn==2.8.3.post2' --no-build-isolation" in text
 
 
 def test_import_is_light():

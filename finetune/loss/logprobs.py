@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from finetune.batch import Targets
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
-from finetune.loss.fused import acc_dtype, compute_dtype, liger_import, mm_f32, resolve_impl, shift_labels
+from finetune.loss.fused import acc_dtype, compute_dtype, mm_f32, resolve_impl, shift_labels
+from finetune.loss.liger import liger_token_losses
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -46,21 +47,15 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
             logits = softcap * torch.tanh(logits / softcap)
         return -F.cross_entropy(logits, y, reduction="none"), keep
     if impl == "liger":
-        return -_liger_token_losses(h, w, b, y, softcap), keep
-    if impl != "chunked":
+        if h.device.type != "cuda":
+            resolve_impl("liger", h.device)  # raises the UserError naming loss.impl, unless the interpreter is on
+        if h.shape[0]:
+            return -liger_token_losses(h, w, b, y, softcap), keep
+        # No target rows (a filler micro-batch): Liger 0.8.5 divides by zero; chunked's empty result reaches every
+        # input, so the backward and the distributed hooks run.
+    elif impl != "chunked":
         raise ValueError(f"impl must be resolved with resolve_impl() first; got {impl!r}")
     return _ChunkedTokenLogprobs.apply(h, w, b, y, chunk_size, softcap), keep
-
-
-def _liger_token_losses(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor,
-                        softcap: float | None) -> torch.Tensor:
-    """Liger-Kernel 0.8.5's fused cross-entropy per token (reduction='none': it recomputes in backward)."""
-    if h.device.type != "cuda":
-        resolve_impl("liger", h.device)  # raises the UserError naming loss.impl
-    fn, why = liger_import()
-    if fn is None:
-        raise UserError(f"loss.impl: liger is selected but liger-kernel cannot be imported ({why})")
-    return fn(h, w, y, bias=b, ignore_index=IGNORE_INDEX, reduction="none", softcap=softcap)
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,

@@ -2,10 +2,13 @@
 project yet, and a choice becomes a default only where it is measured to win (benchmarks/gpu_throughput.py has
 the rows `liger`, `compile` and `liger+compile` for that).
 
-* `model.liger_kernels`: Liger-Kernel's fused RMSNorm, SwiGLU MLP and RoPE, applied to the loaded model through
-  Liger's own API for a model instance (`_apply_liger_kernel_to_instance`, what transformers' Trainer calls for
-  `use_liger_kernel`). Liger's cross-entropy and fused linear cross-entropy stay off: finetune/loss.py already
-  fuses the output layer with the loss and never calls the model's head.
+* `model.liger_kernels`: Liger-Kernel's fused RMSNorm and SwiGLU MLP (GeGLU for Gemma), applied to the loaded
+  model's own modules through Liger's API for a model instance (`_apply_liger_kernel_to_instance`, what
+  transformers' Trainer calls for `use_liger_kernel`). That API also rebinds names in transformers' modules (the
+  norm and MLP classes, the RoPE function) for the whole process; `contained` puts them back, so that a model built
+  later (the DPO reference, `finetune eval` after training) is transformers' own. Liger's RoPE exists only as such
+  a rebinding (no module of the instance holds it), so it is not applied. Liger's cross-entropy and fused linear
+  cross-entropy stay off: finetune/loss/ already fuses the output layer with the loss and never calls the head.
 * `train.compile`: regional compilation (PyTorch's recipe "Reducing torch.compile cold start compilation time with
   regional compilation"): each decoder layer compiled in place with `nn.Module.compile`, which keeps the module
   and its parameter names, so state dicts and checkpoints are unchanged; the layers share one compiled code.
@@ -16,9 +19,13 @@ the rows `liger`, `compile` and `liger+compile` for that).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -26,8 +33,9 @@ import torch
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError
 
-# Passed to Liger for every architecture; Liger drops the names an architecture's function does not take.
-LIGER_SETTINGS: dict[str, bool] = {"rope": True, "rms_norm": True, "swiglu": True,
+# Passed to Liger for every architecture; Liger drops the names an architecture's function does not take. RoPE off:
+# Liger applies it only by replacing transformers' module function, for every model of the architecture.
+LIGER_SETTINGS: dict[str, bool] = {"rope": False, "rms_norm": True, "swiglu": True,
                                    "cross_entropy": False, "fused_linear_cross_entropy": False}
 LIGER_INSTALL = "pip install 'finetune[liger]' (liger-kernel==0.8.5; CUDA machines only)"
 
@@ -83,21 +91,71 @@ def apply_liger(model: torch.nn.Module, device: torch.device) -> list[str]:
     problem = liger_problem(device, table, why, model_type, getattr(text, "hidden_act", None))
     if problem:
         raise UserError(problem)
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    # Liger's instance API also rebinds names in transformers' modeling module of this architecture (the RoPE
-    # function, the norm and MLP classes): models of the same architecture built later in this process get them.
-    _apply_liger_kernel_to_instance(model=model, **LIGER_SETTINGS)
+    apply_liger_to_instance(model)
+    if not liger_modules(model):
+        raise UserError(f"model.liger_kernels: Liger replaced none of this {model_type} model's own modules (its "
+                        "kernels for it exist only as process-wide replacements); set model.liger_kernels: false")
     return liger_kernels_of(table[model_type])
 
 
+def apply_liger_to_instance(model: torch.nn.Module) -> list[str]:
+    """Liger's instance API on `model`, its changes to transformers' (and torch.nn's) module globals and classes put
+    back: only the model's own modules keep Liger's forwards. Returns the names it had rebound ("module.name").
+    Needs liger_kernel importable (CUDA, or Triton's interpreter); runs no kernel."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    with contained() as restored:
+        _apply_liger_kernel_to_instance(model=model, **LIGER_SETTINGS)
+    return restored
+
+
+def _shared_namespaces() -> list[tuple[str, ModuleType | type]]:
+    """What Liger's apply functions rebind names in: transformers' loaded modules and the classes defined in them,
+    and torch.nn and torch.nn.functional (Liger's Mllama and SigLIP functions set `nn.LayerNorm` there)."""
+    out: list[tuple[str, ModuleType | type]] = []
+    for name, module in list(sys.modules.items()):
+        if not isinstance(module, ModuleType) or not (name == "transformers" or name.startswith("transformers.")):
+            continue
+        out.append((name, module))
+        out += [(f"{name}.{k}", v) for k, v in list(vars(module).items())
+                if isinstance(v, type) and getattr(v, "__module__", None) == name]
+    return out + [("torch.nn", torch.nn), ("torch.nn.functional", torch.nn.functional)]
+
+
+@contextlib.contextmanager
+def contained() -> Iterator[list[str]]:
+    """Every name rebound or added in transformers' loaded modules, their classes, torch.nn and torch.nn.functional
+    inside the block is put back on leaving it; the list yielded is filled with those names. (A module first
+    imported inside the block is not in the snapshot: Liger's functions import only what the model already did.)"""
+    before = [(where, space, dict(vars(space))) for where, space in _shared_namespaces()]
+    restored: list[str] = []
+    try:
+        yield restored
+    finally:
+        for where, space, names in before:
+            now = vars(space)
+            for key in [k for k in now if k not in names and not isinstance(now[k], ModuleType)]:
+                delattr(space, key)
+                restored.append(f"{where}.{key}")
+            for key, value in names.items():
+                if now.get(key, _MISSING) is not value:
+                    setattr(space, key, value)
+                    restored.append(f"{where}.{key}")
+
+
+_MISSING = object()
+
+
+def liger_modules(model: torch.nn.Module) -> Counter[str]:
+    """How many of the model's modules run a Liger forward, by Liger's name for them (Liger renames what it
+    patches): {"LigerRMSNorm": 5, "LigerSwiGLUMLP": 2} for a 2-layer Llama."""
+    return Counter(name for m in model.modules() if (name := m._get_name()).startswith("Liger"))
+
+
 def liger_summary(model: torch.nn.Module) -> str:
-    """What model.liger_kernels applied to this model, for the run log: "rope, rms_norm, swiglu"."""
-    table, _ = liger_table()
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if table is None or model_type not in table:
-        return "none"
-    return ", ".join(liger_kernels_of(table[model_type]))
+    """What model.liger_kernels applied to this model, for the run log: "LigerRMSNorm x5, LigerSwiGLUMLP x2"."""
+    found = liger_modules(model)
+    return ", ".join(f"{name} x{n}" for name, n in sorted(found.items())) or "none"
 
 
 # --- regional compilation ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from finetune.attention.kernels import setting
 from finetune.batch import MicroBatch
 from finetune.data import StepPlan, collate, rank_micro_batches
 from finetune.errors import UserError
-from finetune.loss.fused import resolve_impl
+from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import (
     MetricsLogger,
     Stopwatch,
@@ -180,7 +180,7 @@ def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpoin
 def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: Console) -> list[str]:
     used = features(recipe)
     if "liger" not in used and impl == "liger":
-        used.append("liger")  # loss.impl auto runs Liger on CUDA whenever it imports: hold it to its pin too
+        used.append("liger")  # whatever chose Liger, it is held to its pin
     warnings = versions.enforce(versions.packages_for(used), allow_unpinned=allow_unpinned)
     for w in warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
@@ -207,14 +207,15 @@ def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPla
     lm, device = parts.lm, parts.device
     trainable, total = count_parameters(lm)
     attn = getattr(lm.config, "_attn_implementation", "?")
-    packed, record = "", {"loss": parts.impl, "attention": attn, "packed_kernel": None, "packed_kernel_why": None}
+    loss = describe_impl(parts.impl, device)  # says so where Liger runs in Triton's interpreter (a testing mode)
+    packed, record = "", {"loss": loss, "attention": attn, "packed_kernel": None, "packed_kernel_why": None}
     if recipe.data.packing and is_ours(lm):
         kernel, why = packed_attention(lm, device, setting(recipe.model.packed_attention))
         packed = f"; packed rows: {kernel} ({why})"
         record |= {"packed_kernel": kernel, "packed_kernel_why": why}
     liger = f"; liger kernels: {model_kernels.liger_summary(lm)}" if recipe.model.liger_kernels else ""
     compiled_note = f"; compiled: {compiled} decoder layers" if compiled else ""
-    console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {parts.impl}; "
+    console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {loss}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
                   f"{plan.global_batch} rows{packed}{liger}{compiled_note}")
     return total, record
