@@ -22,7 +22,7 @@ optimizer step end to end and a trainer subclass counting the real tokens of its
 Reading the results on a CPU: sdpa has no variable-length kernel there. Under `attn_implementation: sdpa`
 a packed row attends densely over all of max_seq_len behind a block-diagonal mask (profiled: the attention
 kernels were ~64% of a 4 x 2048 packed micro-batch of this model, and the masked step took 1.7x a plain causal
-one), which ate the padding saving at 2048. `auto` (our default, finetune/attention.py) runs sdpa one document
+one), which ate the padding saving at 2048. `auto` (our default, finetune/attention/dispatch.py) runs sdpa one document
 at a time, so a packed row costs attention within its documents only; the "attn sdpa" row shows the difference.
 TRL's padding-free collator joins a micro-batch's packed rows into one sequence of micro x max_seq_len tokens,
 so its attention there spans 4 rows at once; the extra "packed 1 x N" run (one row per micro-batch, same rows per

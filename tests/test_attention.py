@@ -1,4 +1,4 @@
-"""finetune/attention.py: sdpa one packed document at a time (what `attn_implementation: auto` picks).
+"""finetune/attention/dispatch.py: sdpa one packed document at a time (what `attn_implementation: auto` picks).
 
 It must give transformers' sdpa results wherever both are defined (packed rows, padded batches, generation,
 sliding windows, gradients), and keep packed documents apart even where transformers' own path does not

@@ -1,4 +1,4 @@
-"""finetune/kernels.py: the opt-in model.liger_kernels and train.compile.
+"""finetune/model/kernels.py: the opt-in model.liger_kernels and train.compile.
 
 Liger's RMSNorm and SwiGLU kernels do not run in Triton's interpreter, so its decision (installed? CUDA? an
 architecture Liger supports?) is a pure function of the device and of the import's result, tested here on a CPU, and

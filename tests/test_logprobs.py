@@ -1,4 +1,4 @@
-"""Per-token log-probabilities through the output layer (finetune/logprobs.py): the chunked recompute-in-backward
+"""Per-token log-probabilities through the output layer (finetune/loss/logprobs.py): the chunked recompute-in-backward
 function equals the naive one built on full logits, in value and in the gradient of any weighting of the tokens."""
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ MODELS = [
     pytest.param(transformers.Qwen2Config, "eager", id="qwen2-eager"),
 ]
 # The implementations that isolate packed documents: transformers' (with use_cache=False) and ours, which takes
-# the documents from position_ids (finetune/attention.py, what `attn_implementation: auto` picks).
+# the documents from position_ids (finetune/attention/dispatch.py, what `attn_implementation: auto` picks).
 attention.register()
 ISOLATING = [
     *MODELS,

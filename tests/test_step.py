@@ -1,4 +1,4 @@
-"""finetune/step.py and the step's host syncs: a training step reads the device once (its loss, gradient norm and
+"""finetune/train/step.py and the step's host syncs: a training step reads the device once (its loss, gradient norm and
 metrics, with the previous step's update ratio), and nothing else in it waits for the device but transformers'
 own packed-sequence check (once per forward, in create_causal_mask).
 

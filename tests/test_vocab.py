@@ -1,4 +1,4 @@
-"""The vocabulary a recipe asks for (finetune/vocab.py): special-token overrides and added tokens, the embedding
+"""The vocabulary a recipe asks for (finetune/model/vocab.py): special-token overrides and added tokens, the embedding
 resized for them, the new rows trained (full fine-tuning, LoRA with modules_to_save: through the fused loss, tied
 or not) and a run that would leave them untrained refused; shipped chat templates by name."""
 

@@ -3,7 +3,7 @@
 A packed row concatenates whole documents and records where each starts: ``position_ids`` restart at 0 for
 every document (and ``doc_lengths`` lists them). What keeps the documents apart is the attention, not this
 module: the collator passes no attention_mask, and the model's attention takes the documents from the position
-restarts (``attn_implementation: auto`` runs attention one document at a time, finetune/attention.py;
+restarts (``attn_implementation: auto`` runs attention one document at a time, finetune/attention/dispatch.py;
 transformers' sdpa/eager build a block-diagonal mask from the same restarts). ``finetune.model.isolation`` proves it
 on the real model before a packed run trains.
 

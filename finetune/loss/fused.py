@@ -332,7 +332,7 @@ def linear_cross_entropy(
 
     loss_sum is float64 instead when the inputs are float64 (tests). z_loss adds z_loss * logsumexp^2 per
     target; softcap caps the logits with softcap * tanh(logits / softcap) before the softmax. `targets`
-    (finetune/targets.py: the labels' target positions and id range, found on the CPU) spares two host syncs.
+    (finetune/batch.py: the labels' target positions and id range, found on the CPU) spares two host syncs.
     """
     _check_arguments(hidden, weight, labels, bias, impl, chunk_size, softcap)
     vocab, hsize = weight.shape
@@ -341,7 +341,7 @@ def linear_cross_entropy(
     if targets is None:
         keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: the row count is a dynamic shape
         count = keep.numel()
-    else:  # found on the CPU (finetune/targets.py): no host sync
+    else:  # found on the CPU (finetune/batch.py): no host sync
         keep, count = targets.index, targets.count
     n_targets = torch.full((), count, dtype=torch.int64, device=hidden.device)
     out_dtype = acc_dtype(compute_dtype(hidden, weight))

@@ -1,7 +1,7 @@
 """Per-token log-probabilities of the targets through the output layer, for objectives that score whole
 sequences (DPO, ORPO), without ever building the full [tokens x vocab] logits.
 
-The scheme of finetune/loss.py with one difference: there, the upstream gradient is one scalar, so the
+The scheme of finetune/loss/fused.py with one difference: there, the upstream gradient is one scalar, so the
 gradient can be formed during the forward; here, each token's upstream gradient depends on its whole sequence
 and pair (known only after the forward), so the forward keeps only each row's log-sum-exp and the backward
 recomputes each chunk's logits to form `g_t (onehot - softmax)` before the two GEMMs: one extra output-layer GEMM,
@@ -30,7 +30,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     hidden [B, T, H] (or [T, H]), weight [V, H], labels UNSHIFTED with IGNORE_INDEX where not scored: position t
     scores labels[t + 1]. The log-probs carry gradients to hidden, weight and bias, in the accumulation dtype
     (float32; float64 for float64 inputs). `impl` is resolved ('chunked' | 'torch' | 'liger'). `targets`
-    (finetune/targets.py, found on the CPU) spares the host syncs of finding and checking them."""
+    (finetune/batch.py, found on the CPU) spares the host syncs of finding and checking them."""
     shifted = shift_labels(labels).reshape(-1)
     keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1) if targets is None else targets.index
     dtype = compute_dtype(hidden, weight)

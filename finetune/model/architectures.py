@@ -124,7 +124,7 @@ _PACKING_OFF = "Set data.packing: false (padded batches keep samples apart)."
 def packing_refusal(model: torch.nn.Module, pad_token_id: int | None) -> str | None:
     """Why packed rows would let this model's documents see each other, or train to NaN (a message), or None.
     Found from the model's structure, so it holds in every dtype and on every device; the start-of-run
-    isolation check (finetune/isolation.py) measures the rest."""
+    isolation check (finetune/model/isolation.py) measures the rest."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     stateful = stateful_layer(model)

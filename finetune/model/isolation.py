@@ -1,7 +1,7 @@
 """Prove, on the real model, that packed documents do not see each other.
 
 Packed rows carry no attention mask: the model's attention must take the documents from the position_ids that
-restart at 0 for each of them (finetune/attention.py under `attn_implementation: auto`; transformers' own
+restart at 0 for each of them (finetune/attention/dispatch.py under `attn_implementation: auto`; transformers' own
 packed-sequence detection under sdpa, eager and flash_attention_2, which only happens with the cache off).
 Whether that holds depends on the model class, the attention implementation, the transformers version and any
 wrapper around the model, so it is measured once before a packed run trains, on the run's device and dtype.

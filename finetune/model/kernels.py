@@ -12,7 +12,7 @@ the rows `liger`, `compile` and `liger+compile` for that).
 * `train.compile`: regional compilation (PyTorch's recipe "Reducing torch.compile cold start compilation time with
   regional compilation"): each decoder layer compiled in place with `nn.Module.compile`, which keeps the module
   and its parameter names, so state dicts and checkpoints are unchanged; the layers share one compiled code.
-  Packed rows' attention (finetune/attention.py) is excluded by `torch.compiler.disable` where it is defined: it
+  Packed rows' attention (finetune/attention/dispatch.py) is excluded by `torch.compiler.disable` where it is defined: it
   finds the micro-batch's documents on the host by the identity of cu_seqlens and loops over Python spans, which
   cannot be traced; the rest of each layer (norms, projections, RoPE, MLP) is compiled around it.
 """

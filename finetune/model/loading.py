@@ -157,7 +157,7 @@ def freeze_except(model: torch.nn.Module, patterns: list[str]) -> None:
 
 
 def _check_fused_loss(model: torch.nn.Module, tokenizer: Any) -> None:
-    """Refuse, at load, a model whose own loss the fused loss would not compute (finetune/architectures.py)."""
+    """Refuse, at load, a model whose own loss the fused loss would not compute (finetune/model/architectures.py)."""
     why = architectures.loss_refusal(model.config)
     if why:
         raise UserError(why)
@@ -196,7 +196,7 @@ def _common_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:
     """attn_implementation auto: where transformers chose sdpa, switch to the same sdpa run one packed document at
-    a time (finetune/attention.py). Architectures without sdpa (e.g. Gemma2's softcapped attention) keep eager;
+    a time (finetune/attention/dispatch.py). Architectures without sdpa (e.g. Gemma2's softcapped attention) keep eager;
     those it cannot serve (attention without position_ids: GPTBigCode, Llama4; their own mask: Doge) keep sdpa."""
     if cfg.attn_implementation != "auto" or model.config._attn_implementation != "sdpa":
         return

@@ -30,7 +30,7 @@ class CausalLMWithLoss(torch.nn.Module):
         super().__init__()
         self.lm, self.impl, self.chunk_size, self.z_loss = lm, impl, chunk_size, z_loss
         # What the model's own head does to its logits (a scale, a soft-cap, a vocabulary slice), done here too:
-        # else the run would train other logits than the model's (finetune/architectures.py).
+        # else the run would train other logits than the model's (finetune/model/architectures.py).
         self.head = head_spec(lm.config, output_layer(lm)[1].weight.shape[0])
         self.softcap = softcap or self.head.softcap
         self.takes_boundaries = takes_boundaries(lm)
