@@ -2,8 +2,9 @@
 
 One type with typed fields instead of a dict of string keys. The collate step (finetune/data/collate.py) fills the
 tensors and the host counts; an objective's extra inputs ride in their own typed section (`pairs` for DPO and
-ORPO), and an objective names the sections it needs (Objective.needs), so a batch without them is refused with
-a clear message rather than a KeyError deep in a forward.
+ORPO, `rollouts` for GRPO), and an objective names the sections it needs (Objective.needs): a batch without them
+is refused with one clear message where the step's micro-batches are made (MicroBatch.check_needs, called by
+train/step.py's step_micro_batches), before any count or forward, rather than an error deep in a loss.
 
 `MicroBatch.to(device)` is the one move to the device. What the model call needs is found on the CPU first,
 while the labels and positions are still there: the target positions and their id range (`Targets`: the loss and
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
 
@@ -204,10 +206,29 @@ class MicroBatch:
             inputs["documents"] = self.documents
         return inputs
 
+    def check_needs(self, needs: tuple[str, ...], objective: str) -> None:
+        """Refuse a micro-batch without a section the objective declares (Objective.needs): one clear error before
+        any count or forward, where the step's micro-batches are made (train.step.step_micro_batches)."""
+        unknown = [name for name in needs if name not in SECTIONS]
+        if unknown:  # a typo in an objective's declaration: its own bug, said at its first micro-batch
+            raise ValueError(f"the {objective} objective needs {', '.join(map(repr, unknown))}: not a section of "
+                             f"MicroBatch ({', '.join(SECTIONS)})")
+        missing = [name for name in needs if getattr(self, name) is None]
+        if missing:
+            raise UserError(f"train.objective: {objective} needs micro-batches with {' and '.join(missing)} (made "
+                            f"from {'; '.join(SECTIONS[name] for name in missing)}), and these rows were collated "
+                            "without them: give the objective that data, or set train.objective to the objective "
+                            "of this data")
+
     def require(self, section: str, objective: str) -> Any:
-        """The typed section an objective needs (`pairs`, ...), or a clear error when the data did not make it."""
+        """The typed section an objective reads (`pairs`, ...): checked against Objective.needs when the step's
+        micro-batches are made, so None here is an objective reading what it did not declare."""
         value = getattr(self, section)
         if value is None:
-            raise ValueError(f"the {objective} objective needs micro-batches with {section!r}; this one was collated "
-                             f"without them (data format and train.objective disagree)")
+            raise ValueError(f"the {objective} objective reads {section!r}, which this micro-batch lacks: declare it "
+                             "in the objective's `needs` so that it is checked when the micro-batches are made")
         return value
+
+
+# The typed sections an objective may need (Objective.needs), and the rows that make each.
+SECTIONS = {"pairs": "datasets of format: preference", "rollouts": "the rollouts of train.objective: grpo"}

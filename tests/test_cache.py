@@ -196,6 +196,10 @@ def test_completion_split_and_drop_round_trip(tmp_path, cache_dir):
     assert again.hit and first.train_stats.dropped_too_long > 0 and first.evals
     assert (again.train, again.evals, again.train_stats, again.eval_stats) == \
         (first.train, first.evals, first.train_stats, first.eval_stats)
+    # The dropped samples are named by their file:line, and the names come back from the cache with the counts.
+    named = again.train_stats.dropped_examples
+    assert named and len(named) == min(5, again.train_stats.dropped_too_long)
+    assert all(e.startswith(f"{tmp_path / 'c.jsonl'}:") and "over data.max_seq_len 32" in e for e in named), named
 
 
 def test_labels_that_are_not_a_mask_are_stored_in_full(tmp_path):

@@ -189,6 +189,10 @@ def test_truncation_counts(tokenizer):
     stats = DataStats()
     samples = tokenize_examples(examples, tokenizer, DataConfig(max_seq_len=16, truncation="drop"), stats)
     assert len(samples) == 1 and stats.dropped_too_long == 2 and stats.truncated == 0 and stats.samples == 1
+    # Named by their rows, as bad rows are (the report and the run log print these).
+    n = stats.dropped_tokens // 2
+    assert stats.dropped_examples == [f"t:{i}: {n} tokens, over data.max_seq_len 16 (data.truncation: drop)"
+                                      for i in (0, 2)]
 
 
 def split_recipe(tmp_path: Path, val_fraction: float, seed: int = 0):

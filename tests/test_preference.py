@@ -170,3 +170,51 @@ def test_a_reference_replaced_at_its_path_is_computed_again(tmp_path):
     changed, new_logps = attach()
     assert "computed" in changed, changed
     assert new_logps != logps
+
+
+@pytest.mark.parametrize("truncation", ["truncate", "drop"])
+def test_a_pair_dropped_as_too_long_is_named_fresh_and_from_the_cache(truncation, tmp_path):
+    """A pair that does not fit data.max_seq_len is named by its file:line, as a bad row is: in the stats, the run
+    log's data lines and `finetune preprocess`, whether the samples were tokenized now or read from the cache."""
+    import io
+    import json
+
+    from conftest import tiny_recipe
+    from rich.console import Console
+
+    from finetune import dist
+    from finetune.data.report import preprocess
+    from finetune.model.loading import load_tokenizer
+    from finetune.recipe import validate
+    from finetune.train.parts import _prepared
+
+    def pair(prompt: str, chosen: str) -> dict:
+        return {"prompt": prompt, "chosen": chosen, "rejected": "no."}
+
+    rows = [pair("Hi?", "Hello."), pair("Hi?", "Hello. " + "word " * 60),  # line 2: fits only if cut
+            pair("word " * 80, "Yes."), pair("Bye?", "Bye.")]  # line 3: its prompt alone is over the limit
+    data = tmp_path / "pref.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    raw = tiny_recipe(tmp_path / "out", data, fmt="preference")
+    raw["train"]["objective"] = "dpo"
+    raw["data"].update(max_seq_len=48, truncation=truncation, cache_dir=str(tmp_path / "cache"))
+    recipe = validate(raw)
+    tokenizer = load_tokenizer(recipe.tokenizer, recipe.model)
+    expected = [f"{data}:3: pair of "]
+    if truncation == "drop":
+        expected.insert(0, f"{data}:2: pair of ")
+    for hit in (False, True):
+        said: list[str] = []
+        prepared = _prepared(recipe, tokenizer, dist.World(), said.append)
+        stats = prepared.train_stats
+        assert prepared.hit is hit, prepared.note
+        assert stats.dropped_too_long == len(expected) and stats.samples == 4 - len(expected)
+        assert f"{len(expected)} dropped (too long)" in said[1]
+        logged = [line for line in said if line.startswith("  dropped: ")]
+        out = io.StringIO()
+        preprocess(recipe, tokenizer, console=Console(file=out, width=200))
+        reported = [line for line in out.getvalue().splitlines() if line.startswith("  dropped: ")]
+        for lines in (logged, reported):
+            assert [line[:len(x) + 11] for line, x in zip(lines, expected)] == [f"  dropped: {x}" for x in expected]
+            assert len(lines) == len(expected) and "over data.max_seq_len 48" in lines[-1], lines
+        assert logged == reported == [f"  dropped: {e}" for e in stats.dropped_examples]

@@ -143,6 +143,42 @@ def test_verify_gradients_elementwise(packing):
         assert result.passed
 
 
+def test_verify_runs_the_trainers_own_step(monkeypatch):
+    """verify proves the code that trains: the loop and verify share the functions that cut, count and
+    backpropagate a step, and a drift inside the trainer's step (its first micro-batch's loss counted twice,
+    injected into forward_backward's body) makes verify fail, while verify passes without it."""
+    import contextlib
+
+    from finetune.commands import verify as verify_command
+    from finetune.recipe import load_recipe
+    from finetune.train import loop, step
+
+    for name in ("step_micro_batches", "step_counts", "forward_backward"):
+        assert getattr(verify_command, name) is getattr(loop, name) is getattr(step, name), name
+    recipe = load_recipe(QUICKSTART, [*TINY, "train.micro_batch_size=2", "train.gradient_accumulation_steps=2"])
+    honest = verify_command.verify(recipe, world_size=2)
+    assert honest.passed and honest.configured_max <= 1e-5, honest.groups
+
+    real_sync, entered = step.gradient_sync, []
+
+    @contextlib.contextmanager
+    def drifting(net, last):
+        # Inside forward_backward, after the first micro-batch's backward: the gradients are that micro-batch's
+        # alone (verify starts from none), so doubling them counts its loss twice.
+        entered.append(last)
+        with real_sync(net, last=last):
+            yield
+        if len(entered) == 1:
+            for p in net.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(2)
+
+    monkeypatch.setattr(step, "gradient_sync", drifting)
+    drifted = verify_command.verify(recipe, world_size=2)
+    assert len(entered) == 4  # 2 ranks x 2 micro-batches went through the trainer's step
+    assert not drifted.passed and drifted.configured_max > 1e-2, drifted.groups
+
+
 def test_verify_cli_prints_verdict():
     result = run_cli("verify", str(QUICKSTART), *TINY, "train.micro_batch_size=2", "train.gradient_accumulation_steps=2")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -2,7 +2,9 @@
 
 It takes the rows of the recipe's first optimizer step and computes the gradient three ways:
   - as configured: micro-batches of `micro_batch_size` on each of W simulated ranks, each backpropagating
-    loss_sum / N_step (the trainer's contract);
+    loss_sum / N_step (the trainer's contract), by the trainer's own step functions (finetune/train/step.py:
+    step_micro_batches cuts the step, step_counts sums N_step, forward_backward backpropagates): a drift in the
+    code that trains fails verify;
   - the reference: the same rows as one batch (or as `--reference-micro-batch` rows at a time when one batch
     does not fit), loss_sum / N_step;
   - naive: the mean loss of each micro-batch divided by the number of micro-batches (what many trainers do).
@@ -19,11 +21,11 @@ import torch
 
 from finetune import dist
 from finetune.batch import MicroBatch
-from finetune.data import collate, rank_micro_batches
+from finetune.data import collate
 from finetune.objectives import Objective
 from finetune.recipe import Recipe
 from finetune.train.parts import load_parts, plan_for
-from finetune.train.step import forward_backward, step_counts
+from finetune.train.step import forward_backward, step_counts, step_micro_batches
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
@@ -60,11 +62,10 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     parts = load_parts(recipe, dist.from_env(), device, lambda message: None, splits=("train",))
     lm, net, objective = parts.lm, parts.net, parts.objective
     lm.eval()  # dropout would make the three passes differ for reasons unrelated to accumulation
-    t = recipe.train
     step_rows = plan_for(recipe, parts, dist.from_env(), world_size).step(0)[1]
     pad = parts.tokenizer.pad_token_id
-    ranks = [[collate(rows, recipe.data, pad) for rows in
-              rank_micro_batches(step_rows, t.micro_batch_size, world_size, rank, recipe.data.group_by_length)]
+    # Each simulated rank's micro-batches, cut as the trainer cuts them (one function for both).
+    ranks = [step_micro_batches(objective, step_rows, recipe, pad, world_size, rank, device)
              for rank in range(world_size)]
     size = reference_micro_batch or len(step_rows)
     reference = [collate(step_rows[i: i + size], recipe.data, pad) for i in range(0, len(step_rows), size)]

@@ -21,7 +21,8 @@ different seeded grouping), and packing is cheap next to tokenizing.
 
 An entry (all arrays little files of numpy's .npy format, read without pickle):
 
-    meta.json                 the key's inputs, DataStats per split, sizes, and a SHA-256 of every array file
+    meta.json                 the key's inputs, DataStats per split (counts, and the bad rows and dropped
+                              samples named by file:line), sizes, and a SHA-256 of every array file
     {split}.ids.npy           int32: every sample's tokens, concatenated (split: train, eval)
     {split}.labels.npy        uint8 mask (1: the token is a target) when each label is its token or -100, which
                               our tokenizer guarantees; otherwise the int32 labels themselves
@@ -58,8 +59,10 @@ from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DatasetConfig, Recipe, local_data_path
 
 # Bump whenever sources.py, formats.py, messages.py, tokenize.py or the truncation in tokenize_examples change
-# what samples a row gives: every existing entry then stops matching.
-DATA_VERSION = 3  # 3: tool calls, tool messages and tools reach the template; unknown message fields are bad rows
+# what samples a row gives (or what the stats say of them): every existing entry then stops matching.
+# 3: tool calls, tool messages and tools reach the template; unknown message fields are bad rows.
+# 4: samples dropped as too long are named in the stats (an older entry has the count only).
+DATA_VERSION = 4
 CACHE_ENV = "FINETUNE_CACHE_DIR"
 SPLITS = ("train", "eval")
 # tokenizer_config.json keys that say where a tokenizer was loaded from, not how it tokenizes.

@@ -155,3 +155,16 @@ def _last_kept(side: dict[str, list[int]]) -> int | None:
     labels = side["labels"]
     first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
     return None if first is None else first + 1
+
+
+def unfit_reason(chosen: dict[str, list[int]], rejected: dict[str, list[int]], max_seq_len: int | None,
+                 truncation: str) -> str:
+    """Why fit_pair (or data.truncation: drop) leaves a pair out, in words for the data report."""
+    n = len(chosen["input_ids"]) + len(rejected["input_ids"])
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        if _last_kept(side) is None:
+            return f"pair of {n} tokens: its {name} side has no scored token"
+    if truncation == "drop":
+        return f"pair of {n} tokens, over data.max_seq_len {max_seq_len} (data.truncation: drop)"
+    return (f"pair of {n} tokens, over data.max_seq_len {max_seq_len} even with both completions cut to their "
+            "first scored token")

@@ -50,6 +50,8 @@ def _print_stats(console: Any, p: Prepared) -> None:
     console.print(table)
     for example in p.train_stats.bad_row_examples + p.eval_stats.bad_row_examples:
         console.print(f"  bad row: {example}", markup=False, highlight=False)
+    for example in p.train_stats.dropped_examples + p.eval_stats.dropped_examples:
+        console.print(f"  dropped: {example}", markup=False, highlight=False)
     for line in template_notes(p.train_stats) + template_notes(p.eval_stats, "eval: "):
         console.print(f"  note: {line}", markup=False, highlight=False)
 

@@ -15,7 +15,15 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from finetune.data.formats import Example, MessageFields, to_example
-from finetune.data.pairs import PairExample, PairFields, fit_pair, pair_sample, to_pair, tokenize_pair
+from finetune.data.pairs import (
+    PairExample,
+    PairFields,
+    fit_pair,
+    pair_sample,
+    to_pair,
+    tokenize_pair,
+    unfit_reason,
+)
 from finetune.data.sources import BadRow, read_rows
 from finetune.data.stats import DataStats
 from finetune.data.tokenize import tokenize_example
@@ -97,7 +105,7 @@ def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConf
             stats.bad_row(e, on_bad_row)
             continue
         if isinstance(example, PairExample):
-            sample = _fitted_pair(*sides, data, stats)
+            sample = _fitted_pair(example.origin, *sides, data, stats)
             if sample is not None:
                 samples.append(sample)
             continue
@@ -105,14 +113,14 @@ def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConf
         stats.input_tokens += n
         if data.max_seq_len is not None and n > data.max_seq_len:
             if data.truncation == "drop":
-                stats.dropped_too_long += 1
-                stats.dropped_tokens += n
+                stats.drop(example.origin, n, f"{n} tokens, over data.max_seq_len {data.max_seq_len} "
+                                              "(data.truncation: drop)")
                 continue
             stats.truncated += 1
             stats.truncated_tokens += n - data.max_seq_len
             sample = {k: v[: data.max_seq_len] for k, v in sample.items()}
         if not sample["input_ids"]:
-            stats.dropped_too_long += 1
+            stats.drop(example.origin, 0, "no tokens")
             continue
         stats.samples += 1
         stats.tokens += len(sample["input_ids"])
@@ -122,14 +130,14 @@ def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConf
     return samples
 
 
-def _fitted_pair(chosen: dict, rejected: dict, data: DataConfig, stats: DataStats) -> dict | None:
-    """A pair within data.max_seq_len (cut from its longer completion, or dropped per data.truncation), counted."""
+def _fitted_pair(origin: str, chosen: dict, rejected: dict, data: DataConfig, stats: DataStats) -> dict | None:
+    """A pair within data.max_seq_len (cut from its longer completion, or dropped per data.truncation), counted;
+    a dropped pair is named by its row's origin."""
     n = len(chosen["input_ids"]) + len(rejected["input_ids"])
     stats.input_tokens += n
     fitted = fit_pair(chosen, rejected, data.max_seq_len)
     if fitted is None or (fitted[2] and data.truncation == "drop"):
-        stats.dropped_too_long += 1
-        stats.dropped_tokens += n
+        stats.drop(origin, n, unfit_reason(chosen, rejected, data.max_seq_len, data.truncation))
         return None
     chosen, rejected, cut = fitted
     if cut:
@@ -209,7 +217,8 @@ def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict
     if not train:
         raise UserError(f"datasets: no training samples in {paths}: {train_stats.rows_read} rows read, "
                         f"{train_stats.bad_rows_skipped} bad rows skipped, {train_stats.dropped_too_long} "
-                        "dropped as too long (see data.on_bad_row, data.truncation)")
+                        "dropped as too long (see data.on_bad_row, data.truncation)"
+                        + "".join(f"\n  dropped: {e}" for e in train_stats.dropped_examples[:1]))
     if train_stats.target_tokens == 0:
         raise UserError(f"datasets: the training data ({paths}) has no target tokens (every label is masked): "
                         "nothing would be learned. Check the format and data.max_seq_len (truncation may cut "

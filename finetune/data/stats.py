@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from finetune.data.sources import BadRow
 
+EXAMPLES = 5  # bad rows and dropped samples named per split: enough to find the pattern, not a flood
 
 @dataclass
 class DataStats:
@@ -20,6 +21,8 @@ class DataStats:
     tokens: int = 0
     target_tokens: int = 0
     bad_row_examples: list[str] = field(default_factory=list)
+    dropped_examples: list[str] = field(default_factory=list)
+    """The first samples dropped as too long, each `file:line: why`, as bad rows are named."""
 
     def bad_row(self, error: BadRow, on_bad_row: str) -> None:
         """Stop on a bad row (`data.on_bad_row: error`) or count it and keep a few examples (`skip`)."""
@@ -29,8 +32,16 @@ class DataStats:
             raise BadRow(f"{why}\n  Fix the row, or set data.on_bad_row: skip to skip bad rows "
                          "(they are counted).") from None
         self.bad_rows_skipped += 1
-        if len(self.bad_row_examples) < 5:
+        if len(self.bad_row_examples) < EXAMPLES:
             self.bad_row_examples.append(why)
+
+    def drop(self, origin: str, tokens: int, why: str) -> None:
+        """Count a sample dropped as too long (its `tokens` lost) and name the first few by their row's origin."""
+        self.dropped_too_long += 1
+        self.dropped_tokens += tokens
+        if len(self.dropped_examples) < EXAMPLES:
+            text = f"{origin}: {why}".encode("utf-8", "backslashreplace").decode("utf-8")
+            self.dropped_examples.append(text)
     # Token accounting, so that `finetune preprocess` can show nothing vanished:
     # input_tokens == tokens + truncated_tokens + dropped_tokens.
     input_tokens: int = 0  # tokens of every tokenized sample, before truncation
@@ -49,8 +60,9 @@ class DataStats:
     def add(self, other: DataStats) -> None:
         """Add another part's counts (parallel tokenization): the same totals as one serial pass."""
         for f in fields(self):
-            if f.name == "bad_row_examples":
-                self.bad_row_examples.extend(other.bad_row_examples[: max(0, 5 - len(self.bad_row_examples))])
+            mine = getattr(self, f.name)
+            if isinstance(mine, list):  # the named examples: the first few, in order, as one serial pass keeps
+                mine.extend(getattr(other, f.name)[: max(0, EXAMPLES - len(mine))])
             else:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 

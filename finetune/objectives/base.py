@@ -57,7 +57,8 @@ class Objective(Protocol):
     metrics: dict[str, str]
     """Each metric it reports -> the unit whose step count it is averaged over."""
     needs: tuple[str, ...]
-    """The typed sections of MicroBatch its micro-batches must carry (e.g. ("pairs",))."""
+    """The typed sections of MicroBatch its micro-batches must carry (e.g. ("pairs",)): checked on every micro-batch
+    of a step before its counts (MicroBatch.check_needs, from train.step.step_micro_batches)."""
 
     def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
         """Whatever the samples need before the first step (the DPO reference's log-probabilities); `lm` is the

@@ -24,7 +24,7 @@ from rich.console import Console
 from finetune import dist, versions
 from finetune.attention.kernels import setting
 from finetune.batch import MicroBatch
-from finetune.data import StepPlan, collate, rank_micro_batches
+from finetune.data import StepPlan
 from finetune.errors import UserError
 from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import (
@@ -49,7 +49,7 @@ from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import gather_full_state, wrap_model
 from finetune.train.parts import Parts, load_parts, plan_for
 from finetune.train.plan import step_larger_than_epoch
-from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
+from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts, step_micro_batches
 
 
 def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = False,
@@ -341,9 +341,8 @@ def _micro_batches(run: Run, step: int) -> tuple[int, list[dict], list[MicroBatc
     """(epoch, the step's rows, this rank's micro-batches of them collated and on the device)."""
     recipe, world = run.recipe, run.world
     epoch, step_rows = run.plan.step(step)
-    micro = [collate(rows, recipe.data, run.tokenizer.pad_token_id).to(run.device)
-             for rows in rank_micro_batches(step_rows, recipe.train.micro_batch_size, world.size, world.rank,
-                                            recipe.data.group_by_length)]
+    micro = step_micro_batches(run.objective, step_rows, recipe, run.tokenizer.pad_token_id, world.size, world.rank,
+                               run.device)
     return epoch, step_rows, micro
 
 

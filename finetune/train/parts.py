@@ -137,6 +137,8 @@ def _prepared(recipe: Recipe, tokenizer: Any, world: dist.World, say: Callable[[
     say(data_summary(prepared.train_stats, len(prepared.evals)))
     for example in prepared.train_stats.bad_row_examples:  # the first few, so a user can see which rows and why
         say(f"  skipped: {example}")
+    for example in prepared.train_stats.dropped_examples:  # and which samples were too long
+        say(f"  dropped: {example}")
     return prepared
 
 

@@ -18,8 +18,23 @@ import torch
 
 from finetune import dist
 from finetune.batch import MicroBatch
+from finetune.data import collate, rank_micro_batches
 from finetune.objectives import Objective
+from finetune.recipe import Recipe
 from finetune.train.parallel import gradient_sync
+
+
+def step_micro_batches(objective: Objective, step_rows: list[dict], recipe: Recipe, pad_id: int, world_size: int,
+                       rank: int, device: torch.device) -> list[MicroBatch]:
+    """Rank `rank`'s micro-batches of one step's rows, collated and on `device`: the trainer's and `finetune
+    verify`'s one way to cut a step. Each must carry the sections the objective declares (Objective.needs),
+    checked here, before any count or forward, so a mismatch is one clear error rather than one deep in a loss."""
+    micro = [collate(rows, recipe.data, pad_id).to(device)
+             for rows in rank_micro_batches(step_rows, recipe.train.micro_batch_size, world_size, rank,
+                                            recipe.data.group_by_length)]
+    for batch in micro:
+        batch.check_needs(objective.needs, objective.name)
+    return micro
 
 
 def step_counts(objective: Objective, micro: list[MicroBatch], world: dist.World,
