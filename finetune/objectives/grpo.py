@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from finetune import dist
 from finetune.batch import MicroBatch
+from finetune.data.cache import Prepared
 from finetune.model.loading import load_model
 from finetune.model.with_loss import CausalLMWithLoss
-from finetune.objectives.base import MicroResult, Preparation
-from finetune.recipe import AdapterConfig, GRPOConfig
+from finetune.objectives.base import MicroResult, Planning, Preparation
+from finetune.recipe import AdapterConfig, GRPOConfig, Recipe
+from finetune.rl.plan import RolloutPlan
+from finetune.rl.sources import rollout_plan, rollout_samples
 
 UNITS = {"tokens": "tokens", "sequences": "sequences", "constant": "token_budget"}
 
@@ -40,6 +45,15 @@ class GRPO:
         self.units = (UNITS[cfg.normalize],)
         self._reference: CausalLMWithLoss | None = None
         self._adapter_off: torch.nn.Module | None = None  # the policy whose adapter is turned off for the reference
+
+    def samples(self, recipe: Recipe, tokenizer: Any, world: dist.World, say: Callable[[str], Any]) -> Prepared:
+        """None up front: the plan makes the rows from rollouts (finetune/rl/sources.py)."""
+        return rollout_samples(recipe, say)
+
+    def plan(self, planning: Planning) -> RolloutPlan:
+        """The replay file's rollouts, or the policy's, with their advantages, one batch per optimizer step."""
+        p = planning
+        return rollout_plan(p.recipe, p.tokenizer, p.lm, p.net, p.device, p.world, p.world_size)
 
     def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
         """The reference model (beta > 0): the policy with its adapter off, a frozen copy of the model as loaded,
