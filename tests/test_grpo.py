@@ -75,6 +75,20 @@ def test_a_reward_function_that_raises_is_named(tmp_path, monkeypatch):
         load_rewards([RewardConfig(function="nope")])
 
 
+def test_rollout_figures_give_mean_and_std_per_function_and_in_total():
+    """Bessel's std, unscored (None: NaN) completions left out of their function's figures."""
+    from finetune.rl.plan import rollout_figures
+
+    rollouts = [Rollout(0, [5], [7, 2], {"a": a, "b": b}, total)
+                for a, b, total in ((1.0, 0.0, 1.0), (0.0, math.nan, 0.0), (1.0, 2.0, 3.0), (0.0, 4.0, 4.0))]
+    figures = rollout_figures(rollouts, [False, False, True, False], 0.5)
+    assert figures["rewards/a"] == 0.5 and figures["rewards_std/a"] == pytest.approx(math.sqrt(1 / 3), rel=1e-12)
+    assert figures["rewards/b"] == 2.0 and figures["rewards_std/b"] == pytest.approx(2.0, rel=1e-12)
+    assert figures["reward"] == 2.0 and figures["reward_std"] == pytest.approx(math.sqrt(10 / 3), rel=1e-12)
+    assert figures["truncated"] == 0.25 and figures["zero_std_groups"] == 0.5
+    assert figures["completion_length"] == 2 and figures["completion_length_max"] == 2
+
+
 # --- the policy loss against hand computation ---------------------------------------------------------------------
 
 
@@ -365,7 +379,8 @@ def test_generated_rollouts_train_and_eval_reports_the_mean_reward(tmp_path):
     for line in steps:
         assert 1 <= line["completion_length"] <= line["completion_length_max"] <= 6
         assert line["samples"] == 8 * line["step"] and line["generation_tokens_per_s"] > 0
-        assert {"rewards/length", "rewards/exact_answer", "zero_std_groups", "kl", "tokens"} <= set(line)
+        assert {"rewards/length", "rewards/exact_answer", "rewards_std/length", "zero_std_groups", "kl", "tokens",
+                "entropy"} <= set(line)
         assert line["reward"] == pytest.approx(line["rewards/length"] + line["rewards/exact_answer"])
     assert "prompts: 32 (0 bad rows skipped), 8 held out" in r.stdout
 

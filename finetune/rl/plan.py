@@ -116,7 +116,8 @@ def rollout_figures(rollouts: list[Rollout], truncated: list[bool], zero_std: fl
     reward, reward_std = mean_std([r.reward for r in rollouts])
     figures: dict[str, Any] = {"reward": reward, "reward_std": reward_std, "zero_std_groups": zero_std}
     for name in dict.fromkeys(k for r in rollouts for k in r.rewards if k != "reward"):  # "reward": the total
-        figures[f"rewards/{name}"] = mean_std([r.rewards.get(name, math.nan) for r in rollouts])[0]
+        mean, std = mean_std([r.rewards.get(name, math.nan) for r in rollouts])
+        figures |= {f"rewards/{name}": mean, f"rewards_std/{name}": std}
     lengths = [len(r.completion_ids) for r in rollouts]
     figures |= {"completion_length": sum(lengths) / len(lengths), "completion_length_max": max(lengths),
                 "truncated": sum(truncated) / len(truncated)}
