@@ -63,14 +63,22 @@ def test_built_in_rewards_and_their_total():
     assert math.isnan(total({"a": [math.nan], "b": [math.nan]}, {})[0])  # no function had an opinion
 
 
-def test_a_reward_function_that_raises_is_named(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text("def boom(prompts, completions, **kw):\n    raise KeyError('x')\n"
-                                            "def bad(prompts, completions, **kw):\n    return [float('inf')]\n")
+def test_a_reward_function_that_raises_is_named_with_the_row(tmp_path, monkeypatch):
+    """The function and the one row whose completion makes it raise (found by calling it again one completion at a
+    time), not the batch's range; the range only when no single completion raises alone."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def boom(prompts, completions, **kw):\n    return [float({'x': 1}[c]) for c in completions]\n"
+        "def pairs(prompts, completions, **kw):\n    assert len(completions) == 1, 'one at a time'\n    return [1.0]\n"
+        "def bad(prompts, completions, **kw):\n    return [float('inf')] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name, message in (("boom", "'boom' raised KeyError: 'x' .on the completions of row 0 to row 0"), ("bad", "returned inf for row 0")):
+    batch = ["x", "x", "oops", "y"]
+    for name, message in (("boom", r"'boom' raised KeyError: 'oops' \(on a completion of p.jsonl:3: 'oops'\)$"),
+                          ("pairs", r"'pairs' raised AssertionError: one at a time \(on the completions of p.jsonl:1 "
+                                    r"to p.jsonl:4; no single one raises alone\)"),
+                          ("bad", "returned inf for p.jsonl:1")):
         fn = load_rewards([RewardConfig(function=f"my_rewards:{name}")])
         with pytest.raises(UserError, match=message):
-            score(fn, ["p"], ["c"], {}, lambda i: f"row {i}")
+            score(fn, ["p"] * 4, batch, {}, lambda i: f"p.jsonl:{i + 1}")
     with pytest.raises(UserError, match="unknown reward function 'nope'"):
         load_rewards([RewardConfig(function="nope")])
 
@@ -391,3 +399,22 @@ def test_generation_cuts_after_the_first_end_token():
     generator = HFGenerator.__new__(HFGenerator)
     generator.end_ids = [0, 2]
     assert generator._cut([5, 6, 2, 0, 0]) == [5, 6, 2] and generator._cut([5, 6, 7]) == [5, 6, 7]
+
+
+def test_a_raising_reward_names_the_prompt_row_through_the_cli(tmp_path):
+    """Generated rollouts: the error (exit 2, no traceback) names the function and the prompt row's file:line."""
+    (tmp_path / "boom_rewards.py").write_text(
+        "def explode(prompts, completions, explode, **kw):\n"
+        "    return [1 / 0 if e else 0.0 for e in explode]\n")
+    prompts = write_prompts(tmp_path / "p.jsonl", 4, 1)
+    rows = prompts.read_text().splitlines()
+    rows[1] = json.dumps({**json.loads(rows[1]), "explode": True})
+    prompts.write_text("\n".join(rows) + "\n")
+    r = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "data.packing=false",
+                "train.objective=grpo", f"datasets.0.path={prompts}", "datasets.0.format=prompt", "eval_datasets=[]",
+                "data.shuffle=false", "grpo.num_generations=2", "grpo.max_new_tokens=2",
+                "grpo.rewards=[{function: 'boom_rewards:explode'}]", "train.micro_batch_size=2",
+                "train.gradient_accumulation_steps=2", "train.max_steps=1", env={"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"reward function 'explode' raised ZeroDivisionError: division by zero (on a completion of " \
+           f"{prompts}:2: " in r.stderr, r.stderr[-2000:]
