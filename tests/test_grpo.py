@@ -418,3 +418,36 @@ def test_a_raising_reward_names_the_prompt_row_through_the_cli(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"reward function 'explode' raised ZeroDivisionError: division by zero (on a completion of " \
            f"{prompts}:2: " in r.stderr, r.stderr[-2000:]
+
+
+def test_training_tokens_per_s_leaves_out_generation(tmp_path, monkeypatch):
+    """Generation made slow on purpose (2 s a batch, injected into our generator): the step's training time
+    (seq_tokens / tokens_per_s) leaves it out, and generation_s and rollout_s (the whole making of the batch) count
+    it."""
+    import time
+
+    from rich.console import Console
+
+    from finetune.recipe import load_recipe
+    from finetune.rl.generation import HFGenerator
+    from finetune.train.loop import train
+
+    real = HFGenerator.generate
+
+    def slow(self, prompts, greedy=False):
+        time.sleep(2.0)
+        return real(self, prompts, greedy)
+
+    monkeypatch.setattr(HFGenerator, "generate", slow)
+    prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)
+    recipe = load_recipe(QUICKSTART, [f"output_dir={tmp_path / 'run'}", *TINY, "data.packing=false",
+                                      "train.objective=grpo", f"datasets.0.path={prompts}", "datasets.0.format=prompt",
+                                      "eval_datasets=[]", "grpo.num_generations=4", "grpo.max_new_tokens=4",
+                                      "train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
+                                      "train.max_steps=2", "grpo.rewards=[{function: length}]"])
+    train(recipe, console=Console(quiet=True))
+    for line in train_lines(tmp_path / "run"):
+        training = line["seq_tokens"] / line["tokens_per_s"]
+        assert line["generation_s"] >= 2.0 and line["rollout_s"] >= line["generation_s"] + line["reward_s"]
+        assert training < 2.0, line  # before: the lap held the generation, >= 2 s
+        assert line["generation_tokens_per_s"] == pytest.approx(line["completion_length"] * 4 / line["generation_s"])

@@ -10,6 +10,7 @@ file's, else the policy's own before the first of those steps (`score`).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -64,6 +65,7 @@ class RolloutPlan:
 
     def _rows(self, batch: int) -> tuple[list[dict], dict[str, float]]:
         g = self.recipe.grpo
+        start = time.perf_counter()
         rollouts = self.fetch(batch)
         adv = group_advantages([r.reward for r in rollouts], g.num_generations, g.scale_rewards)
         truncated = [r.truncated(self.end_ids) for r in rollouts]
@@ -73,7 +75,8 @@ class RolloutPlan:
             for row, logps in zip(rows, self.score(rows)):  # the sampling policy: the policy before this batch's steps
                 row["rollout"]["logprobs"] = row["rollout"]["logprobs"] or logps
         figures = rollout_figures(rollouts, truncated, adv.zero_std_groups) | getattr(self.fetch, "figures", {})
-        return rows, figures
+        # Making the batch (generation, rewards, gathering, the sampling log-probs): outside the training's tokens/s.
+        return rows, figures | {"rollout_s": time.perf_counter() - start}
 
 
 def group_batch(recipe: Recipe, world_size: int) -> int:
