@@ -451,3 +451,20 @@ def test_training_tokens_per_s_leaves_out_generation(tmp_path, monkeypatch):
         assert line["generation_s"] >= 2.0 and line["rollout_s"] >= line["generation_s"] + line["reward_s"]
         assert training < 2.0, line  # before: the lap held the generation, >= 2 s
         assert line["generation_tokens_per_s"] == pytest.approx(line["completion_length"] * 4 / line["generation_s"])
+
+
+def test_a_step_without_advantage_is_reported(tmp_path):
+    """Every group's rewards equal: the console says the step has nothing to learn, and the metrics line (the
+    console's and metrics.jsonl's) says every group had zero advantage."""
+    replay = write_replay(tmp_path / "r.jsonl", groups=2)
+    lines = [json.loads(x) for x in replay.read_text().splitlines()]
+    replay.write_text("".join(json.dumps({**x, "reward": float(x["group"])}) + "\n" for x in lines))
+    run = tmp_path / "run"
+    r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *grpo_args(replay), "train.micro_batch_size=4",
+                "train.gradient_accumulation_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 1: the rewards are equal within every group (no advantage): nothing to learn from its rollouts" \
+        in r.stdout, r.stdout[-2000:]
+    assert "reward 0.500  zero_std_groups 1.00" in r.stdout
+    (line,) = train_lines(run)
+    assert line["zero_std_groups"] == 1.0 and line["reward_std"] > 0  # equal within groups, not across them
