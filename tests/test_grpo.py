@@ -63,16 +63,38 @@ def test_built_in_rewards_and_their_total():
     assert math.isnan(total({"a": [math.nan], "b": [math.nan]}, {})[0])  # no function had an opinion
 
 
-def test_a_reward_function_that_raises_is_named(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text("def boom(prompts, completions, **kw):\n    raise KeyError('x')\n"
-                                            "def bad(prompts, completions, **kw):\n    return [float('inf')]\n")
+def test_a_reward_function_that_raises_is_named_with_the_row(tmp_path, monkeypatch):
+    """The function and the one row whose completion makes it raise (found by calling it again one completion at a
+    time), not the batch's range; the range only when no single completion raises alone."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def boom(prompts, completions, **kw):\n    return [float({'x': 1}[c]) for c in completions]\n"
+        "def pairs(prompts, completions, **kw):\n    assert len(completions) == 1, 'one at a time'\n    return [1.0]\n"
+        "def bad(prompts, completions, **kw):\n    return [float('inf')] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name, message in (("boom", "'boom' raised KeyError: 'x' .on the completions of row 0 to row 0"), ("bad", "returned inf for row 0")):
+    batch = ["x", "x", "oops", "y"]
+    for name, message in (("boom", r"'boom' raised KeyError: 'oops' \(on a completion of p.jsonl:3: 'oops'\)$"),
+                          ("pairs", r"'pairs' raised AssertionError: one at a time \(on the completions of p.jsonl:1 "
+                                    r"to p.jsonl:4; no single one raises alone\)"),
+                          ("bad", "returned inf for p.jsonl:1")):
         fn = load_rewards([RewardConfig(function=f"my_rewards:{name}")])
         with pytest.raises(UserError, match=message):
-            score(fn, ["p"], ["c"], {}, lambda i: f"row {i}")
+            score(fn, ["p"] * 4, batch, {}, lambda i: f"p.jsonl:{i + 1}")
     with pytest.raises(UserError, match="unknown reward function 'nope'"):
         load_rewards([RewardConfig(function="nope")])
+
+
+def test_rollout_figures_give_mean_and_std_per_function_and_in_total():
+    """Bessel's std, unscored (None: NaN) completions left out of their function's figures."""
+    from finetune.rl.plan import rollout_figures
+
+    rollouts = [Rollout(0, [5], [7, 2], {"a": a, "b": b}, total)
+                for a, b, total in ((1.0, 0.0, 1.0), (0.0, math.nan, 0.0), (1.0, 2.0, 3.0), (0.0, 4.0, 4.0))]
+    figures = rollout_figures(rollouts, [False, False, True, False], 0.5)
+    assert figures["rewards/a"] == 0.5 and figures["rewards_std/a"] == pytest.approx(math.sqrt(1 / 3), rel=1e-12)
+    assert figures["rewards/b"] == 2.0 and figures["rewards_std/b"] == pytest.approx(2.0, rel=1e-12)
+    assert figures["reward"] == 2.0 and figures["reward_std"] == pytest.approx(math.sqrt(10 / 3), rel=1e-12)
+    assert figures["truncated"] == 0.25 and figures["zero_std_groups"] == 0.5
+    assert figures["completion_length"] == 2 and figures["completion_length_max"] == 2
 
 
 # --- the policy loss against hand computation ---------------------------------------------------------------------
@@ -145,6 +167,52 @@ def test_clipping_uses_the_sampling_logprobs():
     expected = (2 * -1.2 * adv[0] + 3 * -0.8 * adv[1]) / 5
     assert figures.loss == pytest.approx(expected, rel=1e-9)
     assert figures.metrics["clip_ratio"] == 1.0 and grad.abs().max() == 0
+
+
+# --- the entropy metric ------------------------------------------------------------------------------------------
+
+
+def _tiny_policy():
+    from conftest import TINY_MODEL_CONFIG
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.model.with_loss import CausalLMWithLoss
+
+    torch.manual_seed(0)
+    config = {k: v for k, v in TINY_MODEL_CONFIG.items() if k != "model_type"}
+    lm = LlamaForCausalLM(LlamaConfig(**config, vocab_size=1024)).eval()
+    return lm, CausalLMWithLoss(lm, "chunked", chunk_size=7, z_loss=0.0, softcap=None)  # several chunks per batch
+
+
+def test_entropy_equals_full_logits_and_any_split():
+    """The step's entropy metric (the mean over every scored completion token of the policy's entropy at
+    grpo.temperature, summed in the chunked pass) equals it computed from the model's full logits, within 1e-5
+    (fp32 model), under the splits 8 x 1, 1 x 8 and 2 x 4; a masked (truncated) completion counts no tokens."""
+    lm, net = _tiny_policy()
+    rng = random.Random(3)
+    rollouts = [Rollout(g, [rng.randrange(3, 1000) for _ in range(3 + g)],
+                        [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 9))]) for g in range(2) for _ in range(4)]
+    rows = [training_row(r, 0.5, masked=i == 5) for i, r in enumerate(rollouts)]
+    temperature = 0.7
+    with torch.no_grad():
+        naive = []
+        for i, r in enumerate(rollouts):
+            if i == 5:
+                continue
+            logits = lm(torch.tensor([r.prompt_ids + r.completion_ids])).logits[0].double() / temperature
+            logp = torch.log_softmax(logits[len(r.prompt_ids) - 1:-1], dim=-1)  # the positions scoring the completion
+            naive += (-(logp.exp() * logp).sum(-1)).tolist()
+    expected = sum(naive) / len(naive)
+    objective = GRPO(GRPOConfig(num_generations=4, temperature=temperature))
+    world = __import__("finetune.dist", fromlist=["World"]).World()
+    got = []
+    for micro in (8, 1, 2):
+        batches = [collate(rows[i:i + micro], DataConfig(packing=False), 0) for i in range(0, 8, micro)]
+        counts = step_counts(objective, batches, world, torch.device("cpu"))[0]
+        sums = forward_backward(net, objective, batches, counts, world, torch.device("cpu"))
+        got.append(read_step(objective, sums, torch.tensor(0.0), counts).metrics["entropy"])
+        assert counts["tokens"] == len(naive)
+    assert got == pytest.approx([expected] * 3, rel=1e-5, abs=0) and expected > 1.0, (got, expected)
 
 
 # --- the replay file ------------------------------------------------------------------------------------------------
@@ -319,7 +387,8 @@ def test_generated_rollouts_train_and_eval_reports_the_mean_reward(tmp_path):
     for line in steps:
         assert 1 <= line["completion_length"] <= line["completion_length_max"] <= 6
         assert line["samples"] == 8 * line["step"] and line["generation_tokens_per_s"] > 0
-        assert {"rewards/length", "rewards/exact_answer", "zero_std_groups", "kl", "tokens"} <= set(line)
+        assert {"rewards/length", "rewards/exact_answer", "rewards_std/length", "zero_std_groups", "kl", "tokens",
+                "entropy"} <= set(line)
         assert line["reward"] == pytest.approx(line["rewards/length"] + line["rewards/exact_answer"])
     assert "prompts: 32 (0 bad rows skipped), 8 held out" in r.stdout
 
@@ -330,3 +399,72 @@ def test_generation_cuts_after_the_first_end_token():
     generator = HFGenerator.__new__(HFGenerator)
     generator.end_ids = [0, 2]
     assert generator._cut([5, 6, 2, 0, 0]) == [5, 6, 2] and generator._cut([5, 6, 7]) == [5, 6, 7]
+
+
+def test_a_raising_reward_names_the_prompt_row_through_the_cli(tmp_path):
+    """Generated rollouts: the error (exit 2, no traceback) names the function and the prompt row's file:line."""
+    (tmp_path / "boom_rewards.py").write_text(
+        "def explode(prompts, completions, explode, **kw):\n"
+        "    return [1 / 0 if e else 0.0 for e in explode]\n")
+    prompts = write_prompts(tmp_path / "p.jsonl", 4, 1)
+    rows = prompts.read_text().splitlines()
+    rows[1] = json.dumps({**json.loads(rows[1]), "explode": True})
+    prompts.write_text("\n".join(rows) + "\n")
+    r = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "data.packing=false",
+                "train.objective=grpo", f"datasets.0.path={prompts}", "datasets.0.format=prompt", "eval_datasets=[]",
+                "data.shuffle=false", "grpo.num_generations=2", "grpo.max_new_tokens=2",
+                "grpo.rewards=[{function: 'boom_rewards:explode'}]", "train.micro_batch_size=2",
+                "train.gradient_accumulation_steps=2", "train.max_steps=1", env={"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"reward function 'explode' raised ZeroDivisionError: division by zero (on a completion of " \
+           f"{prompts}:2: " in r.stderr, r.stderr[-2000:]
+
+
+def test_training_tokens_per_s_leaves_out_generation(tmp_path, monkeypatch):
+    """Generation made slow on purpose (2 s a batch, injected into our generator): the step's training time
+    (seq_tokens / tokens_per_s) leaves it out, and generation_s and rollout_s (the whole making of the batch) count
+    it."""
+    import time
+
+    from rich.console import Console
+
+    from finetune.recipe import load_recipe
+    from finetune.rl.generation import HFGenerator
+    from finetune.train.loop import train
+
+    real = HFGenerator.generate
+
+    def slow(self, prompts, greedy=False):
+        time.sleep(2.0)
+        return real(self, prompts, greedy)
+
+    monkeypatch.setattr(HFGenerator, "generate", slow)
+    prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)
+    recipe = load_recipe(QUICKSTART, [f"output_dir={tmp_path / 'run'}", *TINY, "data.packing=false",
+                                      "train.objective=grpo", f"datasets.0.path={prompts}", "datasets.0.format=prompt",
+                                      "eval_datasets=[]", "grpo.num_generations=4", "grpo.max_new_tokens=4",
+                                      "train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
+                                      "train.max_steps=2", "grpo.rewards=[{function: length}]"])
+    train(recipe, console=Console(quiet=True))
+    for line in train_lines(tmp_path / "run"):
+        training = line["seq_tokens"] / line["tokens_per_s"]
+        assert line["generation_s"] >= 2.0 and line["rollout_s"] >= line["generation_s"] + line["reward_s"]
+        assert training < 2.0, line  # before: the lap held the generation, >= 2 s
+        assert line["generation_tokens_per_s"] == pytest.approx(line["completion_length"] * 4 / line["generation_s"])
+
+
+def test_a_step_without_advantage_is_reported(tmp_path):
+    """Every group's rewards equal: the console says the step has nothing to learn, and the metrics line (the
+    console's and metrics.jsonl's) says every group had zero advantage."""
+    replay = write_replay(tmp_path / "r.jsonl", groups=2)
+    lines = [json.loads(x) for x in replay.read_text().splitlines()]
+    replay.write_text("".join(json.dumps({**x, "reward": float(x["group"])}) + "\n" for x in lines))
+    run = tmp_path / "run"
+    r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *grpo_args(replay), "train.micro_batch_size=4",
+                "train.gradient_accumulation_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 1: the rewards are equal within every group (no advantage): nothing to learn from its rollouts" \
+        in r.stdout, r.stdout[-2000:]
+    assert "reward 0.500  zero_std_groups 1.00" in r.stdout
+    (line,) = train_lines(run)
+    assert line["zero_std_groups"] == 1.0 and line["reward_std"] > 0  # equal within groups, not across them

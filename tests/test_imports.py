@@ -1,8 +1,8 @@
 """The import direction of docs/design.md ("Layout"), checked by parsing every module's imports with ast.
 
-recipe -> data -> attention -> model -> loss -> objectives -> train -> commands. Leaves (errors, labels, versions,
-dist, templates, batch) import nothing from the package but `errors` (batch: labels); data, loss, metrics and run
-never import each other's internals beyond this table; only cli imports the training loop, and lazily.
+recipe -> data -> attention -> model -> loss -> rl -> objectives -> train -> commands. Leaves (errors, labels,
+versions, dist, templates, batch) import nothing from the package but `errors` (batch: labels); data, loss, metrics
+and run never import each other's internals beyond this table; only cli imports the training loop, and lazily.
 """
 
 import ast
@@ -26,7 +26,8 @@ ALLOWED = {
     "attention": {"batch"},  # packed attention: transformers' extension point and the kernels behind it
     "loss": {"labels", "batch"},  # the fused linear cross-entropy, per-token log-probabilities
     "model": {"attention", "batch", "data", "loss", "recipe", "templates"},  # loading, the model with its loss
-    "objectives": {"batch", "data", "dist", "loss", "model", "recipe"},  # the seam, SFT, DPO/ORPO, the reference
+    # the seam, SFT, DPO/ORPO, the reference; GRPO's plan and rows from rl
+    "objectives": {"batch", "data", "dist", "loss", "model", "recipe", "rl"},
     "rl": {"batch", "data", "dist", "labels", "recipe"},  # rollouts (replayed), rewards, advantages, which rows each step trains
     "run": {"dist", "model", "recipe"},  # the run directory, checkpoints, a finished run's model
     "metrics": {"recipe", "run"},

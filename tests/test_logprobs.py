@@ -1,5 +1,6 @@
 """Per-token log-probabilities through the output layer (finetune/loss/logprobs.py): the chunked recompute-in-backward
-function equals the naive one built on full logits, in value and in the gradient of any weighting of the tokens."""
+function equals the naive one built on full logits, in value and in the gradient of any weighting of the tokens; the
+entropy summed in the same pass (entropy_sum) equals the naive one too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from finetune.labels import IGNORE_INDEX
-from finetune.loss.logprobs import token_logprobs
+from finetune.loss.logprobs import chunked_entropy_sum, entropy_sum, token_logprobs
 
 
 def _inputs(dtype=torch.float64, seed=0, bias=True):
@@ -75,3 +76,40 @@ def test_no_targets_still_reach_every_input():
     assert logp.numel() == 0 and keep.numel() == 0
     logp.sum().backward()  # a filler micro-batch: zero, but in the graph (distributed hooks fire)
     assert hidden.grad is not None and weight.grad is not None and float(weight.grad.abs().sum()) == 0.0
+
+
+@torch.no_grad()
+def _naive_entropy(hidden, weight, bias, keep, softcap):
+    logits = (hidden @ weight.t() + bias).reshape(-1, weight.shape[0])[keep]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logp = torch.log_softmax(logits, dim=-1)
+    return float(-(logp.exp() * logp).sum())
+
+
+@pytest.mark.parametrize(("impl", "chunk"), [("chunked", 1), ("chunked", 4), ("chunked", 1000), ("torch", 1024)])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_entropy_sum_equals_naive_and_leaves_the_logprobs_alone(impl, chunk, softcap):
+    hidden, weight, bias, labels = _inputs()
+    plain, _ = token_logprobs(hidden, weight, labels, bias, impl=impl, chunk_size=chunk, softcap=softcap)
+    with entropy_sum() as entropy:
+        logp, keep = token_logprobs(hidden, weight, labels, bias, impl=impl, chunk_size=chunk, softcap=softcap)
+        token_logprobs(hidden, weight, labels, bias, impl=impl, chunk_size=chunk, softcap=softcap)  # summed twice
+    expected = _naive_entropy(hidden, weight, bias, keep, softcap)
+    assert float(entropy.total) == pytest.approx(2 * expected, rel=1e-12) and expected > 0
+    assert not entropy.total.requires_grad and entropy.total.dtype == torch.float64
+    assert torch.equal(logp, plain)
+    logp.sum().backward()  # the gradient path is untouched by the extra figure
+    with entropy_sum() as outside:
+        pass
+    assert outside.total is None
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_chunked_entropy_sum_for_kernels_that_keep_no_logits(chunk):
+    """What the Liger path sums (its kernel keeps no logits): the same figure in a separate chunked pass."""
+    hidden, weight, bias, labels = _inputs()
+    _, keep = token_logprobs(hidden, weight, labels, bias)
+    rows = hidden.reshape(-1, 16)[keep]
+    got = chunked_entropy_sum(rows, weight, bias, chunk, 2.0)
+    assert float(got) == pytest.approx(_naive_entropy(hidden, weight, bias, keep, 2.0), rel=1e-12)

@@ -17,7 +17,7 @@ from helpers import QUICKSTART, run_cli
 from rich.console import Console
 
 from finetune.commands.compare import compare_runs
-from finetune.commands.plot import _series, plot_runs
+from finetune.commands.plot import RL_PANELS, _series, build_figure, plot_runs
 from finetune.errors import UserError
 from finetune.metrics import INSTALL_HINT, JsonlSink
 from finetune.recipe import load_recipe, to_yaml
@@ -107,6 +107,70 @@ def test_plot_run_with_only_eval_lines(tmp_path, capsys):
     plot_runs([str(run)], str(tmp_path / "t.png"), x="tokens")  # only the step-0 eval can be placed
     assert "2 eval points have no train line" in capsys.readouterr().err
     assert _series(read_metrics(run), "evalonly", "tokens")["eval_x"] == [0.0]
+
+
+def make_grpo_run(root: Path, name: str = "grpo", steps: int = 6) -> Path:
+    """A GRPO run's metrics.jsonl as the trainer writes it (its fields: rl/plan.py, rl/live.py, objectives/grpo.py),
+    evals with the held-out greedy reward, two reward functions."""
+    out = make_run(root, name, steps=steps, train=False, eval_every=10 ** 6)
+    (out / "metrics.jsonl").unlink()
+    sink = JsonlSink(out / "metrics.jsonl")
+    sink.write({"step": 0, "eval_reward": 0.1, "eval_prompts": 8, "eval_completion_length": 12.0})
+    for step in range(1, steps + 1):
+        sink.write({"step": step, "total_steps": steps, "epoch": 0, "loss": 0.01 * step, "grad_norm": 0.5, "lr": 1e-5,
+                    "tokens": 400, "seq_tokens": 900, "tokens_seen": 900 * step, "samples": 16 * step,
+                    "tokens_per_s": 3000.0 + step, "reward": 0.1 * step, "reward_std": 0.3, "rewards/exact_answer":
+                    0.05 * step, "rewards_std/exact_answer": 0.2, "rewards/length": -0.5 + 0.01 * step,
+                    "rewards_std/length": 0.1, "zero_std_groups": 0.25, "kl": 0.001 * step, "entropy": 2.0 - 0.1 * step,
+                    "clip_ratio": 0.0, "truncated": 0.125, "completion_length": 20.0 + step,
+                    "completion_length_max": 32, "generation_s": 4.0, "generation_tokens_per_s": 80.0 + step,
+                    "reward_s": 0.01, "rollout_s": 4.1, "elapsed_s": 5.0 * step})
+        if step % 3 == 0:
+            sink.write({"step": step, "eval_reward": 0.1 + 0.1 * step, "eval_prompts": 8,
+                        "eval_completion_length": 12.0})
+    sink.close()
+    return out
+
+
+def _panels(fig) -> dict[str, dict[str, Any]]:
+    """Each visible panel's title -> its curves by legend label."""
+    return {ax.get_title(): {line.get_label(): line for line in ax.get_lines()} for ax in fig.axes if ax.get_visible()}
+
+
+def test_plot_grpo_run_draws_its_panels(tmp_path):
+    """A GRPO run beside an SFT run: the four common panels (the GRPO run's generation tokens/s beside its
+    training's) and GRPO's own (rewards in total with the eval points, per function; KL; entropy; zero-advantage,
+    clipped and truncated fractions; completion length mean and max), each curve the run's logged values."""
+    grpo, sft = make_grpo_run(tmp_path), make_run(tmp_path, "sft", steps=6, eval_every=3)
+    fig = build_figure([str(grpo), str(sft)], x="steps")
+    panels = _panels(fig)
+    assert list(panels) == ["loss (token-weighted per step)", "learning rate", "gradient norm (before clipping)",
+                            "throughput (tokens/s)", *(title for title, _ in RL_PANELS)]
+    assert set(panels["throughput (tokens/s)"]) == {"grpo training", "grpo generation", "sft"}
+    assert list(panels["throughput (tokens/s)"]["grpo generation"].get_ydata()) == [80.0 + s for s in range(1, 7)]
+    expected = {
+        "reward (mean per completion)": {"grpo train", "grpo eval (greedy)"},
+        "reward per function (mean)": {"grpo exact_answer", "grpo length"},
+        "KL to the reference (per token)": {"grpo"},
+        "entropy of the policy (per token, nats)": {"grpo"},
+        "fractions of the step": {"grpo groups with zero advantage", "grpo clipped tokens", "grpo truncated completions"},
+        "completion length (tokens)": {"grpo mean", "grpo max"},
+    }
+    for title, labels in expected.items():
+        assert set(panels[title]) == labels, title  # the SFT run draws nothing in GRPO's panels
+    evals = panels["reward (mean per completion)"]["grpo eval (greedy)"]
+    assert list(evals.get_xdata()) == [0.0, 3.0, 6.0] and list(evals.get_ydata()) == pytest.approx([0.1, 0.4, 0.7])
+    per_function = panels["reward per function (mean)"]["grpo exact_answer"]
+    assert list(per_function.get_ydata()) == pytest.approx([0.05 * s for s in range(1, 7)])
+    assert per_function.get_linestyle() != panels["reward per function (mean)"]["grpo length"].get_linestyle()
+    assert list(panels["entropy of the policy (per token, nats)"]["grpo"].get_ydata()) == \
+        pytest.approx([2.0 - 0.1 * s for s in range(1, 7)])
+    assert list(panels["completion length (tokens)"]["grpo max"].get_ydata()) == [32.0] * 6
+    assert png_size(plot_runs([str(grpo)], str(tmp_path / "g.png"), x="tokens")) == (1300, 2050)
+
+
+def test_plot_without_grpo_runs_has_four_panels(two_runs):
+    assert len(_panels(build_figure([str(d) for d in two_runs], x="steps"))) == 4
 
 
 def test_plot_samples_without_samples_field_explains(tmp_path):

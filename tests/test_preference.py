@@ -186,7 +186,7 @@ def test_a_pair_dropped_as_too_long_is_named_fresh_and_from_the_cache(truncation
     from finetune.data.report import preprocess
     from finetune.model.loading import load_tokenizer
     from finetune.recipe import validate
-    from finetune.train.parts import _prepared
+    from finetune.objectives.rows import DatasetRows
 
     def pair(prompt: str, chosen: str) -> dict:
         return {"prompt": prompt, "chosen": chosen, "rejected": "no."}
@@ -205,7 +205,7 @@ def test_a_pair_dropped_as_too_long_is_named_fresh_and_from_the_cache(truncation
         expected.insert(0, f"{data}:2: pair of ")
     for hit in (False, True):
         said: list[str] = []
-        prepared = _prepared(recipe, tokenizer, dist.World(), said.append)
+        prepared = DatasetRows().samples(recipe, tokenizer, dist.World(), said.append)
         stats = prepared.train_stats
         assert prepared.hit is hit, prepared.note
         assert stats.dropped_too_long == len(expected) and stats.samples == 4 - len(expected)

@@ -2,7 +2,9 @@
 
 Four panels: loss (train per step, solid; eval, dashed with markers), learning rate, gradient norm (before
 clipping) and throughput (real input tokens per second). Every run keeps one color in every panel and is
-named by its run directory in the legends.
+named by its run directory in the legends. GRPO runs add the panels of RL_PANELS (rewards in total with the
+held-out eval reward, and per function; KL; entropy; the zero-advantage, clipped and truncated fractions;
+completion length) and their generation's tokens/s beside the training's.
 
 The x axis is the number of real input tokens seen by default: runs that split the same data into different
 micro-batch x accumulation factorizations, or that use different batch sizes altogether, then line up on the
@@ -32,6 +34,15 @@ X_AXES = {
 
 def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
     """Write the curves of `run_dirs` to `out` (PNG unless its suffix names another format); return its path."""
+    fig = build_figure(run_dirs, x)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format=None if path.suffix else "png")
+    return path
+
+
+def build_figure(run_dirs: list[str], x: str = "tokens") -> Any:
+    """The figure `plot_runs` writes (a matplotlib Figure; each panel titled, each curve labelled)."""
     if x not in X_AXES:
         raise UserError(f"--x {x!r}: choose one of {', '.join(X_AXES)}")
     if not run_dirs:
@@ -46,9 +57,10 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
     except ImportError:
         raise UserError(f"finetune plot needs matplotlib: {INSTALL_HINT} (or pip install matplotlib)") from None
 
-    rl = any(s["reward"] for s in series)  # GRPO runs: a third row, rewards and KL
-    fig = Figure(figsize=(13, 12.5 if rl else 8.5), dpi=100, layout="constrained")
-    axes = fig.subplots(3 if rl else 2, 2, sharex=True)
+    rl = any(s["rl"] or any(not math.isnan(v) for v in s["eval_reward"]) for s in series)
+    rows = 2 + (len(RL_PANELS) + 1) // 2 if rl else 2  # GRPO runs: its rows of panels below the four
+    fig = Figure(figsize=(13, 4 * rows + 0.5), dpi=100, layout="constrained")
+    axes = fig.subplots(rows, 2, sharex=True)
     (ax_loss, ax_lr), (ax_grad, ax_tps) = axes[0], axes[1]
     for i, s in enumerate(series):
         color = f"C{i % 10}"
@@ -58,8 +70,13 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
             ax_loss.plot(s["train_x"], s["loss"], label=f"{s['name']} train", **style)
             ax_lr.plot(s["train_x"], s["lr"], label=s["name"], **style)
             ax_grad.plot(s["train_x"], s["grad_norm"], label=s["name"], **style)
-            ax_tps.plot(s["train_x"], s["tokens_per_s"], label=s["name"], **style)
-        if any(not math.isnan(v) for v in s["eval_loss"]):  # GRPO's evals are rewards (its own row)
+            generated = "generation_tokens_per_s" in s["rl"]
+            ax_tps.plot(s["train_x"], s["tokens_per_s"], label=f"{s['name']} training" if generated else s["name"],
+                        **style)
+            if generated:  # GRPO: the policy generating its rollouts, timed apart from the training
+                ax_tps.plot(s["train_x"], s["rl"]["generation_tokens_per_s"], label=f"{s['name']} generation",
+                            **(style | {"linestyle": "--"}))
+        if any(not math.isnan(v) for v in s["eval_loss"]):  # GRPO's evals are rewards (its own panel)
             ax_loss.plot(s["eval_x"], s["eval_loss"], color=color, linestyle="--", marker="o", markersize=4,
                          linewidth=1.2, label=f"{s['name']} eval")
         if s["bad_x"]:
@@ -67,16 +84,17 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
             edge = blended_transform_factory(ax_loss.transData, ax_loss.transAxes)
             ax_loss.plot(s["bad_x"], [0.02] * len(s["bad_x"]), linestyle="none", marker="x", color=color,
                          markersize=7, transform=edge, label=f"{s['name']} non-finite loss")
-    if rl:
-        _plot_rl(axes[2], series)
     clip = _common_clip(run_dirs)
     if clip:
         ax_grad.axhline(clip, color="gray", linestyle=":", linewidth=1, label=f"clipped at {clip:g}")
     _log_scale_if_wide(ax_grad, [v for s in series for v in s["grad_norm"]])
+    titled = [(ax_loss, "loss (token-weighted per step)"), (ax_lr, "learning rate"),
+              (ax_grad, "gradient norm (before clipping)"), (ax_tps, "throughput (tokens/s)")]
+    if rl:
+        titled += _plot_rl([ax for row in axes[2:] for ax in row], series)
 
     x_label = X_AXES[x][1]
-    for ax, title in ((ax_loss, "loss (token-weighted per step)"), (ax_lr, "learning rate"),
-                      (ax_grad, "gradient norm (before clipping)"), (ax_tps, "throughput (tokens/s)")):
+    for ax, title in titled:
         ax.set_title(title, fontsize=11)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -84,32 +102,51 @@ def plot_runs(run_dirs: list[str], out: str, x: str = "tokens") -> Path:
     for ax in axes[-1]:
         ax.set_xlabel(x_label)
     if x != "steps":
-        ax_tps.xaxis.set_major_formatter(EngFormatter(sep=""))  # 160k, 2.5M: token counts get long
+        for ax in axes[-1]:
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 160k, 2.5M: token counts get long
     fig.suptitle(f"finetune runs vs {x_label}", fontsize=12)
-
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format=None if path.suffix else "png")
-    return path
+    return fig
 
 
-def _plot_rl(row: Any, series: list[dict[str, Any]]) -> None:
-    """GRPO's row: the step's mean reward with the held-out greedy eval reward, and the KL to the reference."""
-    ax_reward, ax_kl = row
+# GRPO's panels: title -> the train-line fields drawn in it, each (field, what its legend says, line style).
+# "rewards/*" stands for every reward function's mean (rewards/NAME); the reward panel adds the eval points.
+RL_PANELS: list[tuple[str, list[tuple[str, str, str]]]] = [
+    ("reward (mean per completion)", [("reward", "train", "-")]),
+    ("reward per function (mean)", [("rewards/*", "", "-")]),
+    ("KL to the reference (per token)", [("kl", "", "-")]),
+    ("entropy of the policy (per token, nats)", [("entropy", "", "-")]),
+    ("fractions of the step", [("zero_std_groups", "groups with zero advantage", "-"),
+                               ("clip_ratio", "clipped tokens", "--"), ("truncated", "truncated completions", ":")]),
+    ("completion length (tokens)", [("completion_length", "mean", "-"), ("completion_length_max", "max", "--")]),
+]
+
+
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _plot_rl(axes: list[Any], series: list[dict[str, Any]]) -> list[tuple[Any, str]]:
+    """GRPO's panels (RL_PANELS), each run in its color, each field in its line style; the held-out greedy eval
+    reward as points in the reward panel. Returns the panels with their titles (a spare one is hidden)."""
+    for ax in axes[len(RL_PANELS):]:
+        ax.set_visible(False)
     for i, s in enumerate(series):
         color = f"C{i % 10}"
-        if s["reward"]:
-            ax_reward.plot(s["train_x"], s["reward"], color=color, linewidth=1.2, label=f"{s['name']} train")
-            ax_kl.plot(s["train_x"], s["kl"], color=color, linewidth=1.2, label=s["name"])
+        marker = "." if len(s["train_x"]) <= 30 else None
+        for ax, (_, fields) in zip(axes, RL_PANELS):
+            for key, what, linestyle in fields:
+                if key == "rewards/*":  # one line style per reward function (the color is the run's)
+                    names = sorted(k for k in s["rl"] if k.startswith("rewards/"))
+                    drawn = [(k, k.removeprefix("rewards/"), LINE_STYLES[j % 4]) for j, k in enumerate(names)]
+                else:
+                    drawn = [(key, what, linestyle)] if key in s["rl"] else []
+                for k, label, style in drawn:
+                    ax.plot(s["train_x"], s["rl"][k], color=color, linestyle=style, linewidth=1.2, marker=marker,
+                            label=" ".join(x for x in (s["name"], label) if x))
         points = [(x, r) for x, r in zip(s["eval_x"], s["eval_reward"]) if not math.isnan(r)]
         if points:
-            ax_reward.plot(*zip(*points), color=color, linestyle="--", marker="o", markersize=4,
-                           label=f"{s['name']} eval (greedy)")
-    for ax, title in ((ax_reward, "reward (mean per completion)"), (ax_kl, "KL to the reference (per token)")):
-        ax.set_title(title, fontsize=11)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best")
+            axes[0].plot(*zip(*points), color=color, linestyle="--", marker="o", markersize=4,
+                         label=f"{s['name']} eval (greedy)")
+    return [(ax, title) for ax, (title, _) in zip(axes, RL_PANELS)]
 
 
 def _names(run_dirs: list[str]) -> list[str]:
@@ -144,10 +181,19 @@ def _series(run: RunMetrics, name: str, x: str) -> dict[str, Any]:
         "eval_x": [at[int(e["step"])] for e in placed],
         "eval_loss": [_finite(e.get("eval_loss")) for e in placed],
         "eval_reward": [_finite(e.get("eval_reward")) for e in placed],
-        "reward": [_finite(r.get("reward")) for r in run.train] if any("reward" in r for r in run.train) else [],
-        "kl": [_finite(r.get("kl")) for r in run.train],
+        "rl": {k: [_finite(r.get(k)) for r in run.train] for k in _rl_fields(run.train)},
         "bad_x": bad_x,
     }
+
+
+RL_FIELDS = ("reward", "kl", "entropy", "zero_std_groups", "clip_ratio", "truncated", "completion_length",
+             "completion_length_max", "generation_tokens_per_s")
+
+
+def _rl_fields(train: list[dict[str, Any]]) -> list[str]:
+    """The GRPO fields the run's train lines hold (none for other objectives), each reward function's included."""
+    present = dict.fromkeys(k for r in train for k in r)
+    return [k for k in (*RL_FIELDS, *(k for k in present if k.startswith("rewards/"))) if k in present]
 
 
 def _x_values(run: RunMetrics, name: str, x: str) -> list[float]:

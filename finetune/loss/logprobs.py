@@ -6,10 +6,19 @@ gradient can be formed during the forward; here, each token's upstream gradient 
 and pair (known only after the forward), so the forward keeps only each row's log-sum-exp and the backward
 recomputes each chunk's logits to form `g_t (onehot - softmax)` before the two GEMMs: one extra output-layer GEMM,
 the same memory (one chunk of logits). Liger-Kernel's fused cross-entropy does the same with reduction="none".
+
+Inside `entropy_sum()`, each call also adds up the entropy of the distribution at every target position (GRPO's
+metric), in the same chunked forward under no gradient, so the logits are still never built in full. It is
+asked for through a context rather than a keyword because the objective calls the model with its loss through
+whatever wraps it (DDP, FSDP) and the forward's return stays the same for every caller.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +29,50 @@ from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 from finetune.loss.fused import acc_dtype, compute_dtype, mm_f32, resolve_impl, shift_labels
 from finetune.loss.liger import liger_token_losses
+
+
+@dataclass
+class EntropySum:
+    """The summed entropy (nats, float64, on the device: never read here) of the target positions' distributions
+    over the token_logprobs calls made inside `entropy_sum()`; None when none was made."""
+
+    total: torch.Tensor | None = None
+
+    def add(self, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.total = value if self.total is None else self.total + value
+
+
+_ENTROPY: ContextVar[EntropySum | None] = ContextVar("finetune_entropy_sum", default=None)
+
+
+@contextlib.contextmanager
+def entropy_sum() -> Iterator[EntropySum]:
+    """Within it, every token_logprobs call also sums the entropy of each target position's distribution (as
+    scored: the logits after the head's softcap, and its temperature when the caller folded it into the weight)."""
+    sink = EntropySum()
+    token = _ENTROPY.set(sink)
+    try:
+        yield sink
+    finally:
+        _ENTROPY.reset(token)
+
+
+def _row_entropy(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """-sum_v p log p of each row of logits `x` [N, V] whose log-sum-exp is `lse` [N] (p = 0 counts 0)."""
+    p = (x - lse.unsqueeze(1)).exp_()
+    return -torch.special.xlogy(p, p).sum(dim=1)
+
+
+@torch.no_grad()
+def chunked_entropy_sum(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, chunk_size: int,
+                        softcap: float | None) -> torch.Tensor:
+    """The summed entropy of the distributions of rows h [N, H], one chunk of logits at a time."""
+    total = torch.zeros((), dtype=acc_dtype(h.dtype), device=h.device)
+    for start in range(0, h.shape[0], chunk_size):
+        x, _ = _chunk_logits(h[start:start + chunk_size], w, b, softcap)
+        total += _row_entropy(x, torch.logsumexp(x, dim=1)).sum()
+    return total
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -41,21 +94,27 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     if (targets.count if targets is not None else y.numel()) and (low < 0 or high >= weight.shape[0]):
         raise UserError(f"labels contain token ids outside the model's vocabulary [0, {weight.shape[0]})")
     w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+    entropy = _ENTROPY.get()
     if impl == "torch":
         logits = F.linear(h, w, b).to(acc_dtype(dtype))
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
+        if entropy is not None:
+            with torch.no_grad():
+                entropy.add(_row_entropy(logits, torch.logsumexp(logits, dim=1)).sum())
         return -F.cross_entropy(logits, y, reduction="none"), keep
     if impl == "liger":
         if h.device.type != "cuda":
             resolve_impl("liger", h.device)  # raises the UserError naming loss.impl, unless the interpreter is on
         if h.shape[0]:
+            if entropy is not None:  # Liger's kernel keeps no logits: one more chunked GEMM pass, no gradient
+                entropy.add(chunked_entropy_sum(h, w, b, chunk_size, softcap))
             return -liger_token_losses(h, w, b, y, softcap), keep
         # No target rows (a filler micro-batch): Liger 0.8.5 divides by zero; chunked's empty result reaches every
         # input, so the backward and the distributed hooks run.
     elif impl != "chunked":
         raise ValueError(f"impl must be resolved with resolve_impl() first; got {impl!r}")
-    return _ChunkedTokenLogprobs.apply(h, w, b, y, chunk_size, softcap), keep
+    return _ChunkedTokenLogprobs.apply(h, w, b, y, chunk_size, softcap, entropy), keep
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -75,18 +134,23 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     Forward saves h, w, b, y and each row's log-sum-exp; backward recomputes a chunk's logits, turns them into
     d(sum_t g_t log p_t)/dx = g_t (onehot(y_t) - softmax(x_t)), and multiplies into the hidden and weight
-    gradients chunk by chunk."""
+    gradients chunk by chunk. With an EntropySum, each chunk's entropy is added to it from the same logits."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor,  # type: ignore[override]
-                chunk_size: int, softcap: float | None) -> torch.Tensor:
+                chunk_size: int, softcap: float | None, entropy: EntropySum | None = None) -> torch.Tensor:
         out = torch.empty(h.shape[0], dtype=acc_dtype(h.dtype), device=h.device)
         lse = torch.empty_like(out)
+        summed = torch.zeros((), dtype=out.dtype, device=out.device) if entropy is not None else None
         for start in range(0, h.shape[0], chunk_size):
             x, _ = _chunk_logits(h[start:start + chunk_size], w, b, softcap)
             rows = slice(start, start + x.shape[0])
             lse[rows] = torch.logsumexp(x, dim=1)
             out[rows] = x.gather(1, y[rows].unsqueeze(1)).squeeze(1) - lse[rows]
+            if summed is not None:
+                summed += _row_entropy(x, lse[rows]).sum()
+        if entropy is not None:
+            entropy.add(summed)
         ctx.save_for_backward(h, w, b, y, lse)
         ctx.config = (chunk_size, softcap)
         return out
@@ -116,4 +180,4 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(g.sum(dim=0))
         return (grad_h, grad_w.to(w.dtype) if grad_w is not None else None,
-                grad_b.to(b.dtype) if grad_b is not None else None, None, None, None)
+                grad_b.to(b.dtype) if grad_b is not None else None, None, None, None, None)

@@ -136,6 +136,8 @@ def format_window(records: list[dict[str, Any]]) -> str:
         line += f"  upd {number(last, 'update_ratio'):.1e}"
     if isinstance(last.get("mfu"), (int, float)):
         line += f"  mfu {100 * last['mfu']:.1f}%"
+    if "zero_std_groups" in last:  # GRPO: the step's mean reward, and how many of its groups had nothing to learn
+        line += f"  reward {number(last, 'reward'):.3f}  zero_std_groups {number(last, 'zero_std_groups'):.2f}"
     if "reward_accuracy" in last:
         line += f"  reward_accuracy {number(last, 'reward_accuracy'):.3f}  margin {number(last, 'reward_margin'):.3f}"
     skipped = sum(1 for r in records if r.get("skipped"))

@@ -11,6 +11,10 @@ too, each divided by the step's count of its unit when logged.
 SFT: one term, the summed token cross-entropy, over the target tokens. DPO: the summed pair losses over the
 pairs. ORPO: the chosen completions' summed token cross-entropy over their tokens, plus beta times the summed
 odds-ratio terms over the pairs.
+
+An objective also says where its rows come from (`samples`, `plan`): the datasets' samples dealt by the StepPlan
+(objectives/rows.py), or GRPO's rollouts with their advantages (finetune/rl), so the trainer never asks which
+objective it runs.
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from typing import Any, Protocol
 
 import torch
 
+from finetune import dist
 from finetune.batch import MicroBatch
+from finetune.data import StepPlan
+from finetune.data.cache import Prepared
 from finetune.recipe import Recipe
+from finetune.rl.plan import RolloutPlan
 
 
 @dataclass
@@ -48,6 +56,22 @@ class Preparation:
     say: Callable[[str], Any] = print
 
 
+@dataclass
+class Planning:
+    """What an objective's plan may use: the run's recipe and training samples, its tokenizer, the model as loaded
+    (`lm`) and with its fused loss (`net`, unwrapped), the device, this process's world, and the ranks the step is
+    split over (`verify` simulates other than the world's)."""
+
+    recipe: Recipe
+    train: list[dict]
+    tokenizer: Any
+    lm: torch.nn.Module
+    net: torch.nn.Module
+    device: torch.device
+    world: dist.World
+    world_size: int
+
+
 class Objective(Protocol):
     """One training objective (SFT, DPO, ORPO)."""
 
@@ -59,6 +83,15 @@ class Objective(Protocol):
     needs: tuple[str, ...]
     """The typed sections of MicroBatch its micro-batches must carry (e.g. ("pairs",)): checked on every micro-batch
     of a step before its counts (MicroBatch.check_needs, from train.step.step_micro_batches)."""
+
+    def samples(self, recipe: Recipe, tokenizer: Any, world: dist.World, say: Callable[[str], Any]) -> Prepared:
+        """The samples its rows are made of (the datasets', through the data cache; none for GRPO, whose plan makes
+        its rows), with their identity (`samples_key`), saying what was read."""
+        ...
+
+    def plan(self, planning: Planning) -> StepPlan | RolloutPlan:
+        """Which rows each optimizer step trains on."""
+        ...
 
     def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
         """Whatever the samples need before the first step (the DPO reference's log-probabilities); `lm` is the

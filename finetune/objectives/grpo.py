@@ -7,22 +7,30 @@ Per completion token (TRL's formula, docs/rl.md): with r = exp(logp - old_logp) 
 The micro-batch's term is the sum of loss_t (normalize tokens, constant) or of each completion's loss_t over its
 own scored tokens (sequences); the loop divides it by the step's count of the unit (every completion token of the
 step, its completions, or completions x max_new_tokens), summed over every micro-batch and rank before the first
-backward: the update is the same under any split of the step.
+backward: the update is the same under any split of the step. Its metrics are sums over the scored tokens,
+divided by the step's tokens when read: the KL, the clipped fractions, the policy's log-probability and its
+entropy (at grpo.temperature, summed in the same chunked pass through the head: finetune/loss/logprobs.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from finetune import dist
 from finetune.batch import MicroBatch
+from finetune.data.cache import Prepared
+from finetune.loss.logprobs import entropy_sum
 from finetune.model.loading import load_model
 from finetune.model.with_loss import CausalLMWithLoss
-from finetune.objectives.base import MicroResult, Preparation
-from finetune.recipe import AdapterConfig, GRPOConfig
+from finetune.objectives.base import MicroResult, Planning, Preparation
+from finetune.recipe import AdapterConfig, GRPOConfig, Recipe
+from finetune.rl.plan import RolloutPlan
+from finetune.rl.sources import rollout_plan, rollout_samples
 
 UNITS = {"tokens": "tokens", "sequences": "sequences", "constant": "token_budget"}
 
@@ -33,13 +41,22 @@ class GRPO:
     name = "grpo"
     needs = ("rollouts",)
     metrics = {"kl": "tokens", "clip_ratio": "tokens", "clip_ratio_low": "tokens", "clip_ratio_high": "tokens",
-               "policy_logp": "tokens"}
+               "policy_logp": "tokens", "entropy": "tokens"}
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
         self.units = (UNITS[cfg.normalize],)
         self._reference: CausalLMWithLoss | None = None
         self._adapter_off: torch.nn.Module | None = None  # the policy whose adapter is turned off for the reference
+
+    def samples(self, recipe: Recipe, tokenizer: Any, world: dist.World, say: Callable[[str], Any]) -> Prepared:
+        """None up front: the plan makes the rows from rollouts (finetune/rl/sources.py)."""
+        return rollout_samples(recipe, say)
+
+    def plan(self, planning: Planning) -> RolloutPlan:
+        """The replay file's rollouts, or the policy's, with their advantages, one batch per optimizer step."""
+        p = planning
+        return rollout_plan(p.recipe, p.tokenizer, p.lm, p.net, p.device, p.world, p.world_size)
 
     def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
         """The reference model (beta > 0): the policy with its adapter off, a frozen copy of the model as loaded,
@@ -95,7 +112,8 @@ class GRPO:
     def forward(self, net: torch.nn.Module, batch: MicroBatch, device: torch.device) -> MicroResult:
         batch = batch.to(device)
         r = batch.require("rollouts", self.name)
-        logp, keep = net(**batch.model_inputs(), per_token=True, temperature=self.cfg.temperature)
+        with entropy_sum() as entropy:  # the policy's, in the same chunked pass, summed over the scored tokens
+            logp, keep = net(**batch.model_inputs(), per_token=True, temperature=self.cfg.temperature)
         seq = r.seq_index.reshape(-1).index_select(0, keep)
         advantage = r.advantages.to(logp.dtype).index_select(0, seq)
         old = r.old_logps.reshape(-1).index_select(0, keep).to(logp.dtype)
@@ -115,5 +133,6 @@ class GRPO:
         clipped_high = (ratio > high) & (advantage > 0)
         metrics = {"kl": kl.detach().sum(), "clip_ratio": (clipped_low | clipped_high).sum(),
                    "clip_ratio_low": clipped_low.sum(), "clip_ratio_high": clipped_high.sum(),
-                   "policy_logp": logp.detach().sum()}
+                   "policy_logp": logp.detach().sum(),
+                   "entropy": entropy.total if entropy.total is not None else logp.new_zeros(())}
         return MicroResult({self.units[0]: per_token.sum()}, {k: v.double() for k, v in metrics.items()})

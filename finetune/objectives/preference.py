@@ -13,6 +13,7 @@ from finetune.objectives.base import MicroResult, Preparation
 from finetune.objectives.pair_losses import dpo_losses, orpo_log_odds, orpo_ratio_losses
 from finetune.objectives.pairs import PairLogps, pair_logps
 from finetune.objectives.reference import attach_reference_logps
+from finetune.objectives.rows import DatasetRows
 
 
 def _reward_metrics(reward_c: torch.Tensor, reward_r: torch.Tensor, p: PairLogps) -> dict[str, torch.Tensor]:
@@ -26,7 +27,7 @@ _PAIR_METRICS = {m: "pairs" for m in ("rewards_chosen", "rewards_rejected", "rew
                                       "logps_chosen", "logps_rejected")}
 
 
-class DPO:
+class DPO(DatasetRows):
     """Direct preference optimization: the summed pair losses over the step's pairs. Rewards are
     beta * (policy - reference) summed log-probabilities; accuracy counts pairs whose chosen reward is strictly
     higher."""
@@ -55,7 +56,7 @@ class DPO:
         return MicroResult({"pairs": losses.sum()}, _reward_metrics(*rewards, p))
 
 
-class ORPO:
+class ORPO(DatasetRows):
     """Odds-ratio preference optimization: the chosen completions' token cross-entropy over the step's chosen
     tokens, plus beta times the odds-ratio terms over the step's pairs (each part exact under any split).
     Rewards, as in TRL, are beta * the mean per-token log-probability of each completion."""

@@ -6,9 +6,10 @@ import torch
 
 from finetune.batch import MicroBatch
 from finetune.objectives.base import MicroResult, Preparation
+from finetune.objectives.rows import DatasetRows
 
 
-class SFT:
+class SFT(DatasetRows):
     """One term, the summed token cross-entropy of the micro-batch, over the step's target tokens."""
 
     name = "sft"

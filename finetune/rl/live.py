@@ -34,6 +34,7 @@ class LiveRollouts:
         full, rest = divmod(len(prompts), self.per_step)
         self.batches = full + (1 if rest and not recipe.data.drop_last else 0)
         self.figures: dict[str, float] = {}
+        self._seconds = {"generate": 0.0, "reward": 0.0}  # the last rollouts_of call's
 
     def _order(self, epoch: int) -> list[Prompt]:
         order = list(self.prompts)
@@ -48,13 +49,14 @@ class LiveRollouts:
         mine = chosen[self.world.rank * share:(self.world.rank + 1) * share]
         # Sampling is seeded by the run's seed, the batch and the rank: a resumed run generates the same rollouts.
         torch.manual_seed(hash((self.recipe.seed, index, self.world.rank)) % 2**63)
-        start = time.perf_counter()
+        self._seconds = {"generate": 0.0, "reward": 0.0}
         rollouts = self.rollouts_of(mine) if mine else []
-        seconds = time.perf_counter() - start
         tokens = sum(len(r.completion_ids) for r in rollouts)
         if self.world.distributed:
             rollouts = dist.all_gather_objects(rollouts)
-        self.figures = {"generation_s": seconds, "generation_tokens_per_s": tokens / max(seconds, 1e-9)}
+        seconds = self._seconds["generate"]  # this rank's: its share of the prompts
+        self.figures = {"generation_s": seconds, "generation_tokens_per_s": tokens / max(seconds, 1e-9),
+                        "reward_s": self._seconds["reward"]}
         return rollouts
 
     def rollouts_of(self, prompts: list[Prompt], greedy: bool = False) -> list[Rollout]:
@@ -62,13 +64,16 @@ class LiveRollouts:
         their rewards."""
         n = 1 if greedy else self.group
         asked = [p for p in prompts for _ in range(n)]
+        start = time.perf_counter()
         completions = self.generator.generate([p.prompt_ids for p in asked], greedy=greedy)
+        generated = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         keys = sorted({k for p in asked for k in p.fields})
         fields = {k: [p.fields.get(k) for p in asked] for k in keys}
         per_function = score(self.rewards, [p.prompt for p in asked], texts, fields, lambda i: asked[i].where)
         weights = {r.name: r.weight for r in self.rewards}
         totals = total(per_function, weights) if per_function else [0.0] * len(asked)
+        self._seconds = {"generate": generated - start, "reward": time.perf_counter() - generated}
         return [Rollout(p.where, p.prompt_ids, ids, {k: v[i] for k, v in per_function.items()}, totals[i],
                         where=p.where, prompt=p.prompt, completion=text, fields=p.fields)
                 for i, (p, ids, text) in enumerate(zip(asked, completions, texts))]

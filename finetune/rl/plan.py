@@ -10,6 +10,7 @@ file's, else the policy's own before the first of those steps (`score`).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -64,6 +65,7 @@ class RolloutPlan:
 
     def _rows(self, batch: int) -> tuple[list[dict], dict[str, float]]:
         g = self.recipe.grpo
+        start = time.perf_counter()
         rollouts = self.fetch(batch)
         adv = group_advantages([r.reward for r in rollouts], g.num_generations, g.scale_rewards)
         truncated = [r.truncated(self.end_ids) for r in rollouts]
@@ -73,7 +75,8 @@ class RolloutPlan:
             for row, logps in zip(rows, self.score(rows)):  # the sampling policy: the policy before this batch's steps
                 row["rollout"]["logprobs"] = row["rollout"]["logprobs"] or logps
         figures = rollout_figures(rollouts, truncated, adv.zero_std_groups) | getattr(self.fetch, "figures", {})
-        return rows, figures
+        # Making the batch (generation, rewards, gathering, the sampling log-probs): outside the training's tokens/s.
+        return rows, figures | {"rollout_s": time.perf_counter() - start}
 
 
 def group_batch(recipe: Recipe, world_size: int) -> int:
@@ -116,7 +119,8 @@ def rollout_figures(rollouts: list[Rollout], truncated: list[bool], zero_std: fl
     reward, reward_std = mean_std([r.reward for r in rollouts])
     figures: dict[str, Any] = {"reward": reward, "reward_std": reward_std, "zero_std_groups": zero_std}
     for name in dict.fromkeys(k for r in rollouts for k in r.rewards if k != "reward"):  # "reward": the total
-        figures[f"rewards/{name}"] = mean_std([r.rewards.get(name, math.nan) for r in rollouts])[0]
+        mean, std = mean_std([r.rewards.get(name, math.nan) for r in rollouts])
+        figures |= {f"rewards/{name}": mean, f"rewards_std/{name}": std}
     lengths = [len(r.completion_ids) for r in rollouts]
     figures |= {"completion_length": sum(lengths) / len(lengths), "completion_length_max": max(lengths),
                 "truncated": sum(truncated) / len(truncated)}

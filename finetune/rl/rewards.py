@@ -105,7 +105,7 @@ def load_rewards(configs: Sequence[RewardConfig]) -> list[Reward]:
 def score(rewards: Sequence[Reward], prompts: list, completions: list[str], fields: dict[str, list],
           where: Callable[[int], str]) -> dict[str, list[float]]:
     """Each function's rewards (NaN for None) by name. A function that raises, or returns the wrong number of
-    values or a non-finite one, is a UserError naming it and the row (`where(i)`)."""
+    values or a non-finite one, is a UserError naming it and the row (`where(i)`: the prompt's file:line)."""
     out: dict[str, list[float]] = {}
     for reward in rewards:
         try:
@@ -113,8 +113,8 @@ def score(rewards: Sequence[Reward], prompts: list, completions: list[str], fiel
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's code: any failure is reported with its name
-            raise UserError(f"reward function {reward.name!r} raised {type(e).__name__}: {e} (on the completions "
-                            f"of {where(0)} to {where(len(completions) - 1)})") from e
+            raise UserError(f"reward function {reward.name!r} raised {type(e).__name__}: {e} "
+                            f"({_culprit(reward, e, prompts, completions, fields, where)})") from e
         values = list(values) if values is not None else []
         if len(values) != len(completions):
             raise UserError(f"reward function {reward.name!r} returned {len(values)} values for "
@@ -125,6 +125,21 @@ def score(rewards: Sequence[Reward], prompts: list, completions: list[str], fiel
                                 "finite numbers or None")
         out[reward.name] = [math.nan if v is None else float(v) for v in values]
     return out
+
+
+def _culprit(reward: Reward, error: Exception, prompts: list, completions: list[str], fields: dict[str, list],
+             where: Callable[[int], str]) -> str:
+    """Which row made the batch call raise: the first completion whose call alone raises the same exception type
+    (the function is called again, one completion at a time, only on this failure path); the batch's rows when no
+    single one does (a failure that needs the whole batch)."""
+    for i, completion in enumerate(completions):
+        try:
+            reward.fn(prompts[i:i + 1], [completion], **reward.args, **{k: v[i:i + 1] for k, v in fields.items()})
+        except Exception as e:  # noqa: BLE001 - the user's code, as above
+            if type(e) is type(error):
+                text = completion if len(completion) <= 60 else completion[:57] + "..."
+                return f"on a completion of {where(i)}: {text!r}"
+    return f"on the completions of {where(0)} to {where(len(completions) - 1)}; no single one raises alone"
 
 
 def total(per_function: dict[str, list[float]], weights: dict[str, float]) -> list[float]:

@@ -258,14 +258,14 @@ def train_loop(run: Run) -> None:
     for step in range(done.step, plan.total):
         clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
         # Collated ahead during the previous step, unless the rows depend on its update (generated rollouts).
-        epoch, step_rows, micro = upcoming or _micro_batches(run, step)
+        epoch, step_rows, micro = upcoming or _micro_batches(run, step, clock)
         upcoming = None
         # The step's counts over all micro-batches and ranks, known before any backward.
         counts, seq_tokens, padded_tokens = step_counts(run.objective, micro, world, run.device)
         sums = forward_backward(run.net, run.objective, micro, counts, world, run.device)
         norm = clip_gradients(run.params, recipe.train.max_grad_norm or math.inf)
         if step + 1 < plan.total and plan.prefetch:
-            upcoming = _micro_batches(run, step + 1)
+            upcoming = _micro_batches(run, step + 1, clock)
         figures = read_step(run.objective, sums, norm, counts, [pending.ratio] if pending else [])
         if pending:
             with clock.excluded():
@@ -337,10 +337,13 @@ def _write_line(run: Run, line: _Line, ratio: float) -> None:
         run.logger.log(record)
 
 
-def _micro_batches(run: Run, step: int) -> tuple[int, list[dict], list[MicroBatch]]:
-    """(epoch, the step's rows, this rank's micro-batches of them collated and on the device)."""
+def _micro_batches(run: Run, step: int, clock: Stopwatch) -> tuple[int, list[dict], list[MicroBatch]]:
+    """(epoch, the step's rows, this rank's micro-batches of them collated and on the device). Making the rows
+    (GRPO: generating and scoring the rollouts, timed by the plan) is left out of the training step's time, so
+    tokens_per_s is the training's own rate."""
     recipe, world = run.recipe, run.world
-    epoch, step_rows = run.plan.step(step)
+    with clock.excluded():
+        epoch, step_rows = run.plan.step(step)
     micro = step_micro_batches(run.objective, step_rows, recipe, run.tokenizer.pad_token_id, world.size, world.rank,
                                run.device)
     return epoch, step_rows, micro
