@@ -26,6 +26,7 @@ import yaml
 
 from finetune.errors import UserError, first_line
 from finetune.recipe import Recipe, parse_yaml, validate
+from finetune.run.atomic import displaced
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,11 @@ def finished_run(run_dir: str | Path) -> tuple[Recipe, Path]:
     """(the run's recipe, its final/ directory) of a finished run, or a UserError saying what is missing."""
     run = existing_run(run_dir)
     if not run.final.is_dir():
+        aside = displaced(run.final)  # a final save killed between its two renames (atomic.commit)
+        if aside.is_dir():
+            raise UserError(f"{run_dir} has no final/ directory, but {aside.name}: a final save was killed while "
+                            "replacing final/, and that is the previous one. The next `finetune train` of this "
+                            f"output_dir puts it back; or rename {aside} to final")
         raise UserError(f"{run_dir} has no final/ directory: the run did not finish (resume it with resume: auto)")
     return read_recipe(run_dir), run.final
 
