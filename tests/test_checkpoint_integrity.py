@@ -364,3 +364,27 @@ def test_a_run_whose_final_is_aside_says_where_it_is(tmp_path):
         f"{tmp_path} has no final/ directory, but .old-final: a final save was killed while replacing final/, and "
         f"that is the previous one. The next `finetune train` of this output_dir puts it back; or rename "
         f"{tmp_path / '.old-final'} to final")
+
+
+def test_the_trainer_refuses_to_start_without_room_for_keep_last_plus_one_checkpoints_and_final(tmp_path, monkeypatch):
+    """Through the trainer (loop.train, in process), with the disk's free space faked: the tests' tiny model has
+    51,360 float32 weights (embeddings 1024 x 32, tied; 2 layers of 9,280; the final norm 32), all trainable: final/
+    205,440 bytes, a checkpoint 205,440 + 8 x 51,360 = 616,320. keep_last 2 budgets 3 checkpoints:
+    (205,440 + 3 x 616,320) x 1.1 = 2,259,840 bytes, 2.2 MiB. 1.5 MiB free would hold final/ and one checkpoint
+    (0.9 MiB): the run is refused before its first step, naming the free and the needed space."""
+    from finetune.recipe import load_recipe
+    from finetune.train.loop import train
+
+    out = tmp_path / "run"
+    recipe = load_recipe(QUICKSTART, [*TINY, f"output_dir={out}", "train.max_steps=2", "checkpoint.every_steps=1",
+                                      "checkpoint.keep_last=2"])
+    real = startup.shutil.disk_usage
+    monkeypatch.setattr(startup.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=3 * 2**19) if Path(path) == out else real(path))
+    with pytest.raises(UserError) as refused:
+        train(recipe, console=Console(quiet=True))
+    assert str(refused.value) == (
+        f"output_dir {out}: 1.5 MiB free, but the final model and 3 checkpoint(s) (keep_last + 1 coexist while the "
+        "newest is written) need about 2.2 MiB. Free disk space, lower checkpoint.keep_last, or choose another "
+        "output_dir.")
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
