@@ -81,6 +81,16 @@ ALIAS_BOMB = "model:\n  config:\n    l0: &l0 [" + ", ".join(["lol"] * 10) + "]\n
 JINJA_CONFIG = ("base_model: org/model\nchat_template: jinja\nchat_template_jinja: {}\n"
                 "datasets:\n  - {{path: data.jsonl, type: chat_template}}\n")
 
+# GRPO from prompt rows (generation: the bad row is found before any is generated), and from a replay file.
+GRPO_PROMPTS = {"datasets": [{"path": "train.jsonl", "format": "prompt"}], "data": {"packing": False},
+                "train": {"objective": "grpo"},
+                "grpo": {"num_generations": 2, "max_new_tokens": 4, "rewards": [{"function": "exact_answer"}]}}
+PROMPT_ROW = {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}
+GRPO_REPLAY = {"datasets": [], "data": {"packing": False}, "train": {"objective": "grpo"},
+               "grpo": {"replay": "replay.jsonl", "num_generations": 2}}
+ROLLOUT = {"group": 0, "prompt_ids": [5, 6], "completion_ids": [7, 2], "reward": 1.0}
+ROLLOUT_1 = {**ROLLOUT, "group": 1, "reward": 0.0}
+
 # The quickstart, shrunk: every case starts from this (deep-merged with the case's patch; lists replaced).
 BASE: dict[str, Any] = {
     "extends": str(QUICKSTART_YAML),
@@ -100,7 +110,8 @@ class Case:
     """What is wrong, in words (the docs table)."""
     stage: str
     """Where it is caught: recipe (before torch is imported), output_dir, data, model, checkpoint, train (at the
-    start of training: a warning), convert (`finetune convert axolotl`), recipes (`finetune recipes add`)."""
+    start of training: a warning), convert (`finetune convert axolotl`), recipes (`finetune recipes add`), runs (a
+    command that reads a finished run: `finetune runs compare`)."""
     expect: tuple[str, ...]
     """Substrings of stderr ({d} is the case folder): the key or file:line, and the fix."""
     patch: dict[str, Any] = field(default_factory=dict)
@@ -368,6 +379,32 @@ CASES = [
     Case("recipes_add_dash_url", "`recipes add` with a URL that git would read as an option", "recipes",
          ("URL_OR_DIR '--upload-pack=touch {d}/pwned;://x' starts with '-', which git would read as an option",),
          argv=("recipes", "add", "team", "--", "--upload-pack=touch {d}/pwned;://x")),
+    # --- GRPO's prompt rows and replay lines, a run directory's recipe (issue 22) -----------------------------
+    Case("grpo_prompt_lone_surrogate", "GRPO: a lone surrogate (`\\ud800`) in a prompt row", "data",
+         ("{d}/train.jsonl:2: the tokenizer cannot encode this row: the text holds a lone surrogate '\\ud800'",
+          "data.on_bad_row: skip"),
+         patch=GRPO_PROMPTS, files={"train.jsonl": jsonl(PROMPT_ROW, {**PROMPT_ROW, "prompt": "half: \ud800"},
+                                                         PROMPT_ROW)}),
+    Case("grpo_prompt_over_max_row_bytes", "GRPO: a prompt row larger than data.max_row_bytes", "data",
+         ("{d}/train.jsonl:3: the row is 2,029 bytes, over data.max_row_bytes (1,000); it was not read",),
+         patch=deep_merge(GRPO_PROMPTS, {"data": {"max_row_bytes": 1000}}),
+         files={"train.jsonl": jsonl(PROMPT_ROW, PROMPT_ROW, {**PROMPT_ROW, "prompt": "x" * 2000})}),
+    Case("grpo_replay_id_outside_vocabulary", "GRPO replay: a completion id outside the vocabulary", "data",
+         ("{d}/replay.jsonl:4: completion_ids holds id 4096, outside the tokenizer's vocabulary of 1024",),
+         patch=GRPO_REPLAY, files={"replay.jsonl": jsonl(ROLLOUT, ROLLOUT, ROLLOUT_1,
+                                                         {**ROLLOUT_1, "completion_ids": [7, 4096]})}),
+    Case("grpo_replay_group_split", "GRPO replay: a group's lines not consecutive", "data",
+         ("{d}/replay.jsonl:5: group 0 appears again after other groups; a group's lines are consecutive",),
+         patch=GRPO_REPLAY, files={"replay.jsonl": jsonl(ROLLOUT, ROLLOUT, ROLLOUT_1, ROLLOUT_1, ROLLOUT, ROLLOUT)}),
+    Case("grpo_replay_reward_not_finite", "GRPO replay: a reward that is NaN", "data",
+         ("{d}/replay.jsonl:2: reward 'reward' is nan; rewards are finite numbers or null",),
+         patch=GRPO_REPLAY, files={"replay.jsonl": jsonl(ROLLOUT, {**ROLLOUT, "reward": float("nan")})}),
+    Case("run_recipe_alias_bomb", "`runs compare` of a run whose recipe.yaml is a YAML alias bomb", "runs",
+         ("{d}/runa/recipe.yaml:8:9: cannot read the run's recipe (aliases (*name) expand this value to more than "
+          "1,000,000 values (an alias bomb?)",),
+         files={"runa/recipe.yaml": ALIAS_BOMB, "runa/metrics.jsonl": '{"step": 1, "loss": 2.0}\n',
+                "runb/recipe.yaml": "train:\n  lr: 0.001\n", "runb/metrics.jsonl": '{"step": 1, "loss": 2.0}\n'},
+         argv=("runs", "compare", "{d}/runa", "{d}/runb")),
 ]
 
 
@@ -665,7 +702,8 @@ def render_docs(outcomes: list[Outcome]) -> str:
         "*Caught at*: `recipe` = while reading the recipe, before torch is imported (also what `finetune",
         "validate` reports); `output_dir`, `data`, `model`, `checkpoint` = at that step of `finetune train`;",
         "`train` = a warning at the start of training (the run goes on); `convert` = by `finetune convert",
-        "axolotl`, before anything is written; `recipes` = by `finetune recipes add`, before git runs.",
+        "axolotl`, before anything is written; `recipes` = by `finetune recipes add`, before git runs; `runs` =",
+        "by a command that reads a run directory (`finetune runs compare`, `plot`, `generate`, `merge`).",
         "*Earlier run*: whether every file that was there before (the sentinel and the earlier",
         "`metrics.jsonl`) is still there, byte for byte, after the failed run.",
         "",

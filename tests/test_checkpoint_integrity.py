@@ -7,14 +7,18 @@ raises SafetensorError, torch.save a RuntimeError, open() an OSError), and a sma
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TOKENIZER_DIR
-from helpers import file_size_limit
+from conftest import REPO_ROOT, TOKENIZER_DIR
+from helpers import QUICKSTART, TINY, file_size_limit, run_cli
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -231,3 +235,156 @@ def test_copy_of_a_checkpoint_verifies_and_a_swapped_file_does_not(tmp_path):
     moved = tmp_path / "elsewhere"
     shutil.copytree(a, moved)
     assert checkpoint.verify(moved) is None
+
+
+# --- replacing final/ (or a checkpoint) never loses both copies -------------------------------------------------
+
+def _old_final(out: Path) -> dict[str, bytes]:
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"old weights" * 100)
+    (out / "final" / "config.json").write_text('{"old": true}')
+    return _files(out / "final")
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _write_new(tmp: Path) -> None:
+    (tmp / "model.safetensors").write_bytes(b"new weights" * 100)
+    (tmp / "config.json").write_text('{"new": true}')
+
+
+def test_a_failed_swap_puts_the_previous_final_back(tmp_path, monkeypatch):
+    """The rename of the new final/ into place fails once (after the old one went aside): the old one is put back,
+    byte for byte, and the message says final/ is as it was. Nothing else is left in the run folder."""
+    from finetune.run import atomic
+
+    before = _old_final(tmp_path)
+    real = atomic.os.replace
+
+    def replace(src, dst):
+        if Path(src).name == ".tmp-final":
+            monkeypatch.setattr(atomic.os, "replace", real)  # once
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    with pytest.raises(UserError, match="final/ is as it was"):
+        atomic.write_dir(tmp_path / "final", _write_new, "final/ is as it was before this save")
+    assert _files(tmp_path / "final") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    atomic.write_dir(tmp_path / "final", _write_new, "")  # and the next save replaces it whole
+    assert _files(tmp_path / "final")["config.json"] == b'{"new": true}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+KILLED_SAVE = """
+import os, signal, sys
+from pathlib import Path
+from finetune.run import atomic
+
+out, when = Path(sys.argv[1]), sys.argv[2]
+real = os.replace
+
+def replace(src, dst):  # kill -9 just before, or just after, the new final/ is renamed into place
+    if Path(src).name == ".tmp-final" and when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(src, dst)
+    if Path(dst).name == "final" and when == "after":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+os.replace = replace
+def write(tmp):
+    (tmp / "model.safetensors").write_bytes(b"new weights" * 100)
+    (tmp / "config.json").write_text('{"new": true}')
+atomic.write_dir(out / "final", write, "")
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_kill_during_the_final_swap_leaves_a_complete_final(tmp_path, when):
+    """A process killed (-9) between the steps of replacing final/: before the new one is renamed into place (the
+    old rmtree-then-rename lost both copies there: final/ gone, and the next start removed .tmp-final), or after
+    it. The next start (atomic.restore_displaced, then the removal of temporaries, as the trainer does under the
+    run lock) leaves one complete final/: the old one, or the new one, byte for byte, and no debris."""
+    from finetune.run import atomic
+
+    before = _old_final(tmp_path)
+    done = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path), when], cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    restored = atomic.restore_displaced(tmp_path, "final")
+    atomic.remove_temporaries(tmp_path, "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    if when == "before":
+        assert restored == ["put .old-final back as final (a save was interrupted while replacing it)"]
+        assert _files(tmp_path / "final") == before
+    else:
+        assert restored == ["removed .old-final (the older copy of final, replaced)"]
+        assert _files(tmp_path / "final") == {"config.json": b'{"new": true}', "model.safetensors": b"new weights" * 100}
+
+
+def test_restore_touches_only_our_asides(tmp_path):
+    from finetune.run import atomic
+
+    (tmp_path / ".old-final").write_text("a user's file, not a directory we renamed aside")
+    (tmp_path / ".old-notes").mkdir()
+    assert atomic.restore_displaced(tmp_path, "final") == []
+    assert atomic.restore_displaced(tmp_path / "missing", "final") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old-final", ".old-notes"]
+
+
+def test_the_next_run_puts_a_final_killed_mid_swap_back_before_it_reads_the_directory(tmp_path):
+    """The trainer's start, under the run lock: a finished run whose final/ was renamed aside when a later final save
+    was killed (final/ missing, .old-final complete, a .tmp-final half-written). `resume: auto` puts .old-final back
+    (and says so) before it looks at the run, removes the half-written one, and ends with one final/."""
+    out = tmp_path / "run"
+    args = [*TINY, f"output_dir={out}", "train.max_steps=1", "checkpoint.every_steps=1", "resume=auto"]
+    first = run_cli("train", str(QUICKSTART), *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (out / "final").rename(out / ".old-final")
+    (out / ".tmp-final").mkdir()
+    (out / ".tmp-final" / "config.json").write_text("")
+    second = run_cli("train", str(QUICKSTART), *args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"{out}: put .old-final back as final (a save was interrupted while replacing it)" in second.stdout
+    assert not (out / ".old-final").exists() and not (out / ".tmp-final").exists()
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_run_whose_final_is_aside_says_where_it_is(tmp_path):
+    from finetune.run.directory import finished_run
+
+    (tmp_path / "recipe.yaml").write_text("train:\n  lr: 0.001\n")
+    (tmp_path / ".old-final").mkdir()
+    with pytest.raises(UserError) as refused:
+        finished_run(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path} has no final/ directory, but .old-final: a final save was killed while replacing final/, and "
+        f"that is the previous one. The next `finetune train` of this output_dir puts it back; or rename "
+        f"{tmp_path / '.old-final'} to final")
+
+
+def test_the_trainer_refuses_to_start_without_room_for_keep_last_plus_one_checkpoints_and_final(tmp_path, monkeypatch):
+    """Through the trainer (loop.train, in process), with the disk's free space faked: the tests' tiny model has
+    51,360 float32 weights (embeddings 1024 x 32, tied; 2 layers of 9,280; the final norm 32), all trainable: final/
+    205,440 bytes, a checkpoint 205,440 + 8 x 51,360 = 616,320. keep_last 2 budgets 3 checkpoints:
+    (205,440 + 3 x 616,320) x 1.1 = 2,259,840 bytes, 2.2 MiB. 1.5 MiB free would hold final/ and one checkpoint
+    (0.9 MiB): the run is refused before its first step, naming the free and the needed space."""
+    from finetune.recipe import load_recipe
+    from finetune.train.loop import train
+
+    out = tmp_path / "run"
+    recipe = load_recipe(QUICKSTART, [*TINY, f"output_dir={out}", "train.max_steps=2", "checkpoint.every_steps=1",
+                                      "checkpoint.keep_last=2"])
+    real = startup.shutil.disk_usage
+    monkeypatch.setattr(startup.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=3 * 2**19) if Path(path) == out else real(path))
+    with pytest.raises(UserError) as refused:
+        train(recipe, console=Console(quiet=True))
+    assert str(refused.value) == (
+        f"output_dir {out}: 1.5 MiB free, but the final model and 3 checkpoint(s) (keep_last + 1 coexist while the "
+        "newest is written) need about 2.2 MiB. Free disk space, lower checkpoint.keep_last, or choose another "
+        "output_dir.")
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()

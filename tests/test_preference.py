@@ -185,8 +185,8 @@ def test_a_pair_dropped_as_too_long_is_named_fresh_and_from_the_cache(truncation
     from finetune import dist
     from finetune.data.report import preprocess
     from finetune.model.loading import load_tokenizer
-    from finetune.recipe import validate
     from finetune.objectives.rows import DatasetRows
+    from finetune.recipe import validate
 
     def pair(prompt: str, chosen: str) -> dict:
         return {"prompt": prompt, "chosen": chosen, "rejected": "no."}

@@ -263,3 +263,25 @@ def test_the_check_before_torchrun_names_what_it_skipped_when_it_refuses(tmp_pat
         _preflight_output_dir(recipe, overwrite=False)
     assert capsys.readouterr().err.startswith(f"skipping checkpoint {saved}: state.pt is truncated or unreadable "
                                               "(0 bytes; the manifest records ")
+
+
+# The billion laughs (as tests/test_bad_inputs.py's recipe case): nine levels of ten aliases, 10^9 values in 1 KB.
+ALIAS_BOMB = "train:\n  lr: 0.001\nmodel:\n  config:\n    l0: &l0 [" + ", ".join(["lol"] * 10) + "]\n" + "".join(
+    f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9))
+
+
+def test_an_alias_bomb_in_a_runs_recipe_is_refused_quickly(tmp_path):
+    """A run directory's recipe.yaml is read with the recipe loader's bounds (`runs compare`, plot, generate, merge
+    read it): a 1 KB alias bomb placed there is an error naming the file:line, within seconds, not an hours-long
+    walk of 10^9 values."""
+    runs = []
+    for name, recipe in (("a", ALIAS_BOMB), ("b", "train:\n  lr: 0.002\n")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "recipe.yaml").write_text(recipe)
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+        runs.append(str(run))
+    r = run_cli("runs", "compare", *runs, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.startswith(f"error: {runs[0]}/recipe.yaml:10:9: cannot read the run's recipe (aliases (*name) "
+                               "expand this value to more than 1,000,000 values"), r.stderr

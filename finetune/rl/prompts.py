@@ -1,5 +1,8 @@
 """Prompt datasets (`format: prompt`): a prompt as text or messages, and any other fields, which the reward
-functions receive (e.g. `answer` for exact_answer)."""
+functions receive (e.g. `answer` for exact_answer).
+
+A prompt row the template or the tokenizer refuses (a lone surrogate from a JSON `\\ud800` escape) is a bad row,
+as in SFT data: `data.on_bad_row` stops the run naming its file:line, or skips and counts it."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.data.chat_spans import render_chat
-from finetune.data.sources import BadRow, read_rows
+from finetune.data.sources import DEFAULT_MAX_ROW_BYTES, BadRow, read_rows
+from finetune.data.stats import DataStats
+from finetune.data.tokenize import encode
 from finetune.errors import UserError
 from finetune.recipe import DatasetConfig
 
@@ -35,31 +40,32 @@ def prompt_ids(prompt: Any, tokenizer: Any, template_kwargs: dict | None, where:
             raise BadRow(f"{where}: the chat template cannot render the prompt ({e})") from e
     if not isinstance(prompt, str) or not prompt.strip():
         raise BadRow(f"{where}: `prompt` must be non-empty text or a list of messages")
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return encode(tokenizer, where, prompt, add_special_tokens=False)["input_ids"]
 
 
 def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwargs: dict | None,
-                 on_bad_row: str, max_prompt_tokens: int | None, key: str = "datasets") -> tuple[list[Prompt], int]:
-    """Every prompt row of the datasets, and how many bad rows were skipped (on_bad_row: skip)."""
-    prompts, skipped = [], 0
+                 on_bad_row: str, max_prompt_tokens: int | None, key: str = "datasets",
+                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> tuple[list[Prompt], int]:
+    """Every prompt row of the datasets, and how many bad rows were skipped (on_bad_row: skip). A row over
+    `max_row_bytes` (data.max_row_bytes) is a bad row, not read."""
+    prompts, stats = [], DataStats()
     for index, cfg in enumerate(configs):
         taken = 0
         try:
-            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name):
+            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=max_row_bytes):
                 if cfg.max_rows is not None and taken >= cfg.max_rows:
                     break
+                stats.rows_read += 1
                 try:
                     prompts.append(_prompt(row, tokenizer, template_kwargs, max_prompt_tokens))
                     taken += 1
-                except BadRow:
-                    if on_bad_row != "skip":
-                        raise
-                    skipped += 1
+                except BadRow as e:
+                    stats.bad_row(e, on_bad_row)  # the SFT path's rule and message: stop naming file:line, or count
         except BadRow:
-            raise
+            raise  # already names its file:line
         except UserError as e:
             raise UserError(f"{key}.{index}.path: {e}") from None
-    return prompts, skipped
+    return prompts, stats.bad_rows_skipped
 
 
 def _prompt(row: Any, tokenizer: Any, template_kwargs: dict | None, max_prompt_tokens: int | None) -> Prompt:

@@ -4,7 +4,8 @@ One line per completion: `group` (a JSON scalar; a group's lines are consecutive
 `prompt_ids` or `prompt` (messages or text, rendered with the recipe's chat template and its generation prompt),
 `completion_ids` (used exactly as given) or `completion` (text, tokenized without special tokens), `reward` (the
 total) or `rewards` (name -> value, weighted by the recipe's reward weights; null: unscored), optional `logprobs`
-(the sampling policy's, one per completion token). Any bad line is a UserError naming file:line.
+(the sampling policy's, one per completion token). Any bad line is a UserError naming file:line, including a prompt
+the chat template refuses and text the tokenizer cannot encode (a lone surrogate from a JSON `\\ud800` escape).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.data.chat_spans import render_chat
+from finetune.data.tokenize import encode
 from finetune.errors import UserError
 from finetune.rl.rewards import total
 from finetune.rl.rollout import Rollout
@@ -74,17 +76,26 @@ def _prompt_ids(obj: dict, where: str, tokenizer: Any, vocab: int, template_kwar
     if isinstance(prompt, list):
         if not all(isinstance(m, dict) and "role" in m for m in prompt):
             raise UserError(f"{where}: prompt messages are objects with a role and content")
-        prompt = render_chat(tokenizer, prompt, template_kwargs, add_generation_prompt=True)
+        try:
+            prompt = render_chat(tokenizer, prompt, template_kwargs, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own error, for this line
+            why = f"{type(e).__name__}: {e}".encode("utf-8", "backslashreplace").decode("utf-8")
+            raise UserError(f"{where}: the chat template cannot render the prompt ({why})") from None
     if not isinstance(prompt, str) or not prompt:
         raise UserError(f"{where}: give prompt_ids, or prompt (text or messages)")
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return _tokens(tokenizer, prompt, where)
+
+
+def _tokens(tokenizer: Any, text: str, where: str) -> list[int]:
+    """The text's ids without added special tokens; text the tokenizer cannot encode is an error naming the line."""
+    return encode(tokenizer, where, text, add_special_tokens=False)["input_ids"]
 
 
 def _completion_ids(obj: dict, where: str, tokenizer: Any, vocab: int) -> list[int]:
     if "completion_ids" in obj:
         ids = _ids(obj["completion_ids"], "completion_ids", where, vocab)
     elif isinstance(obj.get("completion"), str):
-        ids = tokenizer(obj["completion"], add_special_tokens=False)["input_ids"]
+        ids = _tokens(tokenizer, obj["completion"], where)
     else:
         raise UserError(f"{where}: give completion_ids, or completion (text)")
     if not ids:

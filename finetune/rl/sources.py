@@ -56,8 +56,8 @@ def rollout_plan(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, net: torch
         return replay_plan(rollouts, recipe, world_size, ends, scorer)
     longest = recipe.data.max_seq_len - g.max_new_tokens if recipe.data.max_seq_len else None
     read = [read_prompts(configs, tokenizer, recipe.tokenizer.chat_template_kwargs, recipe.data.on_bad_row,
-                         longest, key) for key, configs in (("datasets", recipe.datasets),
-                                                             ("eval_datasets", recipe.eval_datasets))]
+                         longest, key, recipe.data.max_row_bytes) for key, configs in (
+                             ("datasets", recipe.datasets), ("eval_datasets", recipe.eval_datasets))]
     (prompts, skipped), (evals, _) = read
     if not prompts:
         raise UserError("datasets: no prompts to generate from")

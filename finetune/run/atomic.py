@@ -3,6 +3,10 @@
 Checkpoints and final/ are written this way. Any failure while writing (an OSError, a SafetensorError, torch's
 RuntimeError: whatever the writer raises) removes the temporary directory and becomes one UserError that names
 the path and the free space, so a full disk leaves neither debris nor a half-written directory behind.
+
+Replacing an older directory takes two renames (the old one aside to `.old-NAME`, the new one into place), then the
+old one is removed: at every moment NAME or its aside is complete. A kill between the renames leaves only the aside;
+the next run (holding the lock) puts it back with `restore_displaced` before it reads the directory.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from finetune.errors import UserError, first_line
 
 TMP_PREFIX = ".tmp-"
+ASIDE_PREFIX = ".old-"
 
 
 def temporary(target: Path) -> Path:
@@ -36,13 +41,50 @@ def discard(tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def displaced(target: Path) -> Path:
+    """Where an older `target` waits while its replacement is renamed into place: a hidden sibling."""
+    return target.parent / f"{ASIDE_PREFIX}{target.name}"
+
+
 def commit(tmp: Path, target: Path) -> None:
-    """fsync every file of `tmp`, then rename it to `target` (replacing an older `target`), then fsync the parent."""
+    """fsync every file of `tmp`, then rename it to `target`. An older `target` (a rewrite of the same step, a second
+    final save) is renamed aside first and removed last, so a kill at any point leaves one complete copy; a
+    failure of the second rename puts the older one back."""
     fsync_tree(tmp)
-    if target.exists():  # a rewrite of the same step or a second final save: replace it, never keep two
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    aside = displaced(target)
+    if target.exists():
+        discard(aside)  # a finished swap's leftover: `target` exists, so it is the complete copy
+        os.replace(target, aside)
+    try:
+        fsync_dir(target.parent)
+        os.replace(tmp, target)
+    except BaseException:
+        if aside.exists() and not target.exists():
+            os.replace(aside, target)
+        raise
     fsync_dir(target.parent)
+    discard(aside)
+
+
+def restore_displaced(folder: Path, name_prefix: str) -> list[str]:
+    """Finish the swaps a kill interrupted in `folder` (a run folder whose lock this process holds): an aside
+    `.old-NAME` (NAME starting with `name_prefix`) goes back to NAME when NAME is missing, and is removed when NAME
+    is there (the new copy made it). Returns what was done, in words."""
+    if not folder.is_dir():
+        return []
+    done = []
+    for aside in sorted(p for p in folder.iterdir() if p.name.startswith(ASIDE_PREFIX + name_prefix)):
+        target = folder / aside.name[len(ASIDE_PREFIX):]
+        if not aside.is_dir() or aside.is_symlink():
+            continue  # not a directory we renamed aside: not ours to touch
+        if target.exists() or target.is_symlink():
+            discard(aside)
+            done.append(f"removed {aside.name} (the older copy of {target.name}, replaced)")
+        else:
+            os.replace(aside, target)
+            fsync_dir(folder)
+            done.append(f"put {aside.name} back as {target.name} (a save was interrupted while replacing it)")
+    return done
 
 
 def write_dir(target: Path, write: Callable[[Path], None], consequence: str) -> None:

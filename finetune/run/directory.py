@@ -25,7 +25,8 @@ from typing import Any
 import yaml
 
 from finetune.errors import UserError, first_line
-from finetune.recipe import Recipe, validate
+from finetune.recipe import Recipe, parse_yaml, validate
+from finetune.run.atomic import displaced
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,15 @@ def read_recipe_dict(run_dir: str | Path) -> dict[str, Any]:
     today's schema would refuse its recipe."""
     file = existing_run(run_dir).recipe
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
+        # The recipe loader's bounds: an alias bomb placed in a run directory is refused, not expanded for hours.
+        data = parse_yaml(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{file}: cannot read the run's recipe ({first_line(e)})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
+        problem = getattr(e, "problem", None) or first_line(e)
+        raise UserError(f"{where}: cannot read the run's recipe ({problem})") from None
     if not isinstance(data, dict):
         raise UserError(f"{file}: not a recipe (expected a mapping of keys)")
     return data
@@ -115,6 +122,11 @@ def finished_run(run_dir: str | Path) -> tuple[Recipe, Path]:
     """(the run's recipe, its final/ directory) of a finished run, or a UserError saying what is missing."""
     run = existing_run(run_dir)
     if not run.final.is_dir():
+        aside = displaced(run.final)  # a final save killed between its two renames (atomic.commit)
+        if aside.is_dir():
+            raise UserError(f"{run_dir} has no final/ directory, but {aside.name}: a final save was killed while "
+                            "replacing final/, and that is the previous one. The next `finetune train` of this "
+                            f"output_dir puts it back; or rename {aside} to final")
         raise UserError(f"{run_dir} has no final/ directory: the run did not finish (resume it with resume: auto)")
     return read_recipe(run_dir), run.final
 

@@ -132,6 +132,9 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     replaced: list[str] = []
     resume_from = None
     if world.is_main:
+        for done in [*atomic.restore_displaced(out.checkpoints, checkpoint.PREFIX),  # a kill mid-swap (atomic.py)
+                     *atomic.restore_displaced(out.root, out.final.name)]:
+            _warn(console, f"{out.root}: {done}")
         resume_from = checkpoint.resume_path(recipe, out.root, warn=lambda m: _warn(console, m))
         replaced = startup.check_output_dir(out.root, recipe, resume_from=resume_from, overwrite=overwrite)
     resume_from = dist.from_main(resume_from)
