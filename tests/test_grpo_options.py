@@ -9,7 +9,9 @@ and one file for the module), through the trainer's own step functions and once 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -213,3 +215,52 @@ def test_a_tiny_top_p_samples_the_greedy_completion(inputs):
     for seed in (0, 1, 2):
         assert generate(1e-6, False, seed) == greedy
     assert any(generate(1.0, False, seed) != greedy for seed in (0, 1, 2))
+
+
+# --- grpo.reference: PATH is identified by its weights ---------------------------------------------------------
+
+
+def test_a_resume_refuses_a_reference_whose_weights_changed(inputs):
+    """The run records its reference's weights digest (objectives/reference.py weights_digest) in each
+    checkpoint. A resume from step 1 with one weight changed at the same path is refused (exit 2) naming
+    grpo.reference, nothing trained; with the reference moved to another path, its weights the same, it
+    continues."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from finetune.objectives.reference import weights_digest
+
+    work, policy, replay = inputs
+    reference = bench.write_model(work / "reference", seed=1, base=policy)
+    recipe = _recipe(work, policy, replay, "resume", beta=0.04, reference=str(reference))
+    spec_ = yaml.safe_load(recipe.read_text())
+    spec_["train"] |= {"micro_batch_size": 8, "max_steps": 2, "lr": 1e-3}
+    spec_["checkpoint"] = {"every_steps": 1}
+    recipe.write_text(yaml.safe_dump(spec_, sort_keys=False))
+    run = Path(spec_["output_dir"])
+    assert run_cli("train", str(recipe)).returncode == 0
+    state = json.loads((run / "checkpoints" / "step-1" / "trainer_state.json").read_text())
+    assert state["reference_digest"] == weights_digest(AutoModelForCausalLM.from_pretrained(reference))
+
+    def resume_from_step_1(path: Path) -> subprocess.CompletedProcess:
+        shutil.rmtree(run / "final", ignore_errors=True)
+        shutil.rmtree(run / "checkpoints" / "step-2", ignore_errors=True)
+        return run_cli("train", str(recipe), "resume=auto", f"grpo.reference={path}")
+
+    file = reference / "model.safetensors"
+    original = file.read_bytes()
+    weights = load_file(str(file))
+    name = sorted(weights)[0]
+    weights[name].view(-1)[0] += 1e-3
+    save_file(weights, str(file), metadata={"format": "pt"})
+    done = resume_from_step_1(reference)  # the same path, other weights
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"the weights of the reference model at grpo.reference {reference}" in done.stderr
+    assert "Traceback" not in done.stderr and not (run / "checkpoints" / "step-2").exists()
+    file.write_bytes(original)
+    moved = reference.rename(work / "reference-moved")  # another path, the same weights
+    done = resume_from_step_1(moved)
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
+    assert (run / "checkpoints" / "step-2").exists()

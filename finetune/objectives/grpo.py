@@ -22,6 +22,7 @@ from finetune.batch import MicroBatch
 from finetune.model.loading import load_model
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives.base import MicroResult, Preparation
+from finetune.objectives.reference import weights_digest
 from finetune.recipe import AdapterConfig, GRPOConfig
 
 UNITS = {"tokens": "tokens", "sequences": "sequences", "constant": "token_budget"}
@@ -40,6 +41,7 @@ class GRPO:
         self.units = (UNITS[cfg.normalize],)
         self._reference: CausalLMWithLoss | None = None
         self._adapter_off: torch.nn.Module | None = None  # the policy whose adapter is turned off for the reference
+        self.reference_digest: str | None = None  # grpo.reference: PATH's weights, checked on a resume
 
     def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
         """The reference model (beta > 0): the policy with its adapter off, a frozen copy of the model as loaded,
@@ -55,6 +57,8 @@ class GRPO:
             cfg = recipe.model if path == "auto" else recipe.model.model_copy(
                 update={"path": path, "init": "pretrained", "gguf_file": None})
             ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device).to(setting.device)
+            if path != "auto":  # identified by content: a resume against other weights at the path is refused
+                self.reference_digest = weights_digest(ref)
         if ref is not lm:
             ref.requires_grad_(False).eval()
         self._reference = CausalLMWithLoss.for_recipe(ref, recipe.loss, setting.impl, recipe.model.packed_attention)
