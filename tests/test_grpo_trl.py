@@ -33,8 +33,8 @@ POLICY = "6f90704c573b9439"
 REFERENCE = "e6c2ab580f2c4dcc"
 ROLLOUTS = "13fa752da9ef957b"
 
-# Case name -> (TRL's step-one loss, its pre-clip grad norm), from the rows.json of
-#   python benchmarks/grpo_vs_trl.py --trl-path /tmp/trl_pkgs --json rows.json
+# Case name -> (TRL's step-one loss, its pre-clip grad norm), as printed by
+#   python benchmarks/grpo_vs_trl.py --trl-path /tmp/trl_pkgs --json rows.json --pins
 # normalize tokens/sequences/constant = TRL's loss_type dapo/grpo/dr_grpo; beta 0.04 against the separate reference.
 # sequences at beta 0: each group's advantages sum to 0 and every completion weighs the same, so the loss is 0.
 # -masked: mask_truncated_completions; -k3: use_bias_correction_kl=False (the same loss, another KL gradient);
