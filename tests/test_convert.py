@@ -160,6 +160,30 @@ def test_grpo_and_its_trl_block_convert(tmp_path):
     assert "trl: TRL trainer options are read with rl: grpo only" in _error(tmp_path, MINIMAL + "trl: {beta: 1}\n")
 
 
+GRPO_DATA = "datasets:\n  - {path: prompts.jsonl, type: gsm8k.transform}\n"
+
+
+@pytest.mark.parametrize(("loss_type", "normalize"), [("dapo", "tokens"), ("grpo", "sequences"),
+                                                      ("dr_grpo", "constant"), (None, "tokens")])
+def test_trl_loss_types_map_to_normalize(tmp_path, loss_type, normalize):
+    """TRL's loss types whose normalizer is exact under any split carry over as they are (docs/rl.md's table);
+    no loss_type is TRL 1.x's default, dapo. Nothing is approximated."""
+    text = GRPO.replace("  loss_type: dr_grpo\n", f"  loss_type: {loss_type}\n" if loss_type else "")
+    converted = _convert(tmp_path, text + GRPO_DATA)
+    assert yaml.safe_load(converted.text)["grpo"]["normalize"] == normalize
+    assert converted.conversion.approximations == [] and "Approximations" not in converted.text
+
+
+def test_bnpo_becomes_tokens_only_with_allow_approx_and_the_header_says_so(tmp_path):
+    text = GRPO.replace("dr_grpo", "bnpo") + GRPO_DATA
+    assert "trl.loss_type: only approximately: bnpo normalizes each micro-batch" in _error(tmp_path, text)
+    converted = _convert(tmp_path, text, allow_approx=True)
+    assert yaml.safe_load(converted.text)["grpo"]["normalize"] == "tokens"
+    header = converted.text.split("\noutput_dir:")[0]
+    assert "# Approximations (accepted with --allow-approx):\n#   trl.loss_type: bnpo normalizes each" in header
+    assert "normalize: tokens is the same over the whole step" in header
+
+
 def test_strict_reading(tmp_path):
     assert "duplicate key 'learning_rate'" in _error(tmp_path, MINIMAL + "learning_rate: 1e-4\nlearning_rate: 2e-4\n")
     train = yaml.safe_load(_convert(tmp_path, MINIMAL + "learning_rate: 1e-4\n").text)["train"]

@@ -1,8 +1,9 @@
 """Many processes, same math: torchrun (gloo, CPU, 2 processes) with DDP and FSDP2 against one process.
 
 micro 2 x accum 2 x 2 ranks must give the same logged losses, grad norms and final weights as one process
-with micro 8 x accum 1 (relative <= 1e-5, float32). A short last step leaves rank 1 with only a filler
-micro-batch (zero target tokens) and must not hang. Killing one rank ends the run within seconds.
+with micro 8 x accum 1 (relative <= 1e-5, float32), for SFT (packed, padded, LoRA), DPO and GRPO (replay mode). A
+short last step leaves rank 1 with only a filler micro-batch (zero target tokens) and must not hang. Killing one
+rank ends the run within seconds.
 
 Every run here sets FINETUNE_DEVICE (which the CLI honours): `cpu` puts every rank and the one-process reference
 on the CPU with gloo, on a CUDA machine too (two ranks cannot share one GPU under NCCL). The equality test also
@@ -48,7 +49,13 @@ DATA = ROOT / "examples" / "data"
 DPO = [*TINY, "train.max_steps=3", "train.objective=dpo", f"datasets.0.path={DATA / 'quickstart_pref_train.jsonl'}",
        "datasets.0.format=preference", f"eval_datasets.0.path={DATA / 'quickstart_pref_eval.jsonl'}",
        "eval_datasets.0.format=preference", "datasets.0.max_rows=200", "eval_datasets.0.max_rows=20"]
-CASES = {"packed": [*TINY, "train.max_steps=3"], "short": SHORT, "lora": LORA, "dpo": DPO}
+# GRPO on replayed rollouts (examples/data/grpo_replay.jsonl: groups of 4), KL to the model as loaded: the advantages
+# are computed over the whole step before it is dealt to the ranks, and each rank runs the reference on its share.
+# The quickstart's warmup, as the other cases: at lr 1e-2 from step one, AdamW's first step moves an entry whose
+# gradient is float noise by +-lr either way (measured: one o_proj entry of 1024, 1.9e-4 on that tensor).
+GRPO = [*TINY, "train.max_steps=3", "train.objective=grpo", "datasets=[]", "eval_datasets=[]", "data.packing=false",
+        f"grpo.replay={DATA / 'grpo_replay.jsonl'}", "grpo.num_generations=4", "grpo.beta=0.04"]
+CASES = {"packed": [*TINY, "train.max_steps=3"], "short": SHORT, "lora": LORA, "dpo": DPO, "grpo": GRPO}
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300, device: str = "cpu") -> subprocess.CompletedProcess:
@@ -65,8 +72,8 @@ def single(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module", params=DEVICES)
 def reference(request, tmp_path_factory) -> dict[str, Path | str]:
-    """One process, micro 8 x accum 1: packed 3 steps, the padded short-last-step run, LoRA and DPO; `device`: where
-    they ran (and where the ranks compared with them run)."""
+    """One process, micro 8 x accum 1: packed 3 steps, the padded short-last-step run, LoRA, DPO and GRPO; `device`:
+    where they ran (and where the ranks compared with them run)."""
     device = request.param
     out: dict[str, Path | str] = {"device": device}
     for name, extra in CASES.items():

@@ -28,6 +28,7 @@ from finetune.loss.logprobs import entropy_sum
 from finetune.model.loading import load_model
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives.base import MicroResult, Planning, Preparation
+from finetune.objectives.reference import weights_digest
 from finetune.recipe import AdapterConfig, GRPOConfig, Recipe
 from finetune.rl.plan import RolloutPlan
 from finetune.rl.sources import rollout_plan, rollout_samples
@@ -48,6 +49,7 @@ class GRPO:
         self.units = (UNITS[cfg.normalize],)
         self._reference: CausalLMWithLoss | None = None
         self._adapter_off: torch.nn.Module | None = None  # the policy whose adapter is turned off for the reference
+        self.reference_digest: str | None = None  # grpo.reference: PATH's weights, checked on a resume
 
     def samples(self, recipe: Recipe, tokenizer: Any, world: dist.World, say: Callable[[str], Any]) -> Prepared:
         """None up front: the plan makes the rows from rollouts (finetune/rl/sources.py)."""
@@ -72,6 +74,8 @@ class GRPO:
             cfg = recipe.model if path == "auto" else recipe.model.model_copy(
                 update={"path": path, "init": "pretrained", "gguf_file": None})
             ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device).to(setting.device)
+            if path != "auto":  # identified by content: a resume against other weights at the path is refused
+                self.reference_digest = weights_digest(ref)
         if ref is not lm:
             ref.requires_grad_(False).eval()
         self._reference = CausalLMWithLoss.for_recipe(ref, recipe.loss, setting.impl, recipe.model.packed_attention)

@@ -107,9 +107,10 @@ def _compute(net: CausalLMWithLoss, samples: list[dict], recipe: Recipe, pad_id:
     return dist.all_reduce_sum(out).cpu().numpy()
 
 
-def _fingerprint(model: torch.nn.Module) -> str:
-    """A digest of the weights as they will be run: every tensor's name, shape, dtype and every byte of it (one
-    changed weight changes the digest; a strided sample would miss it). Buffers count too (rotary tables)."""
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of the weights as they will be run (sha256, hex): every tensor's name, shape, dtype and every byte of it (one
+    changed weight changes the digest; a strided sample would miss it). Buffers count too (rotary tables). DPO's
+    reference cache is keyed by it; a GRPO run records its grpo.reference's in its checkpoints."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         if not isinstance(tensor, torch.Tensor):
@@ -129,7 +130,7 @@ def _cache_key(recipe: Recipe, samples_key: str | None, ref: torch.nn.Module) ->
     import transformers
 
     base = ref.get_base_model() if hasattr(ref, "get_base_model") else ref
-    inputs = {"version": REFERENCE_VERSION, "samples": samples_key, "reference": _fingerprint(base),
+    inputs = {"version": REFERENCE_VERSION, "samples": samples_key, "reference": weights_digest(base),
               "model": recipe.model.model_dump(mode="json"), "adapter_off": recipe.adapter.type,
               "loss": recipe.loss.model_dump(mode="json"), "torch": torch.__version__,
               "transformers": transformers.__version__}

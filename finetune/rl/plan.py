@@ -33,7 +33,9 @@ class RolloutPlan:
         t, g = recipe.train, recipe.grpo
         self.fetch, self.batches, self.recipe, self.end_ids = fetch, batches, recipe, frozenset(end_ids)
         self.score = score
-        self.prefetch = prefetch  # generated rollouts come from the policy as updated by the previous step: not ahead
+        # Not ahead when a batch's rows depend on the previous step's update: generated rollouts, and the policy's
+        # log-probabilities that iterations > 1 take the ratio against (scored before the batch's first step).
+        self.prefetch = prefetch and not (g.iterations > 1 and g.ratio_against == "policy")
         self.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
         per_epoch = self.batches * g.iterations
         total = per_epoch * t.epochs if t.epochs is not None else t.max_steps
@@ -71,7 +73,7 @@ class RolloutPlan:
         truncated = [r.truncated(self.end_ids) for r in rollouts]
         rows = [training_row(r, a, g.mask_truncated and cut, g.ratio_against == "replay")
                 for r, a, cut in zip(rollouts, adv.values, truncated)]
-        if g.iterations > 1 and self.score is not None and any(r.logprobs is None for r in rollouts):
+        if g.iterations > 1 and self.score is not None and any(row["rollout"]["logprobs"] is None for row in rows):
             for row, logps in zip(rows, self.score(rows)):  # the sampling policy: the policy before this batch's steps
                 row["rollout"]["logprobs"] = row["rollout"]["logprobs"] or logps
         figures = rollout_figures(rollouts, truncated, adv.zero_std_groups) | getattr(self.fetch, "figures", {})

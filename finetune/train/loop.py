@@ -162,7 +162,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     start = Progress()
     if resume_from is not None:
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
-        checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key)
+        checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key,
+                                       getattr(parts.objective, "reference_digest", None))
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
         console.print(f"resumed from {resume_from} at step {start.step}")
     logger = _open_run_dir(recipe, out, console, replaced, versions.snapshot(warnings) | {"run": kernels_used}, plan,
@@ -394,7 +395,8 @@ def _evaluate(run: Run, step: int) -> None:
 def _save_checkpoint(run: Run, done: Progress, epoch: int) -> None:
     state = checkpoint.trainer_state(run.recipe, step=done.step, epoch=epoch, samples_key=run.samples_key,
                                      global_batch=run.plan.global_batch, world_size=run.world.size,
-                                     tokens_seen=done.tokens_seen, samples_seen=done.samples_seen)
+                                     tokens_seen=done.tokens_seen, samples_seen=done.samples_seen,
+                                     reference=getattr(run.objective, "reference_digest", None))
     checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
                     run.recipe.checkpoint.keep_last)
 
