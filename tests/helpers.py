@@ -27,14 +27,56 @@ TINY = [*(f"model.config.{key}={value}" for key, value in TINY_MODEL_CONFIG.item
 
 # One thread per test process: the models are tiny, and on a shared 2-core machine OpenMP threads spinning
 # against other processes made each run ~3x slower (measured: 30 s -> 9 s for a 3-step run under load).
-TEST_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+# PYTHONFAULTHANDLER: a process that hangs past its timeout is sent SIGABRT (run_process), and every Python process
+# of the tree then prints where each of its threads stood: a hang in CI says where it hung.
+TEST_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m finetune ARGS` in a subprocess from the repo root; returns the completed process."""
     full_env = {**TEST_ENV, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
+    return run_process([sys.executable, "-m", "finetune", *args], env=full_env, timeout=timeout)
+
+
+def run_process(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) from the repo root, but a command still running after
+    `timeout` s has each Python process of its tree (torchrun's workers included) dump its threads' stacks (SIGABRT
+    under PYTHONFAULTHANDLER) before it is killed; the test then fails with those stacks in its message."""
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid, *descendants(proc.pid)]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout:.0f} s: {' '.join(cmd)[:300]}\n--- stdout (tail) ---\n"
+                             f"{out[-3000:]}\n--- stderr with the stacks (tail) ---\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (children first found by their parent pid in /proc), deepest last."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        kids = [pid for pid, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
 
 
 def train_lines(run_dir: Path) -> list[dict]:

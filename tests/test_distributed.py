@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import QUICKSTART, ROOT, TINY, eval_lines, final_weights, rel_diff, train_lines
+from helpers import QUICKSTART, ROOT, TINY, eval_lines, final_weights, rel_diff, run_process, train_lines
 
 pytestmark = pytest.mark.dist
 
@@ -61,13 +61,11 @@ CASES = {"packed": [*TINY, "train.max_steps=3"], "short": SHORT, "lora": LORA, "
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300, device: str = "cpu") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "finetune", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=_env(device, OMP_NUM_THREADS="1"))
+    return run_process(cmd, env=_env(device, OMP_NUM_THREADS="1"), timeout=timeout)
 
 
 def single(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=_env(device))
+    return run_process([sys.executable, "-m", "finetune", *args], env=_env(device), timeout=300)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
