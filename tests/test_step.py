@@ -23,6 +23,8 @@ from conftest import REPO_ROOT, TINY_MODEL_CONFIG
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune import dist
+from finetune.batch import to_device
+from finetune.data import eval_rows
 from finetune.data.collate import collate
 from finetune.data.pack import pack_samples
 from finetune.loss.fused import resolve_impl
@@ -189,3 +191,80 @@ def test_update_sums_stay_on_the_device_and_keep_their_meaning():
     norm = sum(float(b.pow(2).sum()) for b in before)
     assert sums.tolist() == pytest.approx([delta, norm], rel=1e-6)
     assert float(ratio) == pytest.approx(0.01, rel=1e-5)
+
+
+# --- eval: micro-batches copied without blocking, the device read once ----------------------------------------------
+
+class _HostTensor:
+    """A CPU tensor as to_device sees it, recording what is done to it."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def pin_memory(self):
+        self.calls.append("pin_memory")
+        return self
+
+    def to(self, target, non_blocking=False):
+        self.calls.append((torch.device(target), non_blocking))
+        return self
+
+
+def test_copies_to_cuda_come_from_pinned_memory_without_blocking():
+    tensor = _HostTensor()
+    assert to_device(tensor, "cuda") is tensor
+    assert tensor.calls == ["pin_memory", (torch.device("cuda"), True)]
+    tensor = _HostTensor()
+    to_device(tensor, "cpu")
+    assert tensor.calls == [(torch.device("cpu"), False)]  # a CPU run copies nothing it need not pin
+
+
+class _CountHostValues(TorchDispatchMode):
+    """Tensors made from host values (torch.tensor: aten.lift_fresh) by evaluate.py's own lines: on CUDA each is a
+    blocking copy to the device, a sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) == "aten.lift_fresh.default":
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            if frames[-1].filename.endswith("finetune/train/evaluate.py"):
+                self.calls.append(f"{frames[-1].lineno}:{frames[-1].line}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_eval_moves_each_micro_batch_once_without_blocking_and_puts_counts_on_the_device_once(tmp_path, monkeypatch):
+    """evaluate_loss moves every micro-batch through MicroBatch.to (to_device: pinned, non_blocking on CUDA) and
+    makes one tensor of host values for the whole eval, not one per micro-batch (before: a blocking copy of each
+    count, per micro-batch); the loss is the sum of token losses over the target tokens, as before."""
+    from conftest import tiny_recipe
+
+    from finetune import batch as batch_module
+    from finetune.recipe import validate
+    from finetune.train.evaluate import evaluate_loss
+
+    lm, net, _, micro_batches = _setup(torch.device("cpu"))
+    recipe = validate({**tiny_recipe(tmp_path / "run", REPO_ROOT / "examples" / "data" / "quickstart_eval.jsonl"),
+                       "data": {"max_seq_len": 128, "packing": True}})
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for n in torch.randint(8, 60, (24,), generator=gen).tolist():
+        ids = torch.randint(3, 200, (n,), generator=gen).tolist()
+        samples.append({"input_ids": ids, "labels": [-100, *ids[1:]]})
+    moved = []
+    real = batch_module.to_device
+    monkeypatch.setattr(batch_module, "to_device", lambda t, d: moved.append(t.shape) or real(t, d))
+    results = {}
+    for micro in (2, 4):
+        moved.clear()
+        with _CountHostValues() as counter:
+            results[micro] = evaluate_loss(SFT(), net, samples, recipe, micro, 0, dist.World(), torch.device("cpu"))
+        assert len(counter.calls) == 1, counter.calls  # the counts, once, after the last micro-batch
+        rows = len(eval_rows(samples, recipe.data))
+        assert sum(1 for shape in moved if len(shape) == 2 and shape[0] <= micro) >= 2 * -(-rows // micro)
+    assert results[2].counts == results[4].counts and results[2].counts["tokens"] > 0
+    assert results[2].loss == pytest.approx(results[4].loss, rel=1e-6)
