@@ -102,26 +102,16 @@ def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: i
                      kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
 
 
+# Never traced by torch.compile (train.compile compiles each decoder layer around it): the documents are found on
+# the host and attended in Python, which dynamo cannot trace and would recompile for every new set of documents. The
+# layer's code before and after it is compiled. (In eager mode the wrapper costs ~0.4 us a call, measured.)
+@torch.compiler.disable
 def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           position_ids: torch.Tensor | None = None, sliding_window: int | None = None,
                           **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [b, heads, S, d], key/value [b, kv_heads, S, d] ->
     ([b, S, heads, d_v], None). Documents of a row attend causally within themselves only."""
-    # Never traced by torch.compile (train.compile compiles each decoder layer around it): the documents are found
-    # on the host and attended in Python, which dynamo cannot trace and would recompile for every new set of
-    # documents. The layer's code before and after it is compiled. Only under compilation: in eager mode
-    # torch.compiler.disable's wrapper would cost every attention call ~10 us of host time for nothing.
-    if torch.compiler.is_compiling():
-        return _uncompiled(module, query, key, value, attention_mask, dropout, scaling, position_ids, sliding_window,
-                           **kwargs)
-    return _attention(module, query, key, value, attention_mask, dropout, scaling, position_ids, sliding_window,
-                      **kwargs)
-
-
-def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
-               position_ids: torch.Tensor | None, sliding_window: int | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     usable = position_ids is not None and position_ids.ndim == 2  # not None, not 3D (multimodal rope)
@@ -173,6 +163,3 @@ def _window_mask(length: int, sliding_window: int | None, device: torch.device) 
         return None
     full = torch.ones(length, length, dtype=torch.bool, device=device)
     return full.tril() & full.triu(-(sliding_window - 1))
-
-
-_uncompiled = torch.compiler.disable(_attention)
