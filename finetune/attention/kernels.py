@@ -88,7 +88,8 @@ def kernel_for(query: torch.Tensor, value: torch.Tensor, dropout: float, docs: D
     return choose(docs.kernel, query.device, query.dtype, query.shape[-1], value.shape[-1], dropout)[0]
 
 
-def varlen_problem(device: torch.device, dtype: torch.dtype, head_dim: int, v_head_dim: int | None = None) -> str | None:
+def varlen_problem(device: torch.device, dtype: torch.dtype, head_dim: int,
+                   v_head_dim: int | None = None) -> str | None:
     """Why torch's varlen_attn cannot run this attention, or None. `v_head_dim`: the value head size, when it
     differs from the query's (MLA)."""
     if device.type != "cuda":
