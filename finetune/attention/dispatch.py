@@ -103,15 +103,15 @@ def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: i
 
 
 # Never traced by torch.compile (train.compile compiles each decoder layer around it): the documents are found on
-# the host by the identity of cu_seqlens and attended in a Python loop over their spans, which dynamo cannot trace
-# and would recompile for every new set of documents. The layer's code before and after it is compiled.
+# the host and attended in Python, which dynamo cannot trace and would recompile for every new set of documents. The
+# layer's code before and after it is compiled. (In eager mode the wrapper costs ~0.4 us a call, measured.)
 @torch.compiler.disable
 def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           position_ids: torch.Tensor | None = None, sliding_window: int | None = None,
                           **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [b, heads, S, d], key/value [b, kv_heads, S, d] ->
-    ([b, S, heads, d], None). Documents of a row attend causally within themselves only."""
+    ([b, S, heads, d_v], None). Documents of a row attend causally within themselves only."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     usable = position_ids is not None and position_ids.ndim == 2  # not None, not 3D (multimodal rope)
@@ -132,9 +132,11 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if not isinstance(docs, Documents) or (docs.batch, docs.length) != (batch, q_length):
         docs = None
     if docs is not None:
-        kernel = packed_kernels.kernel_for(query, dropout, sliding_window, docs)
+        kernel = packed_kernels.kernel_for(query, value, dropout, docs)
         if kernel == "varlen":
             return packed_kernels.varlen(query, key, value, docs, scaling, sliding_window), None
+        if kernel == "masked":
+            return packed_kernels.masked(query, key, value, docs, scaling, sliding_window, dropout), None
         if kernel == "flex":
             return packed_kernels.flex(query, key, value, docs, scaling, sliding_window), None
     spans = docs.spans if docs is not None else document_spans(position_ids, batch)

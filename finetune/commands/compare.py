@@ -1,7 +1,9 @@
 """`finetune runs compare DIR_A DIR_B` (comparing runs): what differs between two runs and how each one ended.
 
 One rich table: the resolved recipes' differing keys (dotted, `datasets.0.path`; identical keys and
-output_dir are left out), the library versions that differ, then each run's summary from its metrics.jsonl:
+output_dir are left out), the library versions that differ, what each run ran (versions.json's run record: the
+loss, the attention, the packed-attention kernel and why; shown whether or not they differ, since two runs of one
+recipe may run different kernels on different machines), then each run's summary from its metrics.jsonl:
 final train loss, best and final eval loss with their steps, steps, tokens seen, mean throughput, elapsed time.
 """
 
@@ -29,6 +31,9 @@ ABSENT = "[dim](absent)[/dim]"
 # Keys every pair of runs differs in by construction; the table's column headers already name the runs.
 IGNORED_KEYS = ("output_dir",)
 IGNORED_VERSION_KEYS = ("executable", "unpinned_warnings")
+# versions.json's run record (finetune/train/loop.py), shown in its own section: key -> row label.
+RAN = {"loss": "loss", "attention": "attention", "packed_kernel": "packed kernel",
+       "packed_kernel_why": "packed kernel: why"}
 
 
 def compare_runs(run_a: str, run_b: str) -> Table:
@@ -52,6 +57,12 @@ def compare_runs(run_a: str, run_b: str) -> Table:
         table.add_row("[cyan]versions[/cyan]", "", "")
         for key, a, b in version_diffs:
             table.add_row(key, a, b)
+    ran = _ran(run_a, run_b)
+    if ran:
+        table.add_section()
+        table.add_row("[cyan]what ran[/cyan]", "", "")
+        for label, a, b in ran:
+            table.add_row(label, a, b)
     table.add_section()
     table.add_row("[cyan]metrics[/cyan]", "", "")
     sum_a, sum_b = summarize(_metrics(run_a)), summarize(_metrics(run_b))
@@ -129,8 +140,21 @@ def _version_differences(run_a: str, run_b: str) -> list[tuple[str, str, str]]:
     if versions_a is None or versions_b is None:
         return []
     a, b = flatten(versions_a), flatten(versions_b)
-    keys = [k for k in dict.fromkeys([*a, *b]) if k not in IGNORED_VERSION_KEYS]
+    keys = [k for k in dict.fromkeys([*a, *b]) if k not in IGNORED_VERSION_KEYS and not k.startswith("run.")]
     return [(k, _show(a, k), _show(b, k)) for k in keys if a.get(k, ...) != b.get(k, ...)]
+
+
+def _ran(run_a: str, run_b: str) -> list[tuple[str, str, str]]:
+    """(label, run a's, run b's) of each run-record entry either run has: what computed its steps."""
+    records = [(read_versions(run) or {}).get("run") for run in (run_a, run_b)]
+    a, b = (r if isinstance(r, dict) else {} for r in records)
+    return [(label, _cell(a, key), _cell(b, key)) for key, label in RAN.items()
+            if a.get(key) is not None or b.get(key) is not None]
+
+
+def _cell(record: dict[str, Any], key: str) -> str:
+    value = record.get(key)
+    return "-" if value is None else escape(str(value))
 
 
 def _names(run_a: str, run_b: str) -> tuple[str, str]:

@@ -6,6 +6,7 @@ A plain re-export. Reading a run's metrics.jsonl back is the run directory's job
 from finetune.metrics.measures import (
     PEAK_BF16_FLOPS,
     Stopwatch,
+    WeightSamples,
     flops_per_token,
     mfu,
     peak_flops,
@@ -28,7 +29,8 @@ from finetune.metrics.sinks import (
 )
 
 __all__ = [
-    "INSTALL_HINT", "PEAK_BF16_FLOPS", "ConsoleSink", "JsonlSink", "MetricsLogger", "Sink", "Stopwatch",
+    "INSTALL_HINT", "PEAK_BF16_FLOPS", "ConsoleSink", "JsonlSink", "MetricsLogger", "Sink", "Stopwatch", "WeightSamples",
+    "WeightSamples",
     "flops_per_token", "format_window", "mfu", "open_sinks", "peak_flops", "peak_memory_mb", "scalars",
     "update_ratio", "update_sums", "warn", "weight_sample", "window_loss",
 ]

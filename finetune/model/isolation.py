@@ -29,7 +29,8 @@ from finetune.errors import UserError
 from finetune.model.architectures import packing_refusal
 from finetune.model.with_loss import takes_boundaries
 
-__all__ = ["check_packable", "check_packing_isolation", "default_tolerance", "is_ours", "packed_attention"]
+__all__ = ["attention_layers", "check_packable", "check_packing_isolation", "default_tolerance", "is_ours",
+           "packed_attention"]
 
 # Two short documents of different lengths; a fixed generator so the check is reproducible.
 _DOC_LENGTHS = (7, 11)
@@ -71,12 +72,34 @@ def default_tolerance(dtype: torch.dtype, device: torch.device | None = None) ->
 
 def packed_attention(model: torch.nn.Module, device: torch.device, kernel: str = "auto") -> tuple[str, str]:
     """(the kernel our attention runs packed rows of this model with on `device` under the run's setting `kernel`,
-    why), for the run log and the run directory's record."""
+    why), for the run log and the run directory's record: what each attention layer will choose in training (its
+    head sizes and attention dropout decide), named per layer kind where the kinds differ."""
     _, dtype = _input_device_dtype(model)
-    # From the attention modules, not the config: some configs (Gemma 4) vary head_dim by layer and refuse a
-    # global read. The largest decides, as each call checks its own.
-    dims = [m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)]
-    return describe(device, dtype, max(dims, default=64), kernel)
+    return describe(attention_layers(model), device, dtype, kernel)
+
+
+def attention_layers(model: torch.nn.Module) -> list[tuple[str, int, int, float]]:
+    """(layer kind, query head size, value head size, attention dropout in training) of each attention module.
+
+    From the modules, not the config: some configs (Gemma 4) vary head_dim by layer and refuse a global read, and
+    MLA attention (DeepSeek-V2/V3, MiniCPM3, LongCat-Flash) has qk_head_dim and v_head_dim instead. The kind is the
+    config's layer_types entry (sliding_attention, full_attention), or "attention"."""
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    kinds = getattr(get_text() if callable(get_text) else config, "layer_types", None)
+    layers = []
+    for m in model.modules():
+        head_dim = getattr(m, "qk_head_dim", None) or getattr(m, "head_dim", None)
+        if not isinstance(head_dim, int) or not hasattr(m, "attention_dropout"):
+            continue
+        v_head_dim = getattr(m, "v_head_dim", None)
+        index = getattr(m, "layer_idx", None)
+        kind = kinds[index] if isinstance(kinds, (list, tuple)) and isinstance(index, int) and index < len(kinds) \
+            else "attention"
+        dropout = getattr(m, "attention_dropout", 0.0)
+        layers.append((str(kind), head_dim, v_head_dim if isinstance(v_head_dim, int) else head_dim,
+                       float(dropout) if isinstance(dropout, (int, float)) else 0.0))
+    return layers
 
 
 def _input_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:

@@ -31,11 +31,14 @@ class CausalLMWithLoss(torch.nn.Module):
         self.lm, self.impl, self.chunk_size, self.z_loss = lm, impl, chunk_size, z_loss
         # What the model's own head does to its logits (a scale, a soft-cap, a vocabulary slice), done here too:
         # else the run would train other logits than the model's (finetune/model/architectures.py).
-        self.head = head_spec(lm.config, output_layer(lm)[1].weight.shape[0])
+        # Found once (a walk through a PEFT wrapper each forward is host time per micro-batch); a tuple, so that the
+        # two are not registered again as submodules of this one.
+        self._layers = output_layer(lm)
+        self.head = head_spec(lm.config, self._layers[1].weight.shape[0])
         self.softcap = softcap or self.head.softcap
         self.takes_boundaries = takes_boundaries(lm)
-        # The run's packed-attention kernel setting, read once (the environment override included); the attention
-        # reads it from each micro-batch's Documents, which this module hands to the model call.
+        # The run's packed-attention kernel setting, resolved once (the environment override read once per process);
+        # the attention reads it from each micro-batch's Documents, which this module hands to the model call.
         self.packed_kernel = setting(packed_attention)
 
     @classmethod
@@ -52,7 +55,7 @@ class CausalLMWithLoss(torch.nn.Module):
         for objectives that score whole sequences. `targets` and `documents` (MicroBatch.model_inputs: the target
         positions and the packed rows' documents, found on the CPU) spare the loss and the attention host syncs.
         `temperature` (per_token only): the log-probabilities of logits / temperature."""
-        decoder, head = output_layer(self.lm)
+        decoder, head = self._layers
         extra = documents.model_kwargs(self.packed_kernel) if documents is not None and self.takes_boundaries else {}
         # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

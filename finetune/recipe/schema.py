@@ -35,7 +35,8 @@ class ModelConfig(Section):
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """auto: packed rows attend within each document only (no [S, S] mask, so a packed row costs attention
     within its documents only; the documents found once per micro-batch on the CPU): torch's varlen_attn on CUDA
-    in bfloat16/float16, sdpa one document at a time elsewhere (model.packed_attention chooses), transformers' sdpa
+    in bfloat16/float16, one sdpa call behind a block-diagonal mask elsewhere on CUDA (fp32), sdpa one document at a
+    time on a CPU (model.packed_attention chooses), transformers' sdpa
     for padded batches and
     generation; eager for architectures without sdpa support (e.g. Gemma2); sdpa for those whose attention gets
     no position_ids or builds its own mask (e.g. GPTBigCode, Llama4, Doge). sdpa: transformers' sdpa, packed rows
@@ -43,11 +44,13 @@ class ModelConfig(Section):
     flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
     packed_attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
     """The kernel that attends within each packed document under attn_implementation auto. auto: torch's varlen_attn
-    on CUDA in bfloat16/float16 with a head size up to 256, else sdpa one document at a time; varlen: always
-    varlen_attn (an error where it cannot run); flex: flex_attention with one document mask per micro-batch
-    (compiled on CUDA; forward only on a CPU); sdpa: one document at a time. The environment variable
-    FINETUNE_PACKED_ATTENTION overrides it (read once per run). The kernel that ran, and why, is in the run log and in
-    versions.json ("run")."""
+    (2.11 or later) on CUDA in bfloat16/float16 with a head size up to 256 and no attention dropout (a smaller value
+    head, MLA's, is padded to the query's), else on CUDA one sdpa call behind a block-diagonal mask built once per
+    micro-batch (fp32 among others), and on a CPU sdpa one document at a time; varlen: always varlen_attn (an error
+    where it cannot run); flex: flex_attention with one document mask per micro-batch (compiled on CUDA; forward only
+    on a CPU); sdpa: one document at a time. The environment variable FINETUNE_PACKED_ATTENTION overrides it (read
+    once per process). The kernel each layer kind runs, and why, is in the run log and in versions.json ("run"),
+    which `finetune runs compare` shows."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     liger_kernels: bool = False

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from finetune import dist
+from finetune.batch import to_device
 from finetune.data import collate, eval_rows, rank_micro_batches
 from finetune.errors import UserError
 from finetune.model.isolation import check_packable
@@ -45,16 +46,25 @@ def evaluate_loss(objective: Objective, net: torch.nn.Module, samples: list[dict
     # nothing, so every rank makes the same forward calls (FSDP gathers parameters in each).
     micro_batches = rank_micro_batches(eval_rows(samples, recipe.data), micro_batch_size, world.size, world.rank)
     units, metrics = objective.units, list(objective.metrics)
-    totals = torch.zeros(2 * len(units) + len(metrics), device=device, dtype=torch.float64)  # terms, counts, metrics
+    # On the device: the loss terms and metrics, added up without a read. On the host: the counts, known from the
+    # collated rows (a count put on the device per micro-batch would be a blocking copy, a sync, each time).
+    sums_on_device = torch.zeros(len(units) + len(metrics), device=device, dtype=torch.float64)
+    counted = dict.fromkeys(units, 0)
     net.eval()
     with torch.no_grad():
         for rows in micro_batches:
-            batch = collate(rows, recipe.data, pad_id)
-            result, counts = objective.forward(net, batch, device), objective.counts(batch)
-            totals += torch.stack([*(result.terms[u].double() for u in units),
-                                   *(torch.tensor(float(counts[u]), device=device, dtype=torch.float64)
-                                     for u in units),
-                                   *(result.metrics[m] for m in metrics)])
+            # Copied from pinned memory without blocking on CUDA (MicroBatch.to): the host collates the next
+            # micro-batch while the device runs this one.
+            batch = collate(rows, recipe.data, pad_id).to(device)
+            result = objective.forward(net, batch, device)
+            counts = objective.counts(batch)
+            for u in units:
+                counted[u] += counts[u]
+            sums_on_device += torch.stack([*(result.terms[u].double() for u in units),
+                                           *(result.metrics[m] for m in metrics)])
+    # The one copy to the device and the one read: terms, counts and metrics summed over ranks together.
+    host_counts = torch.tensor([float(counted[u]) for u in units], dtype=torch.float64)
+    totals = torch.cat([sums_on_device[:len(units)], to_device(host_counts, device), sums_on_device[len(units):]])
     sums = dist.all_reduce_sum(totals).tolist()
     terms, counts = sums[:len(units)], dict(zip(units, sums[len(units):2 * len(units)]))
     loss = sum(term / max(counts[u], 1) for term, u in zip(terms, units))

@@ -12,6 +12,7 @@ whose gradient is applied. What a micro-batch's loss and counts are is the objec
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,11 +31,10 @@ from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import (
     MetricsLogger,
     Stopwatch,
+    WeightSamples,
     mfu,
     open_sinks,
     peak_memory_mb,
-    update_ratio,
-    weight_sample,
 )
 from finetune.model import kernels as model_kernels
 from finetune.model.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
@@ -114,9 +114,15 @@ class Run:
     eval_every: int | None  # optimizer steps between evals (eval.every_steps or every_epochs, resolved)
     checkpoint_every: int | None
 
-    @property
+    @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters, listed once (walking every parameter each step is host time per step)."""
         return [p for p in self.net.parameters() if p.requires_grad]
+
+    @functools.cached_property
+    def weight_samples(self) -> WeightSamples:
+        """The samples the update ratio compares, their views made once."""
+        return WeightSamples(self.params)
 
 
 # --- setup -------------------------------------------------------------------------------------------------
@@ -275,7 +281,7 @@ def train_loop(run: Run) -> None:
             with clock.excluded():
                 _write_line(run, pending, figures.late[0])
         healthy = figures.healthy(counts)
-        before = [weight_sample(p).to(torch.float32, copy=True) for p in run.params] if healthy else None
+        before = run.weight_samples.take() if healthy else None
         if healthy:
             run.optimizer.step()
             bad_streak = 0
@@ -371,9 +377,9 @@ def _report_skipped(console: Console, step: int, counts: dict[str, int], bad_str
     return bad_streak + 1
 
 
-def _update_ratio(run: Run, before: list[torch.Tensor]) -> torch.Tensor:
+def _update_ratio(run: Run, before: torch.Tensor) -> torch.Tensor:
     # Under FSDP2 each rank holds a shard of every weight: the sums are summed over ranks.
-    return update_ratio(before, run.params, dist.all_reduce_sum if dist.is_sharded(run.lm) else None)
+    return run.weight_samples.ratio(before, dist.all_reduce_sum if dist.is_sharded(run.lm) else None)
 
 
 def _evaluate(run: Run, step: int) -> None:
