@@ -4,7 +4,8 @@ curves on the DPO example.
     .venv/bin/python benchmarks/preference_vs_trl.py --trl-path /tmp/trl_pkgs   # TRL installed with
         .venv/bin/pip install --no-deps --target /tmp/trl_pkgs trl==1.16.0   (its other needs are in our venv)
     .venv/bin/python benchmarks/preference_vs_trl.py --trl-path /tmp/trl_pkgs --pins   # as the test pins them
-    .venv/bin/python benchmarks/preference_vs_trl.py --trl-path /tmp/trl_pkgs --curves  # the example, both
+    .venv/bin/python benchmarks/preference_vs_trl.py --trl-path /tmp/trl_pkgs --curves runs/quickstart/final
+        # also examples/yaml/quickstart-dpo.yaml through `finetune train` and TRL's DPOTrainer from that SFT model
 
 Step one: one optimizer step of the seeded tiny Llama of benchmarks/grpo_vs_trl.py (2 layers, hidden 32, the
 example tokenizer's 1024 tokens, float32, CPU) on 16 pairs of examples/data/quickstart_pref_train.jsonl (its first
@@ -12,6 +13,12 @@ example tokenizer's 1024 tokens, float32, CPU) on 16 pairs of examples/data/quic
 times fresh ones: `dpo.reference: PATH`, TRL's `ref_model`). For each DPO loss (sigmoid, ipo, hinge, sigmoid with
 label smoothing 0.1) at micro 16 x accumulation 1 and 4 x 4, and ORPO (beta 0.1) at 16 x 1: both step-one losses
 and pre-clip gradient norms, their relative differences, and the whole gradient's (||ours - TRL|| / ||TRL||).
+
+Learning curves (--curves SFT_MODEL): examples/yaml/quickstart-dpo.yaml (the quickstart model after SFT, 480 pairs
+whose rejected answer breaks the format, 100 eval pairs) through `finetune train`, as shipped and with
+dpo.completion_end: template, and TRL's DPOTrainer on the same model, pairs and hyperparameters (micro 8 x
+accumulation 2, one epoch, AdamW lr 1e-3, cosine to 0 without warmup, no weight decay, clip 1, beta 0.1):
+eval reward accuracy and loss every 5 steps, from step 0.
 
 Ours: the trainer's own step functions (grpo_vs_trl.ours_step: the parts, plan, collated micro-batches and step of
 `finetune train`), and `finetune train` itself for one case. TRL: the trainer with a callback that copies the
@@ -33,7 +40,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 import tempfile
@@ -211,6 +217,73 @@ def compare(cases: list[Case], cli: set[str], work: Path, inputs: tuple[Path, Pa
     return rows
 
 
+# --- learning curves on the DPO example ---------------------------------------------------------------------------
+
+EXAMPLE = ROOT / "examples" / "yaml" / "quickstart-dpo.yaml"
+
+
+def ours_curve(model: Path, work: Path, end: str) -> list[tuple[int, float, float]]:
+    """(step, eval reward accuracy, eval loss) of `finetune train` on the example from `model`."""
+    import subprocess
+
+    out = work / f"curve-ours-{end}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "finetune", "train", str(EXAMPLE), f"model.path={model}",
+                           f"output_dir={out}", f"data.cache_dir={work / 'cache'}", f"dpo.completion_end={end}",
+                           "--overwrite"], cwd=ROOT, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"finetune train {EXAMPLE} failed:\n{done.stderr[-3000:]}")
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(x["step"], x["eval_reward_accuracy"], x["eval_loss"]) for x in lines if "eval_loss" in x]
+
+
+def trl_curve(model: Path, work: Path) -> list[tuple[int, float, float]]:
+    """The same from TRL's DPOTrainer (its reference: a copy of the model as loaded; eval batches of 20, so its
+    mean of batch means is the mean over the 100 pairs)."""
+    import torch
+    import yaml
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+    from trl import DPOConfig, DPOTrainer
+
+    recipe = yaml.safe_load(EXAMPLE.read_text())
+    train, dpo = recipe["train"], recipe["dpo"]
+    data = {split: Dataset.from_list(trl_rows((EXAMPLE.parent / recipe[key][0]["path"]).resolve()))
+            for split, key in (("train", "datasets"), ("eval", "eval_datasets"))}
+    args = DPOConfig(output_dir=str(work / "curve-trl"), per_device_train_batch_size=train["micro_batch_size"],
+                     per_device_eval_batch_size=20, gradient_accumulation_steps=train["gradient_accumulation_steps"],
+                     num_train_epochs=train["epochs"], learning_rate=train["lr"], lr_scheduler_type="cosine",
+                     warmup_steps=train["warmup_steps"], weight_decay=train["weight_decay"],
+                     max_grad_norm=train["max_grad_norm"], beta=dpo["beta"], loss_type=[dpo["loss"]], bf16=False,
+                     use_cpu=True, seed=recipe["seed"], eval_strategy="steps", eval_steps=recipe["eval"]["every_steps"],
+                     eval_on_start=True, logging_steps=recipe["logging"]["every_steps"], save_strategy="no",
+                     report_to="none", disable_tqdm=True, max_length=recipe["data"]["max_seq_len"])
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), args=args,
+                         train_dataset=data["train"], eval_dataset=data["eval"],
+                         processing_class=AutoTokenizer.from_pretrained(TOKENIZER))
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return [(x["step"], x["eval_rewards/accuracies"], x["eval_loss"]) for x in trainer.state.log_history
+            if "eval_loss" in x]
+
+
+def curves(model: Path, work: Path) -> list[dict]:
+    """Both trainers on the example; each curve printed as it ends, with its wall time."""
+    import time
+
+    rows = []
+    for name, run in (("ours (marker)", lambda: ours_curve(model, work, "marker")),
+                      ("ours (template)", lambda: ours_curve(model, work, "template")),
+                      ("TRL DPOTrainer", lambda: trl_curve(model, work))):
+        start = time.perf_counter()
+        points = run()
+        seconds = time.perf_counter() - start
+        rows.append({"curve": name, "seconds": seconds, "points": points})
+        print(f"\n{name}: {seconds:.0f} s\n  step  eval_reward_accuracy  eval_loss\n"
+              + "\n".join(f"  {s:>4}  {a:>20.2f}  {loss:>9.4f}" for s, a, loss in points), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-path", help="a directory holding the trl package (pip install --target)")
@@ -220,7 +293,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--pins", action="store_true", help="print TRL's figures as tests/test_preference_trl.py "
                                                              "pins them")
-    parser.add_argument("--curves", action="store_true", help="also train the DPO example under both (slow)")
+    parser.add_argument("--curves", type=Path, metavar="SFT_MODEL",
+                        help="also train examples/yaml/quickstart-dpo.yaml from this model under both (slow)")
+    parser.add_argument("--no-step-one", action="store_true", help="the curves only")
     args = parser.parse_args()
     if args.trl_path:
         sys.path.insert(0, args.trl_path)
@@ -246,21 +321,18 @@ def main() -> None:
     pairs = write_pairs(work / "pairs.jsonl")
     print(f"policy {weights_digest(policy)[:16]}, reference {weights_digest(reference)[:16]}, pairs "
           f"{hashlib.sha256(pairs.read_bytes()).hexdigest()[:16]} (sha256)")
-    rows = compare(CASES + KNOWN, set(args.cli), work, (policy, reference, pairs))
-    worst = max(max(r["loss_rel"], r["grad_norm_rel"], r["grad_rel"], r.get("cli_rel", 0.0)) for r in rows
-                if not r["known_difference"])
-    print(f"\n! a setting where ours and TRL's differ (module docstring)\nworst relative difference, ours vs TRL, "
-          f"other rows (loss, grad norm, whole gradient): {worst:.2e}")
+    rows = [] if args.no_step_one else compare(CASES + KNOWN, set(args.cli), work, (policy, reference, pairs))
+    if rows:
+        worst = max(max(r["loss_rel"], r["grad_norm_rel"], r["grad_rel"], r.get("cli_rel", 0.0)) for r in rows
+                    if not r["known_difference"])
+        print(f"\n! a setting where ours and TRL's differ (module docstring)\nworst relative difference, ours vs "
+              f"TRL, other rows (loss, grad norm, whole gradient): {worst:.2e}")
     if args.pins:
         print("".join(f'    "{r["case"]}": ({r["trl_loss"]!r}, {r["trl_grad_norm"]!r}),\n' for r in rows), end="")
     if args.curves:
-        from preference_curves import curves  # noqa: PLC0415 (the slow part, kept apart)
-
-        rows += curves(work)
+        rows += curves(args.curves.resolve(), work)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-
-
 
 if __name__ == "__main__":
     main()

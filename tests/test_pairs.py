@@ -92,9 +92,8 @@ def test_preference_rows_through_field_names_and_role_names():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
     from helpers import ROOT
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(ROOT / "examples" / "tokenizer")
 

@@ -299,7 +299,7 @@ class DPOConfig(Section):
     completion_end: Literal["marker", "template"] = "marker"
     """Which tokens a completion's log-probability covers. marker: its assistant turns as SFT scores them, each
     turn's content through its end-of-turn marker. template: from there to the end of the chat template's
-    rendering (with ChatML also the newline after <|im_end|>): TRL's DPOTrainer's completion, for comparing with
+    rendering (with ChatML also the newline after `<|im_end|>`): TRL's DPOTrainer's completion, for comparing with
     it."""
 
 
