@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from finetune.batch import MicroBatch
-from finetune.labels import IGNORE_INDEX
 
 
 @dataclass
@@ -60,7 +59,7 @@ def _whole_chosen(batch: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
     first[..., 1:] = doc[..., 1:] != doc[..., :-1]
     chosen = (doc >= 0) & (doc % 2 == 0) & ~first
     completion = torch.zeros_like(first)
-    completion[..., :-1] = labels[..., 1:] != IGNORE_INDEX
+    completion[..., :-1] = labels[..., 1:] >= 0  # a token id; IGNORE_INDEX is negative
     widened = dataclasses.replace(batch, labels=torch.where(chosen, ids, labels), device=None,
                                   target_positions=None, documents=None)
     return widened, completion

@@ -298,9 +298,8 @@ class DPOConfig(Section):
     training and cached by content; a resume is refused if the weights at the path changed."""
     completion_end: Literal["marker", "template"] = "marker"
     """Which tokens a completion's log-probability covers. marker: its assistant turns as SFT scores them, each
-    turn's content through its end-of-turn marker. template: from there to the end of the chat template's
-    rendering (with ChatML also the newline after `<|im_end|>`): TRL's DPOTrainer's completion, for comparing with
-    it."""
+    turn's content through its end-of-turn marker. template: on to the end of the chat template's rendering (with
+    ChatML the newline after `<|im_end|>` too): TRL's DPOTrainer's completion (docs/preference.md)."""
 
 
 class ORPOConfig(Section):
@@ -310,8 +309,8 @@ class ORPOConfig(Section):
     """Weight of the odds-ratio term next to the chosen completions' cross-entropy."""
     completion_end: Literal["marker", "template"] = "marker"
     """Which tokens a completion covers. marker: its assistant turns as SFT scores them (content and end-of-turn
-    marker). template: TRL's ORPOTrainer's completion: to the end of the chat template's rendering, then the
-    tokenizer's eos appended when the rendering does not end with it (ChatML: `...<|im_end|>\n<|im_end|>`)."""
+    marker). template: TRL's ORPOTrainer's: on to the end of the chat template's rendering, then the tokenizer's
+    eos appended when the rendering does not end with it (with ChatML a second `<|im_end|>` after the newline)."""
     nll: Literal["completion", "sequence"] = "completion"
     """What the cross-entropy term covers. completion: the chosen completions' tokens. sequence: every token of
     the chosen side but its first, the prompt's too (TRL's ORPOTrainer); over the step's such tokens either way."""
