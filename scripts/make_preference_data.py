@@ -66,10 +66,10 @@ def to_pair(messages: list[dict], rng: random.Random, implicit: bool, rejected_o
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=DATA)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for splits, seed, rejected_of in ((SPLITS, SEED, wrong_answer), (FORMAT_SPLITS, FORMAT_SEED, broken_format)):
         rng = random.Random(seed)

@@ -152,3 +152,27 @@ def test_the_boundary_is_the_objectives_and_in_the_data_cache_key(tokenizer):
     assert "pair_completion_end" not in default
     other = cache_inputs(recipe("train.objective=dpo", "dpo.completion_end=template"), tokenizer)
     assert cache_key(other) != cache_key(default) and other["pair_completion_end"] == "template"
+
+
+def test_the_shipped_pairs_regenerate_and_the_format_pairs_differ_only_in_format(tmp_path):
+    """scripts/make_preference_data.py writes the committed pair files byte for byte; in the format pairs (the
+    quickstart-dpo example) the rejected answer is the chosen one, right, in a broken format."""
+    import importlib.util
+    import json
+
+    from helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("make_preference_data", ROOT / "scripts" / "make_preference_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--out-dir", str(tmp_path)])
+    data = ROOT / "examples" / "data"
+    names = ["quickstart_pref_train.jsonl", "quickstart_pref_eval.jsonl", "quickstart_format_pref_train.jsonl",
+             "quickstart_format_pref_eval.jsonl"]
+    for name in names:
+        assert (tmp_path / name).read_bytes() == (data / name).read_bytes(), name
+    rows = [json.loads(x) for x in (data / names[2]).read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 480
+    for row in rows:
+        chosen, rejected = row["chosen"][-1]["content"], row["rejected"][-1]["content"]
+        assert chosen in rejected and chosen != rejected
