@@ -218,3 +218,80 @@ def test_a_pair_dropped_as_too_long_is_named_fresh_and_from_the_cache(truncation
             assert [line[:len(x) + 11] for line, x in zip(lines, expected)] == [f"  dropped: {x}" for x in expected]
             assert len(lines) == len(expected) and "over data.max_seq_len 48" in lines[-1], lines
         assert logged == reported == [f"  dropped: {e}" for e in stats.dropped_examples]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_orpo_over_the_whole_chosen_sequence_is_exact_too(packing):
+    """orpo.nll: sequence (TRL's ORPOTrainer: the prompt's tokens in the cross-entropy) normalized by the step's
+    chosen-sequence tokens: any split gives one batch's gradient, and that count is the chosen sides' tokens but
+    their first, more than the completions' alone."""
+    from finetune.commands.verify import verify
+
+    recipe = _recipe("train.objective=orpo", "orpo.nll=sequence", "orpo.completion_end=template",
+                     f"data.packing={packing}", "train.micro_batch_size=3", "train.gradient_accumulation_steps=2")
+    completion = verify(_recipe("train.objective=orpo", f"data.packing={packing}", "train.micro_batch_size=3",
+                                "train.gradient_accumulation_steps=2"), world_size=2)
+    result = verify(recipe, world_size=2)
+    assert result.unit == "chosen_tokens" and result.passed and result.tolerance == 1e-5, result.groups
+    assert result.targets > 2 * completion.targets  # the prompts are most of each side here
+
+
+def test_a_resume_refuses_a_dpo_reference_whose_weights_changed(tmp_path):
+    """dpo.reference: PATH is recorded by its weights' digest in each checkpoint (as grpo.reference's): one weight
+    changed at the path between the run and its resume -> exit 2 naming dpo.reference, nothing trained (the
+    reference log-probabilities would silently be those of other weights); the same weights at another path
+    resume."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from finetune.model.loading import load_model, load_tokenizer
+    from finetune.objectives.reference import weights_digest
+
+    base = _recipe("train.objective=dpo")
+    reference = tmp_path / "reference"
+    model = load_model(base.model, base.adapter, load_tokenizer(base.tokenizer, base.model), 7, "cpu")
+    model.save_pretrained(reference)
+    run = tmp_path / "run"
+    args = ["train", str(QUICKSTART), *TINY, *PREF, "train.objective=dpo", "datasets.0.max_rows=32",
+            "eval_datasets.0.max_rows=4", "train.micro_batch_size=4", "train.max_steps=2", "checkpoint.every_steps=1",
+            f"output_dir={run}", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert run_cli(*args, f"dpo.reference={reference}").returncode == 0
+    state = json.loads((run / "checkpoints" / "step-1" / "trainer_state.json").read_text())
+    assert state["reference_digest"] == weights_digest(model)
+
+    def resume_from_step_1(path):
+        shutil.rmtree(run / "final", ignore_errors=True)
+        shutil.rmtree(run / "checkpoints" / "step-2", ignore_errors=True)
+        return run_cli(*args, "resume=auto", f"dpo.reference={path}")
+
+    file = reference / "model.safetensors"
+    original = file.read_bytes()
+    weights = load_file(str(file))
+    weights[sorted(weights)[0]].view(-1)[0] += 1e-3
+    save_file(weights, str(file), metadata={"format": "pt"})
+    done = resume_from_step_1(reference)  # the same path, other weights
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"the weights of the reference model at dpo.reference {reference}" in done.stderr
+    assert "Traceback" not in done.stderr and not (run / "checkpoints" / "step-2").exists()
+    file.write_bytes(original)
+    moved = reference.rename(tmp_path / "reference-moved")  # another path, the same weights
+    done = resume_from_step_1(moved)
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
+    assert (run / "checkpoints" / "step-2").exists()
+
+
+@pytest.mark.slow
+def test_the_dpo_example_learns_past_0_9_after_the_quickstart(tmp_path):
+    """examples/yaml/quickstart-dpo.yaml's two commands (the quickstart's SFT, then DPO from its model): eval
+    reward accuracy starts at 0 (the policy is the reference) and ends at >= 0.9 (README: 1.00 from step 5)."""
+    sft = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'sft'}", timeout=1800)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    example = ROOT / "examples" / "yaml" / "quickstart-dpo.yaml"
+    dpo = run_cli("train", str(example), f"model.path={tmp_path / 'sft' / 'final'}", f"output_dir={tmp_path / 'dpo'}",
+                  timeout=1800)
+    assert dpo.returncode == 0, dpo.stderr[-3000:]
+    evals = eval_lines(tmp_path / "dpo")
+    assert evals[0]["eval_reward_accuracy"] < 0.5 and evals[0]["eval_pairs"] == 100
+    assert evals[-1]["eval_reward_accuracy"] >= 0.9, evals

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from finetune.data.pairs import completion_end
 from finetune.data.samples import build_samples
 from finetune.data.stats import DataStats
 from finetune.labels import IGNORE_INDEX
@@ -169,7 +170,11 @@ def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
     split = not recipe.eval_datasets and recipe.data.val_fraction > 0  # build_samples holds out rows only then
     if not split:
         data["val_fraction"] = 0.0  # ignored by build_samples: must not cost a re-tokenization
+    # Where preference completions end (data/pairs.py): in the key only when not the default, so the default's
+    # entries (and the DPO reference caches keyed by them) stay valid.
+    end = completion_end(recipe)
     return {
+        **({"pair_completion_end": end} if end != "marker" else {}),
         "data_version": DATA_VERSION,
         "datasets": [_source_key(d, f"datasets.{i}") for i, d in enumerate(recipe.datasets)],
         "eval_datasets": [_source_key(d, f"eval_datasets.{i}") for i, d in enumerate(recipe.eval_datasets)],

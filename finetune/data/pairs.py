@@ -13,6 +13,12 @@ bounds the pair (both sequences together), so a packed row always holds whole pa
 scores the same tokens. Too long a pair loses tokens from the end of its longer completion first
 (data.truncation: truncate), never its prompt, or is dropped (drop); a pair left without a scored token on
 either side is dropped.
+
+Where a completion ends (dpo.completion_end, orpo.completion_end; docs/preference.md, "The completion
+boundary"): `marker`, its assistant turns as SFT masks them (each turn's content and end-of-turn marker), or
+`template`, every token from its first scored one to the end of the rendering (with ChatML also the newline the
+template writes after `<|im_end|>`), which is TRL's DPOTrainer's completion; `template+eos` (ORPO's `template`)
+then appends the tokenizer's eos when the rendering does not end with it, as TRL's ORPOTrainer does.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from finetune.data.messages import chat_message, row_tools
 from finetune.data.sources import BadRow, RawRow
 from finetune.data.tokenize import tokenize_example
 from finetune.labels import IGNORE_INDEX
+from finetune.recipe import Recipe
 
 Messages = tuple[dict[str, Any], ...]
 
@@ -117,11 +124,41 @@ def _implicit_prompt(origin: str, chosen: Any, rejected: Any,
     return c[:shared], c[shared:], r[shared:]
 
 
-def tokenize_pair(pair: PairExample, tokenizer: Any, template_kwargs: Any = None,
-                  notes: Any = None) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-    """Each side as one tokenized conversation, its completion's assistant turns scored."""
-    return (tokenize_example(pair.side(pair.chosen), tokenizer, template_kwargs, notes),
-            tokenize_example(pair.side(pair.rejected), tokenizer, template_kwargs, notes))
+COMPLETION_ENDS = ("marker", "template", "template+eos")
+
+
+def completion_end(recipe: Recipe) -> str:
+    """The completion boundary of the recipe's pairs (one of COMPLETION_ENDS): its objective's completion_end,
+    ORPO's `template` being TRL's ORPOTrainer's (the rendering, then an eos)."""
+    if recipe.train.objective == "dpo":
+        return recipe.dpo.completion_end
+    if recipe.train.objective == "orpo" and recipe.orpo.completion_end == "template":
+        return "template+eos"
+    return "marker"
+
+
+def tokenize_pair(pair: PairExample, tokenizer: Any, template_kwargs: Any = None, notes: Any = None,
+                  end: str = "marker") -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Each side as one tokenized conversation, its completion scored up to `end` (COMPLETION_ENDS)."""
+    sides = (tokenize_example(pair.side(pair.chosen), tokenizer, template_kwargs, notes),
+             tokenize_example(pair.side(pair.rejected), tokenizer, template_kwargs, notes))
+    if end == "marker":
+        return sides
+    eos = tokenizer.eos_token_id if end == "template+eos" else None
+    return _to_rendering_end(sides[0], eos), _to_rendering_end(sides[1], eos)
+
+
+def _to_rendering_end(side: dict[str, list[int]], eos: int | None) -> dict[str, list[int]]:
+    """Every token from the first scored one to the end scored (the template's text after the last end-of-turn
+    marker too), and `eos` appended when given and the rendering does not end with it. A side with nothing scored
+    is left as it is (fit_pair drops it)."""
+    ids, labels = list(side["input_ids"]), side["labels"]
+    first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+    if first is None:
+        return side
+    if eos is not None and ids[-1] != eos:
+        ids.append(eos)
+    return {"input_ids": ids, "labels": labels[:first] + ids[first:]}
 
 
 def pair_sample(chosen: dict[str, list[int]], rejected: dict[str, list[int]]) -> dict:

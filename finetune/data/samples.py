@@ -18,6 +18,7 @@ from finetune.data.formats import Example, MessageFields, to_example
 from finetune.data.pairs import (
     PairExample,
     PairFields,
+    completion_end,
     fit_pair,
     pair_sample,
     to_pair,
@@ -78,27 +79,28 @@ PARALLEL_MIN_EXAMPLES = 256
 
 
 def tokenize_examples(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                      on_bad_row: str = "error", template_kwargs: Mapping[str, Any] | None = None) -> list[dict]:
-    """Tokenize (chat templates rendered with `template_kwargs`), then truncate or drop samples longer than
-    max_seq_len (counted in stats).
+                      on_bad_row: str = "error", template_kwargs: Mapping[str, Any] | None = None,
+                      pair_end: str = "marker") -> list[dict]:
+    """Tokenize (chat templates rendered with `template_kwargs`; preference pairs' completions up to `pair_end`,
+    data/pairs.py), then truncate or drop samples longer than max_seq_len (counted in stats).
 
     With `data.num_proc > 1` the examples are tokenized by that many worker processes, in contiguous chunks
     whose results are put back in order: the samples and the stats are exactly those of one serial pass.
     """
     kwargs = dict(template_kwargs or {})
     if data.num_proc > 1 and len(examples) >= PARALLEL_MIN_EXAMPLES:
-        return _tokenize_parallel(examples, tokenizer, data, stats, on_bad_row, kwargs)
-    return _tokenize_serial(examples, tokenizer, data, stats, on_bad_row, kwargs)
+        return _tokenize_parallel(examples, tokenizer, data, stats, on_bad_row, kwargs, pair_end)
+    return _tokenize_serial(examples, tokenizer, data, stats, on_bad_row, kwargs, pair_end)
 
 
 def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                     on_bad_row: str, template_kwargs: dict[str, Any]) -> list[dict]:
+                     on_bad_row: str, template_kwargs: dict[str, Any], pair_end: str = "marker") -> list[dict]:
     samples = []
     notes: Counter[str] = Counter()
     for example in examples:
         try:
             if isinstance(example, PairExample):
-                sides = tokenize_pair(example, tokenizer, template_kwargs, notes)
+                sides = tokenize_pair(example, tokenizer, template_kwargs, notes, pair_end)
             else:
                 sample = tokenize_example(example, tokenizer, template_kwargs, notes)
         except BadRow as e:
@@ -163,13 +165,13 @@ def _init_worker(tokenizer: Any) -> None:
 
 
 def _tokenize_chunk(examples: Sequence[Example], data: DataConfig, on_bad_row: str,
-                    template_kwargs: dict[str, Any]) -> tuple[list[dict], DataStats]:
+                    template_kwargs: dict[str, Any], pair_end: str) -> tuple[list[dict], DataStats]:
     stats = DataStats()
-    return _tokenize_serial(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs), stats
+    return _tokenize_serial(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs, pair_end), stats
 
 
 def _tokenize_parallel(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                       on_bad_row: str, template_kwargs: dict[str, Any]) -> list[dict]:
+                       on_bad_row: str, template_kwargs: dict[str, Any], pair_end: str) -> list[dict]:
     # A few chunks per worker evens out chunks of unequal cost (long conversations cluster in files).
     size = -(-len(examples) // (data.num_proc * 4))
     chunks = [examples[i: i + size] for i in range(0, len(examples), size)]
@@ -186,7 +188,8 @@ def _tokenize_parallel(examples: Sequence[Example], tokenizer: Any, data: DataCo
     try:
         # map yields in chunk order, so the first bad row raised is the one a serial pass would raise.
         for part, part_stats in pool.map(_tokenize_chunk, chunks, itertools.repeat(data),
-                                         itertools.repeat(on_bad_row), itertools.repeat(template_kwargs)):
+                                         itertools.repeat(on_bad_row), itertools.repeat(template_kwargs),
+                                         itertools.repeat(pair_end)):
             samples.extend(part)
             stats.add(part_stats)
     finally:
@@ -210,9 +213,9 @@ def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict
         held = set(order[:n_val])
         eval_examples = [e for i, e in enumerate(train_examples) if i in held]
         train_examples = [e for i, e in enumerate(train_examples) if i not in held]
-    kwargs = recipe.tokenizer.chat_template_kwargs
-    train = tokenize_examples(train_examples, tokenizer, recipe.data, train_stats, on_bad, kwargs)
-    evals = tokenize_examples(eval_examples, tokenizer, recipe.data, eval_stats, on_bad, kwargs)
+    kwargs, end = recipe.tokenizer.chat_template_kwargs, completion_end(recipe)
+    train = tokenize_examples(train_examples, tokenizer, recipe.data, train_stats, on_bad, kwargs, end)
+    evals = tokenize_examples(eval_examples, tokenizer, recipe.data, eval_stats, on_bad, kwargs, end)
     paths = ", ".join(d.path for d in recipe.datasets)
     if not train:
         raise UserError(f"datasets: no training samples in {paths}: {train_stats.rows_read} rows read, "

@@ -11,7 +11,7 @@ import torch
 from finetune.batch import MicroBatch
 from finetune.objectives.base import MicroResult, Preparation
 from finetune.objectives.pair_losses import dpo_losses, orpo_log_odds, orpo_ratio_losses
-from finetune.objectives.pairs import PairLogps, pair_logps
+from finetune.objectives.pairs import PairLogps, chosen_sequence_tokens, pair_logps
 from finetune.objectives.reference import attach_reference_logps
 from finetune.objectives.rows import DatasetRows
 
@@ -39,11 +39,14 @@ class DPO(DatasetRows):
 
     def __init__(self, beta: float, kind: str, label_smoothing: float) -> None:
         self.beta, self.kind, self.label_smoothing = beta, kind, label_smoothing
+        self.reference_digest: str | None = None  # dpo.reference: PATH's weights, checked on a resume
 
     def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
-        """The reference's log-probabilities of every pair, computed once (or read from the cache)."""
-        attach_reference_logps(setting.recipe, splits, lm, setting.tokenizer, setting.impl, setting.device,
-                               samples_key=setting.samples_key, fresh_model=setting.fresh_model, say=setting.say)
+        """The reference's log-probabilities of every pair, computed once (or read from the cache). A reference
+        loaded from a path is identified by its weights, so a resume against other weights there is refused."""
+        self.reference_digest = attach_reference_logps(
+            setting.recipe, splits, lm, setting.tokenizer, setting.impl, setting.device,
+            samples_key=setting.samples_key, fresh_model=setting.fresh_model, say=setting.say)
 
     def counts(self, batch: MicroBatch) -> dict[str, int]:
         return {"pairs": batch.require("pairs", self.name).count}
@@ -59,25 +62,27 @@ class DPO(DatasetRows):
 class ORPO(DatasetRows):
     """Odds-ratio preference optimization: the chosen completions' token cross-entropy over the step's chosen
     tokens, plus beta times the odds-ratio terms over the step's pairs (each part exact under any split).
-    Rewards, as in TRL, are beta * the mean per-token log-probability of each completion."""
+    Rewards, as in TRL, are beta * the mean per-token log-probability of each completion. `nll` (orpo.nll):
+    completion, or sequence (every chosen-side token but the first, as TRL's ORPOTrainer)."""
 
     name = "orpo"
     units = ("chosen_tokens", "pairs")
     metrics = {**_PAIR_METRICS, "nll_loss": "chosen_tokens", "or_loss": "pairs", "log_odds": "pairs"}
     needs = ("pairs",)
 
-    def __init__(self, beta: float) -> None:
-        self.beta = beta
+    def __init__(self, beta: float, nll: str = "completion") -> None:
+        self.beta, self.whole_chosen = beta, nll == "sequence"
 
     def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
         """Nothing to prepare: ORPO has no reference model."""
 
     def counts(self, batch: MicroBatch) -> dict[str, int]:
         pairs = batch.require("pairs", self.name)
-        return {"chosen_tokens": pairs.chosen_tokens, "pairs": pairs.count}
+        tokens = chosen_sequence_tokens(batch) if self.whole_chosen else pairs.chosen_tokens
+        return {"chosen_tokens": tokens, "pairs": pairs.count}
 
     def forward(self, net: torch.nn.Module, batch: MicroBatch, device: torch.device) -> MicroResult:
-        p = pair_logps(net, batch, device, self.name)
+        p = pair_logps(net, batch, device, self.name, self.whole_chosen)
         nll = -(p.token_logps * p.token_is_chosen).sum()
         log_odds = orpo_log_odds(p.chosen, p.rejected, p.n_chosen, p.n_rejected)
         ratio = orpo_ratio_losses(log_odds).sum()

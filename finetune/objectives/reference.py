@@ -40,15 +40,18 @@ REFERENCE_VERSION = 2  # bump when what is computed here changes
 
 def attach_reference_logps(recipe: Recipe, splits: dict[str, list[dict]], lm: torch.nn.Module, tokenizer: Any,
                            impl: str, device: torch.device, *, samples_key: str | None, fresh_model: bool,
-                           say: Any = print) -> None:
-    """Give every pair sample of every split its reference log-probabilities (sample["ref_logps"]).
+                           say: Any = print) -> str | None:
+    """Give every pair sample of every split its reference log-probabilities (sample["ref_logps"]); returns the
+    digest of the reference's weights when dpo.reference is a path (None for auto), which checkpoints record.
 
     `lm` is the policy as loaded; `fresh_model` says it has not trained yet (False on a resume, where the
     reference for auto without an adapter is loaded again). The reference is loaded (or switched on) first: the
     cache is keyed by its weights as loaded, so a model replaced at dpo.reference's path is never mistaken for
-    the one that was cached."""
+    the one that was cached, and a resume against it is refused (run/checkpoint.py check_resume_recipe)."""
     with _reference(recipe, lm, tokenizer, device, fresh_model) as ref:
-        key = _cache_key(recipe, samples_key, ref)
+        base = ref.get_base_model() if hasattr(ref, "get_base_model") else ref
+        digest = weights_digest(base) if samples_key is not None or recipe.dpo.reference != "auto" else None
+        key = _cache_key(recipe, samples_key, digest)
         file = cache_root(recipe) / "reference" / f"{key}.npz" if key else None
         cached = _read(file, splits)
         if cached is not None:
@@ -64,6 +67,7 @@ def attach_reference_logps(recipe: Recipe, splits: dict[str, list[dict]], lm: to
     for name, samples in splits.items():
         for sample, ref_logps in zip(samples, cached[name].tolist()):
             sample["ref_logps"] = ref_logps
+    return digest if recipe.dpo.reference != "auto" else None
 
 
 @contextlib.contextmanager
@@ -122,15 +126,14 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _cache_key(recipe: Recipe, samples_key: str | None, ref: torch.nn.Module) -> str | None:
-    """None when the samples have no identity (the data cache was not usable): then nothing is cached. `ref` is
-    the reference as it will run (the base of an adapter model: its adapter is off)."""
+def _cache_key(recipe: Recipe, samples_key: str | None, digest: str | None) -> str | None:
+    """None when the samples have no identity (the data cache was not usable): then nothing is cached. `digest`
+    is that of the reference's weights as it will run (the base of an adapter model: its adapter is off)."""
     if samples_key is None:
         return None
     import transformers
 
-    base = ref.get_base_model() if hasattr(ref, "get_base_model") else ref
-    inputs = {"version": REFERENCE_VERSION, "samples": samples_key, "reference": weights_digest(base),
+    inputs = {"version": REFERENCE_VERSION, "samples": samples_key, "reference": digest,
               "model": recipe.model.model_dump(mode="json"), "adapter_off": recipe.adapter.type,
               "loss": recipe.loss.model_dump(mode="json"), "torch": torch.__version__,
               "transformers": transformers.__version__}

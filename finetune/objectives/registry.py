@@ -15,7 +15,7 @@ def objective_for(recipe: Recipe) -> Objective:
     if name == "dpo":
         return DPO(recipe.dpo.beta, recipe.dpo.loss, recipe.dpo.label_smoothing)
     if name == "orpo":
-        return ORPO(recipe.orpo.beta)
+        return ORPO(recipe.orpo.beta, recipe.orpo.nll)
     if name == "grpo":
         return GRPO(recipe.grpo)
     return SFT()

@@ -298,7 +298,11 @@ class DPOConfig(Section):
     reference: str = "auto"
     """The reference model: auto (the model as loaded, before training; with an adapter, the base with the adapter
     off), or a path to another model with the same tokenizer. Its log-probabilities are computed once before
-    training and cached by content."""
+    training and cached by content; a resume is refused if the weights at the path changed."""
+    completion_end: Literal["marker", "template"] = "marker"
+    """Which tokens a completion's log-probability covers. marker: its assistant turns as SFT scores them, each
+    turn's content through its end-of-turn marker. template: on to the end of the chat template's rendering (with
+    ChatML the newline after `<|im_end|>` too): TRL's DPOTrainer's completion (docs/preference.md)."""
 
 
 class ORPOConfig(Section):
@@ -306,6 +310,13 @@ class ORPOConfig(Section):
 
     beta: float = Field(0.1, gt=0)
     """Weight of the odds-ratio term next to the chosen completions' cross-entropy."""
+    completion_end: Literal["marker", "template"] = "marker"
+    """Which tokens a completion covers. marker: its assistant turns as SFT scores them (content and end-of-turn
+    marker). template: TRL's ORPOTrainer's: on to the end of the chat template's rendering, then the tokenizer's
+    eos appended when the rendering does not end with it (with ChatML a second `<|im_end|>` after the newline)."""
+    nll: Literal["completion", "sequence"] = "completion"
+    """What the cross-entropy term covers. completion: the chosen completions' tokens. sequence: every token of
+    the chosen side but its first, the prompt's too (TRL's ORPOTrainer); over the step's such tokens either way."""
 
 
 class LossConfig(Section):

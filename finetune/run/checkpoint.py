@@ -256,7 +256,8 @@ def trainer_state(recipe: Recipe, *, step: int, epoch: int, samples_key: str | N
                   world_size: int, tokens_seen: int, samples_seen: int, reference: str | None = None
                   ) -> dict[str, Any]:
     """trainer_state.json: where the run stands, and what it was, so a resume can refuse a different training.
-    `reference`: the digest of a reference model loaded from a path (grpo.reference), which a resume loads again."""
+    `reference`: the digest of a reference model loaded from a path (grpo.reference, dpo.reference), which a
+    resume loads again."""
     return {"step": step, "epoch": epoch, "recipe_hash": recipe_hash(recipe), "training_keys": training_keys(recipe),
             "samples_key": samples_key, "global_batch": global_batch, "world_size": world_size,
             "tokens_seen": tokens_seen, "samples_seen": samples_seen, "reference_digest": reference}
@@ -294,7 +295,9 @@ def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int
                         samples_key: str | None = None, reference: str | None = None) -> None:
     """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
     may change; so may the paths of the data and tokenizer when their content (samples_key) has not, and the path
-    of grpo.reference when its weights (`reference`, their digest) have not."""
+    of the objective's reference (grpo.reference, dpo.reference) when its weights (`reference`, their digest)
+    have not."""
+    ref_key = f"{recipe.train.objective}.reference"
     # A key the checkpoint's finetune did not have yet counts as its default (it could not have been set).
     saved, now = dict(state.get("training_keys", {})), training_keys(recipe)
     defaults = default_training_keys()
@@ -303,11 +306,11 @@ def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int
     same_reference = reference is not None and state.get("reference_digest") == reference
     changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
                if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS
-               and not (same_content and _CONTENT_KEYED.match(k)) and not (same_reference and k == "grpo.reference")]
+               and not (same_content and _CONTENT_KEYED.match(k)) and not (same_reference and k == ref_key)]
     if samples_key is not None and state.get("samples_key") not in (None, samples_key):
         changed.append("  - the training data or tokenizer content (files changed, though their paths may not have)")
     if reference is not None and state.get("reference_digest") not in (None, reference):
-        changed.append(f"  - the weights of the reference model at grpo.reference {recipe.grpo.reference}: sha256 "
+        changed.append(f"  - the weights of the reference model at {ref_key} {now.get(ref_key)}: sha256 "
                        f"{state['reference_digest'][:16]}... when the run started, {reference[:16]}... now (the model "
                        "there changed; put the original back)")
     if state.get("global_batch", global_batch) != global_batch:
