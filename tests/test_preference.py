@@ -212,7 +212,7 @@ def test_a_pair_dropped_as_too_long_is_named_fresh_and_from_the_cache(truncation
         assert f"{len(expected)} dropped (too long)" in said[1]
         logged = [line for line in said if line.startswith("  dropped: ")]
         out = io.StringIO()
-        preprocess(recipe, tokenizer, console=Console(file=out, width=200))
+        preprocess(recipe, tokenizer, console=Console(file=out, width=200, soft_wrap=True))  # as the CLI prints
         reported = [line for line in out.getvalue().splitlines() if line.startswith("  dropped: ")]
         for lines in (logged, reported):
             assert [line[:len(x) + 11] for line, x in zip(lines, expected)] == [f"  dropped: {x}" for x in expected]

@@ -276,7 +276,7 @@ def test_unknown_name_lists_the_places_searched_and_near_misses(team, tmp_path, 
     assert f"FINETUNE_RECIPE_PATH: {tmp_path / 'gone'} (missing)" in err
     assert "recipe repositories (as REPO/recipe): team" in err
     assert f"shipped examples: {SHIPPED}" in err
-    assert "Did you mean: quickstart?" in err
+    assert "Did you mean: quickstart" in err
     rc, _, err = cli(capsys, "validate", "tema/sft")
     assert "no repository is named 'tema' (did you mean 'team'?)" in err and "team/sft" in err
     rc, _, err = cli(capsys, "validate", "sft")  # the bare last part of a repository recipe
@@ -392,7 +392,7 @@ def test_every_recipe_command_takes_a_name(command, capsys):
     rc, _, err = cli(capsys, command, "quickstart", "train.lr=-1")
     assert rc == 2 and f"error: {SHIPPED / 'quickstart.yaml'}: 1 problem in the recipe" in err, err
     rc, _, err = cli(capsys, command, "quickstar")
-    assert rc == 2 and "Did you mean: quickstart?" in err
+    assert rc == 2 and "Did you mean: quickstart" in err
 
 
 @pytest.mark.parametrize(("ref", "path_like"), [
