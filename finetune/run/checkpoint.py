@@ -245,7 +245,13 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
 def rollout_state(path: Path) -> dict[str, Any] | None:
     """The GRPO batch a checkpoint recorded (`save`'s `rollouts`), or None when it recorded none."""
     file = path / ROLLOUTS
-    return json.loads(file.read_text()) if file.is_file() else None
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # verified by its manifest; this is for a file changed since
+        raise UserError(f"resume: checkpoint {path}: {ROLLOUTS} is unreadable ({first_line(e)}); resume another "
+                        "checkpoint") from None
 
 
 def _load_unsharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
