@@ -1,8 +1,9 @@
 """Make the GRPO examples' data: a replay file of rollouts, and prompt datasets to generate from.
 
-Writes ``examples/data/grpo_prompts_train.jsonl`` (800 prompts) and ``examples/data/grpo_prompts_eval.jsonl``
-(100, none of them in the train file): the quickstart's arithmetic questions (a + b and a - b with a, b in 0..99,
-a * b in 0..12) as chat messages, each with its ``answer`` (what the exact_answer reward compares with).
+Writes ``examples/data/grpo_prompts_train.jsonl`` (377 prompts) and ``examples/data/grpo_prompts_eval.jsonl``
+(64, none of them in the train file): every "What is a + b?" with a, b in 0..20, as chat messages, each with its
+``answer`` (what the exact_answer reward compares with). Small sums, so that SmolLM2-135M-Instruct
+(examples/yaml/grpo-smollm2.yaml) is right sometimes (about 40 % greedy): GRPO needs groups whose rewards differ.
 
 Writes ``examples/data/grpo_replay.jsonl``: 32 prompts ("What is a + b?", as chat messages), 4 completions each
 (the right answer, or one off by a few, each ended by the tokenizer's end token ``<|im_end|>`` in the text), and each
@@ -41,24 +42,14 @@ def main() -> None:
     write_prompts()
 
 
-def question(rng: random.Random) -> tuple[str, str]:
-    kind = rng.choice("+-*")
-    a, b = (rng.randint(0, 12), rng.randint(0, 12)) if kind == "*" else (rng.randint(0, 99), rng.randint(0, 99))
-    return f"What is {a} {kind} {b}?", str(a + b if kind == "+" else a - b if kind == "-" else a * b)
-
-
 def write_prompts() -> None:
+    """Every sum a + b with a, b in 0..20, shuffled: 64 held out for eval, the other 377 to train on."""
     rng = random.Random(SEED + 1)
-    held_out: set[str] = set()
-    for name, count in (("grpo_prompts_eval.jsonl", 100), ("grpo_prompts_train.jsonl", 800)):
-        rows = []
-        while len(rows) < count:
-            text, answer = question(rng)
-            if name == "grpo_prompts_eval.jsonl" and text not in held_out:
-                held_out.add(text)
-            elif text in held_out:
-                continue  # the eval prompts are never trained on
-            rows.append({"prompt": [{"role": "user", "content": text}], "answer": answer})
+    sums = [(a, b) for a in range(21) for b in range(21)]
+    rng.shuffle(sums)
+    for name, chosen in (("grpo_prompts_eval.jsonl", sums[:64]), ("grpo_prompts_train.jsonl", sums[64:])):
+        rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+                for a, b in chosen]
         (DATA / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"wrote {DATA / name} ({len(rows)} prompts)")
 

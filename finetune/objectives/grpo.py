@@ -53,7 +53,7 @@ class GRPO:
 
     def samples(self, recipe: Recipe, tokenizer: Any, world: dist.World, say: Callable[[str], Any]) -> Prepared:
         """None up front: the plan makes the rows from rollouts (finetune/rl/sources.py)."""
-        return rollout_samples(recipe, say)
+        return rollout_samples(recipe, tokenizer, say)
 
     def plan(self, planning: Planning) -> RolloutPlan:
         """The replay file's rollouts, or the policy's, with their advantages, one batch per optimizer step."""

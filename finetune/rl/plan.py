@@ -22,6 +22,7 @@ from finetune.rl.rollout import Rollout, training_row
 
 # The policy's log-probabilities of each row's completion tokens (rows as training_row makes them).
 Scorer = Callable[[list[dict]], list[list[float]]]
+STATE_FORMAT = 1  # of resume_state's record
 
 
 class RolloutPlan:
@@ -64,6 +65,33 @@ class RolloutPlan:
         """The step's rollout figures for its metrics line (rewards, zero-advantage groups, lengths)."""
         self.step(step)
         return self._current[2]
+
+    def resume_state(self, step: int) -> dict[str, Any] | None:
+        """What a checkpoint taken after `step` optimizer steps holds so that a resume continues exactly: inside a
+        batch's iterations, that batch's rows (generated rollouts, advantages, the sampling log-probabilities
+        scored before its first step) and figures, which a resume must not make again from the updated policy.
+        None at a batch boundary: the next step makes its batch from the policy as it is, resumed or not."""
+        index = step // self.recipe.grpo.iterations
+        if step % self.recipe.grpo.iterations == 0 or self._current is None or self._current[0] != index:
+            return None
+        return {"format": STATE_FORMAT, "batch": index, "rows": self._current[1], "figures": self._current[2]}
+
+    def restore(self, state: dict[str, Any] | None, step: int, where: str) -> str | None:
+        """Take back the batch a checkpoint taken inside its iterations recorded (`resume_state`); returns a
+        warning when one from before finetune recorded it must make the batch again (not an exact resume)."""
+        iterations = self.recipe.grpo.iterations
+        if step % iterations == 0:
+            return None
+        if state is None:
+            return (f"{where} was taken inside a batch's {iterations} iterations by a finetune that did not record "
+                    "the batch: it is made again from the resumed policy, so the resume is not exact")
+        index = step // iterations
+        if state.get("format") != STATE_FORMAT or state.get("batch") != index:
+            raise UserError(f"resume: {where} records rollouts of batch {state.get('batch')!r} (format "
+                            f"{state.get('format')!r}), not of batch {index} at step {step}; resume another "
+                            "checkpoint")
+        self._current = (index, state["rows"], state["figures"])
+        return None
 
     def _rows(self, batch: int) -> tuple[list[dict], dict[str, float]]:
         g = self.recipe.grpo

@@ -28,6 +28,7 @@ from finetune.run.directory import RunDir
 
 MARKER = "COMPLETE"
 PREFIX = "step-"
+ROLLOUTS = "rollouts.json"  # GRPO: the batch a checkpoint inside its iterations is in (RolloutPlan.resume_state)
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -54,14 +55,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: Any, trainer_state: dict[str, Any], keep_last: int) -> Path:
+         scheduler: Any, trainer_state: dict[str, Any], keep_last: int, rollouts: dict[str, Any] | None = None
+         ) -> Path:
     """Write checkpoints/step-N atomically and prune all but the newest `keep_last`. Returns its path.
 
     Every rank calls this. Unsharded (one process, DDP): rank 0 writes the weights as safetensors. Sharded
     (FSDP2): every rank writes its shards through torch.distributed.checkpoint, which can be loaded back with
     another world size. Either way rank 0 writes the marker and the manifest last and renames the directory into
     place. A failure on any rank, of any exception type, removes the temporary directory on rank 0 and ends every
-    rank with one UserError naming the path and the free space.
+    rank with one UserError naming the path and the free space. `rollouts` (GRPO inside a batch's iterations) is
+    written as rollouts.json beside trainer_state.json.
     """
     root = checkpoint_root(output_dir)
     target = root / f"{PREFIX}{step}"
@@ -72,7 +75,7 @@ def save(output_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.o
         if main:
             error = _attempt(atomic.make_temporary, tmp)
         if not dist.any_rank(error is not None):
-            error = _attempt(_write_state, tmp, model, optimizer, scheduler, trainer_state, main)
+            error = _attempt(_write_state, tmp, model, optimizer, scheduler, trainer_state, main, rollouts)
         failed = dist.any_rank(error is not None)
         if main and not failed:
             error = _attempt(_commit, tmp, target, step)
@@ -102,7 +105,7 @@ def _attempt(fn: Callable[..., Any], *args: Any) -> Exception | None:
 
 
 def _write_state(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 trainer_state: dict[str, Any], main: bool) -> None:
+                 trainer_state: dict[str, Any], main: bool, rollouts: dict[str, Any] | None = None) -> None:
     if dist.is_sharded(model):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -115,6 +118,8 @@ def _write_state(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     if main:
         torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "state.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        if rollouts is not None:  # JSON: Python's float repr reads back to the same double
+            (tmp / ROLLOUTS).write_text(json.dumps(rollouts))
 
 
 def _commit(tmp: Path, target: Path, step: int) -> None:
@@ -237,6 +242,18 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     return json.loads((path / "trainer_state.json").read_text())
 
 
+def rollout_state(path: Path) -> dict[str, Any] | None:
+    """The GRPO batch a checkpoint recorded (`save`'s `rollouts`), or None when it recorded none."""
+    file = path / ROLLOUTS
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # verified by its manifest; this is for a file changed since
+        raise UserError(f"resume: checkpoint {path}: {ROLLOUTS} is unreadable ({first_line(e)}); resume another "
+                        "checkpoint") from None
+
+
 def _load_unsharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     tensors = load_file(str(path / "model.safetensors"))
     params = dict(model.named_parameters())
@@ -286,9 +303,9 @@ def resume_path(recipe: Recipe, out: Path, warn: Callable[[str], Any], deep: boo
 # global batch does. So a run may resume on another number of GPUs with the same global batch.
 BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
 
-# Paths of inputs whose content is in the samples key (data/cache.py): when the content is the same, a moved
-# checkout, a copied dataset or another machine's mount point continues the same run.
-_CONTENT_KEYED = re.compile(r"^(datasets\.\d+\.path|tokenizer\.path)$")
+# Paths of inputs whose content is in the samples key (data/cache.py; GRPO's: rl/sources.py): when the content is
+# the same, a moved checkout, a copied dataset or another machine's mount point continues the same run.
+_CONTENT_KEYED = re.compile(r"^(datasets\.\d+\.path|tokenizer\.path|grpo\.replay)$")
 
 
 def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int,

@@ -171,6 +171,9 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
         checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key,
                                        getattr(parts.objective, "reference_digest", None))
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
+        if isinstance(plan, RolloutPlan) and (note := plan.restore(checkpoint.rollout_state(resume_from), start.step,
+                                                                    str(resume_from))):
+            _warn(console, note)
         console.print(f"resumed from {resume_from} at step {start.step}")
     logger = _open_run_dir(recipe, out, console, replaced, versions.snapshot(warnings) | {"run": kernels_used}, plan,
                            start, resumed=resume_from is not None) if world.is_main else None
@@ -403,8 +406,9 @@ def _save_checkpoint(run: Run, done: Progress, epoch: int) -> None:
                                      global_batch=run.plan.global_batch, world_size=run.world.size,
                                      tokens_seen=done.tokens_seen, samples_seen=done.samples_seen,
                                      reference=getattr(run.objective, "reference_digest", None))
+    rollouts = run.plan.resume_state(done.step) if isinstance(run.plan, RolloutPlan) else None
     checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
-                    run.recipe.checkpoint.keep_last)
+                    run.recipe.checkpoint.keep_last, rollouts)
 
 
 def _save_final(run: Run) -> None:
