@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from finetune.data.formats import Example, MessageFields, to_example
 from finetune.data.pairs import (
@@ -77,23 +77,30 @@ def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = ()) -> E
 PARALLEL_MIN_EXAMPLES = 256
 
 
+class Sink(Protocol):
+    """Where samples go as they are made: a list, or the token store's SplitWriter."""
+
+    def append(self, sample: dict, /) -> None: ...
+
+
 def tokenize_examples(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                      on_bad_row: str = "error", template_kwargs: Mapping[str, Any] | None = None) -> list[dict]:
+                      on_bad_row: str = "error", template_kwargs: Mapping[str, Any] | None = None,
+                      out: Sink | None = None) -> Any:
     """Tokenize (chat templates rendered with `template_kwargs`), then truncate or drop samples longer than
-    max_seq_len (counted in stats).
+    max_seq_len (counted in stats). The samples are appended to `out` (a new list when None), which is returned.
 
     With `data.num_proc > 1` the examples are tokenized by that many worker processes, in contiguous chunks
     whose results are put back in order: the samples and the stats are exactly those of one serial pass.
     """
     kwargs = dict(template_kwargs or {})
+    out = [] if out is None else out
     if data.num_proc > 1 and len(examples) >= PARALLEL_MIN_EXAMPLES:
-        return _tokenize_parallel(examples, tokenizer, data, stats, on_bad_row, kwargs)
-    return _tokenize_serial(examples, tokenizer, data, stats, on_bad_row, kwargs)
+        return _tokenize_parallel(examples, tokenizer, data, stats, on_bad_row, kwargs, out)
+    return _tokenize_serial(examples, tokenizer, data, stats, on_bad_row, kwargs, out)
 
 
 def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                     on_bad_row: str, template_kwargs: dict[str, Any]) -> list[dict]:
-    samples = []
+                     on_bad_row: str, template_kwargs: dict[str, Any], samples: Any) -> Any:
     notes: Counter[str] = Counter()
     for example in examples:
         try:
@@ -165,11 +172,11 @@ def _init_worker(tokenizer: Any) -> None:
 def _tokenize_chunk(examples: Sequence[Example], data: DataConfig, on_bad_row: str,
                     template_kwargs: dict[str, Any]) -> tuple[list[dict], DataStats]:
     stats = DataStats()
-    return _tokenize_serial(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs), stats
+    return _tokenize_serial(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs, []), stats
 
 
 def _tokenize_parallel(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
-                       on_bad_row: str, template_kwargs: dict[str, Any]) -> list[dict]:
+                       on_bad_row: str, template_kwargs: dict[str, Any], samples: Any) -> Any:
     # A few chunks per worker evens out chunks of unequal cost (long conversations cluster in files).
     size = -(-len(examples) // (data.num_proc * 4))
     chunks = [examples[i: i + size] for i in range(0, len(examples), size)]
@@ -182,12 +189,12 @@ def _tokenize_parallel(examples: Sequence[Example], tokenizer: Any, data: DataCo
     context = multiprocessing.get_context(method)
     pool = ProcessPoolExecutor(max_workers=min(data.num_proc, len(chunks)), mp_context=context,
                                initializer=_init_worker, initargs=(tokenizer,))
-    samples: list[dict] = []
     try:
         # map yields in chunk order, so the first bad row raised is the one a serial pass would raise.
         for part, part_stats in pool.map(_tokenize_chunk, chunks, itertools.repeat(data),
                                          itertools.repeat(on_bad_row), itertools.repeat(template_kwargs)):
-            samples.extend(part)
+            for sample in part:
+                samples.append(sample)
             stats.add(part_stats)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -195,7 +202,16 @@ def _tokenize_parallel(examples: Sequence[Example], tokenizer: Any, data: DataCo
 
 
 def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict], DataStats, DataStats]:
-    """Train and eval samples for a recipe: eval from eval_datasets, else a seeded val_fraction split."""
+    """Train and eval samples for a recipe, in memory: eval from eval_datasets, else a seeded val_fraction split."""
+    train: list[dict] = []
+    evals: list[dict] = []
+    train_stats, eval_stats = build_into(recipe, tokenizer, train, evals)
+    return train, evals, train_stats, eval_stats
+
+
+def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tuple[DataStats, DataStats]:
+    """Tokenize a recipe's train and eval samples into `train` and `evals` (lists, or the token store's
+    writers); returns their stats. Eval comes from eval_datasets, else a seeded val_fraction split."""
     train_stats, eval_stats = DataStats(), DataStats()
     on_bad = recipe.data.on_bad_row
     train_examples = load_examples(recipe.datasets, on_bad, train_stats, "datasets", recipe.data)
@@ -211,10 +227,16 @@ def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict
         eval_examples = [e for i, e in enumerate(train_examples) if i in held]
         train_examples = [e for i, e in enumerate(train_examples) if i not in held]
     kwargs = recipe.tokenizer.chat_template_kwargs
-    train = tokenize_examples(train_examples, tokenizer, recipe.data, train_stats, on_bad, kwargs)
-    evals = tokenize_examples(eval_examples, tokenizer, recipe.data, eval_stats, on_bad, kwargs)
+    tokenize_examples(train_examples, tokenizer, recipe.data, train_stats, on_bad, kwargs, train)
+    tokenize_examples(eval_examples, tokenizer, recipe.data, eval_stats, on_bad, kwargs, evals)
+    check_train_stats(recipe, train_stats)
+    return train_stats, eval_stats
+
+
+def check_train_stats(recipe: Recipe, train_stats: DataStats) -> None:
+    """No training samples, or none with a target token, is the user's error: nothing would be learned."""
     paths = ", ".join(d.path for d in recipe.datasets)
-    if not train:
+    if not train_stats.samples:
         raise UserError(f"datasets: no training samples in {paths}: {train_stats.rows_read} rows read, "
                         f"{train_stats.bad_rows_skipped} bad rows skipped, {train_stats.dropped_too_long} "
                         "dropped as too long (see data.on_bad_row, data.truncation)"
@@ -223,5 +245,3 @@ def build_samples(recipe: Recipe, tokenizer: Any) -> tuple[list[dict], list[dict
         raise UserError(f"datasets: the training data ({paths}) has no target tokens (every label is masked): "
                         "nothing would be learned. Check the format and data.max_seq_len (truncation may cut "
                         "every answer off), or set train_on_inputs: true.")
-    return train, evals, train_stats, eval_stats
-
