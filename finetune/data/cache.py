@@ -336,7 +336,9 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
                      f"continuing without it. Set {CACHE_ENV} (or data.cache_dir) to a writable directory.")
         train, evals, train_stats, eval_stats = build_samples(recipe, tokenizer)
         return Prepared(train, evals, train_stats, eval_stats, False, None, "\n".join(notes), samples_key)
-    notes.append(f"tokenized in {time.perf_counter() - start:.1f} s; cached at {written} (runs with the same data, "
-                 "tokenizer and data settings reuse it)")
     (train, train_stats), (evals, eval_stats) = loaded["train"], loaded["eval"]
+    seconds = time.perf_counter() - start
+    rows, tokens = train_stats.rows_read + eval_stats.rows_read, train_stats.input_tokens + eval_stats.input_tokens
+    notes.append(f"tokenized in {seconds:.1f} s ({rows / seconds:,.0f} rows/s, {tokens / seconds:,.0f} tokens/s); "
+                 f"cached at {written} (runs with the same data, tokenizer and data settings reuse it)")
     return Prepared(train, evals, train_stats, eval_stats, False, written, "\n".join(notes), samples_key)
