@@ -18,7 +18,9 @@ Two pipelines, each in its own subprocess, one after the other, on the same rows
 
 Each is timed end to end as a process (interpreter start and imports included, the same for both: each imports
 transformers). Reported per pipeline: wall seconds, rows/s, tokens/s (ours: the tokens of its samples, from the cache
-entry's statistics; HF: the lengths of its input_ids), the largest single process's peak RSS (ru_maxrss of the
+entry's statistics; HF: the lengths of its input_ids), the CPU seconds of the process and its workers (user + system,
+from wait4: on a machine shared with other work the wall time swings with its load, the CPU time much less, so rows
+per CPU second compares the pipelines' work where wall times cannot), the largest single process's peak RSS (ru_maxrss of the
 process and of every descendant it waited for, from wait4) and the peak of the summed PSS of the process and all its
 descendants, sampled every 0.2 s from /proc (PSS shares the pages of forked workers out among them, so the sum is
 the memory the pipeline really held; RSS summed would count them once per worker).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -148,11 +151,18 @@ def run_measured(command: list[str], env: dict[str, str] | None = None) -> dict[
     process.returncode = os.waitstatus_to_exitcode(status)
     # ru_maxrss (KiB on Linux): the largest of the process and the descendants it waited for.
     return {"wall": wall, "output": output, "rc": process.returncode, "rss_mib": usage.ru_maxrss / 1024,
-            "pss_mib": peak[0]}
+            "pss_mib": peak[0], "cpu": usage.ru_utime + usage.ru_stime}
+
+
+def fresh(path: Path) -> Path:
+    """An empty directory (a cache of an earlier run must not serve this one)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
 
 
 def run_ours(work: Path, rows: Path, num_proc: int | None) -> dict[str, Any]:
-    cache = work / "ours-cache"
+    cache = fresh(work / "ours-cache")
     recipe = write_recipe(work, rows, cache, num_proc)
     result = run_measured([sys.executable, "-m", "finetune", "preprocess", str(recipe), "--rebuild"])
     if result["rc"] != 0:
@@ -168,7 +178,7 @@ def run_hf(work: Path, rows: Path, cores: int) -> dict[str, Any] | str:
     except ImportError:
         return "datasets not installed (pip install datasets): HF column skipped"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    result = run_measured([sys.executable, "-c", HF_SCRIPT, str(rows), str(TOKENIZER), str(work / "hf-cache"),
+    result = run_measured([sys.executable, "-c", HF_SCRIPT, str(rows), str(TOKENIZER), str(fresh(work / "hf-cache")),
                            str(cores)], env)
     if result["rc"] != 0:
         raise SystemExit(f"the datasets pipeline failed:\n{result['output'][-4000:]}")
@@ -178,17 +188,20 @@ def run_hf(work: Path, rows: Path, cores: int) -> dict[str, Any] | str:
 
 def table(n_rows: int, cores: int, load: float, results: dict[str, Any]) -> list[str]:
     lines = [f"{n_rows:,} chat rows, {cores} cores (os.sched_getaffinity), 1-minute load average before: {load:.2f}",
-             "| pipeline | wall s | rows/s | tokens | tokens/s | peak RSS, largest process | peak PSS, all processes |",
-             "|---|---|---|---|---|---|---|"]
+             "| pipeline | wall s | rows/s | tokens | tokens/s | CPU s | rows per CPU s | peak RSS, largest process | "
+             "peak PSS, all processes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if isinstance(r, str):
-            lines.append(f"| {name} | {r} | | | | | |")
+            lines.append(f"| {name} | {r} | | | | | | | |")
             continue
         lines.append(f"| {name} | {r['wall']:.1f} | {r['rows'] / r['wall']:,.0f} | {r['tokens']:,} | "
-                     f"{r['tokens'] / r['wall']:,.0f} | {r['rss_mib']:,.0f} MiB | {r['pss_mib']:,.0f} MiB |")
+                     f"{r['tokens'] / r['wall']:,.0f} | {r['cpu']:.1f} | {r['rows'] / r['cpu']:,.0f} | "
+                     f"{r['rss_mib']:,.0f} MiB | {r['pss_mib']:,.0f} MiB |")
     ours, hf = results.get("ours"), results.get("hf datasets")
     if isinstance(ours, dict) and isinstance(hf, dict):
-        lines.append(f"ours / HF throughput (rows/s): {hf['wall'] / ours['wall']:.2f}x")
+        lines.append(f"ours / HF throughput (rows/s): {hf['wall'] / ours['wall']:.2f}x; per CPU second: "
+                     f"{hf['cpu'] / ours['cpu']:.2f}x")
     return lines
 
 
