@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from typing import Any
 
-from finetune.data.pack import pack_samples
+from finetune.data.pack import PackPlan, checked_lengths, packed_row, plan_packing
+from finetune.data.store import pair_flags
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig, Recipe
@@ -22,15 +24,16 @@ class StepPlan:
 
     Step s of an epoch takes rows [s * global_batch, (s + 1) * global_batch) of that epoch's rows, the same
     for every world size. Epochs are (re)packed only when reached, so `epochs: null` with a large max_steps
-    costs nothing up front.
+    costs nothing up front. An epoch is held as sample indices (EpochRows); a step's rows are read from the
+    samples (the token store's memory maps) when the step is.
     """
 
-    def __init__(self, samples: list[dict], recipe: Recipe, world_size: int) -> None:
+    def __init__(self, samples: Sequence[dict], recipe: Recipe, world_size: int) -> None:
         t = recipe.train
         self.samples, self.recipe = samples, recipe
         self.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world_size
         self._steps_per_epoch: list[int] = []
-        self._rows: tuple[int, list[dict]] | None = None  # (epoch, rows): the current epoch only
+        self._rows: tuple[int, EpochRows] | None = None  # (epoch, rows): the current epoch only
         if t.epochs is not None:
             total = sum(self.steps_in_epoch(e) for e in range(t.epochs))
             self.total = min(total, t.max_steps) if t.max_steps else total
@@ -38,9 +41,9 @@ class StepPlan:
             self.steps_in_epoch(0)  # fail early if one epoch cannot fill a step
             self.total = t.max_steps
 
-    def rows_of_epoch(self, epoch: int) -> list[dict]:
+    def rows_of_epoch(self, epoch: int) -> EpochRows:
         if self._rows is None or self._rows[0] != epoch:
-            self._rows = (epoch, epoch_rows(self.samples, self.recipe.data, self.recipe.seed, epoch))
+            self._rows = (epoch, epoch_plan(self.samples, self.recipe.data, self.recipe.seed, epoch))
         return self._rows[1]
 
     def steps_in_epoch(self, epoch: int) -> int:
@@ -81,15 +84,52 @@ class StepPlan:
         return epoch, rows[step * self.global_batch: (step + 1) * self.global_batch]
 
 
-def epoch_rows(samples: Sequence[dict], data: DataConfig, seed: int, epoch: int) -> list[dict]:
-    """The rows of one epoch, in training order: packed rows (repacked per epoch) or shuffled samples."""
+class EpochRows(Sequence):
+    """One epoch's rows in training order, as sample indices: packed rows (a PackPlan) or the samples in a
+    shuffled order. A row is read from the samples when it is indexed (a slice gives a list)."""
+
+    def __init__(self, samples: Sequence[dict], plan: PackPlan | None, order: list[int] | None) -> None:
+        self.samples, self.plan, self.order = samples, plan, order
+
+    def __len__(self) -> int:
+        return len(self.plan) if self.plan is not None else len(self.order or ())
+
+    def _row(self, r: int) -> dict:
+        if self.plan is not None:
+            return packed_row(self.samples, self.plan.row(r), self.plan.max_seq_len)
+        return self.samples[self.order[r]]  # type: ignore[index]
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self._row(r) for r in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._row(index)
+
+
+def epoch_plan(samples: Sequence[dict], data: DataConfig, seed: int, epoch: int) -> EpochRows:
+    """The rows of one epoch, in training order, as indices: packed rows (repacked per epoch, from the samples'
+    lengths) or shuffled samples."""
     if data.packing:
-        rows, _ = pack_samples(samples, data.max_seq_len, seed=seed, epoch=epoch, truncation=data.truncation)
-        return rows  # pack_samples already orders rows by a (seed, epoch) shuffle
-    rows = list(samples)
+        plan = plan_packing(checked_lengths(samples), pair_flags(samples), data.max_seq_len, seed=seed,
+                            epoch=epoch, truncation=data.truncation)
+        return EpochRows(samples, plan, None)  # the plan already orders rows by a (seed, epoch) shuffle
+    return EpochRows(samples, None, epoch_order(len(samples), data, seed, epoch))
+
+
+def epoch_order(n: int, data: DataConfig, seed: int, epoch: int) -> list[int]:
+    """The order of n unpacked samples in an epoch: shuffled per (seed, epoch) unless data.shuffle is off."""
+    order = list(range(n))
     if data.shuffle:
-        random.Random(f"{seed}:{epoch}").shuffle(rows)
-    return rows
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def epoch_rows(samples: Sequence[dict], data: DataConfig, seed: int, epoch: int) -> list[dict]:
+    """The rows of one epoch, in training order, all read: packed rows (repacked per epoch) or shuffled samples."""
+    return epoch_plan(samples, data, seed, epoch)[:]
 
 
 def steps_in(n_rows: int, global_batch: int, drop_last: bool) -> int:

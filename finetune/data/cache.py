@@ -19,7 +19,8 @@ Nothing else is in the key: train.*, packing, shuffling and the model change wha
 exist, so they reuse the entry. Packing is not cached on purpose: `epoch_rows` repacks every epoch (with a
 different seeded grouping), and packing is cheap next to tokenizing.
 
-An entry (all arrays little files of numpy's .npy format, read without pickle):
+An entry is a token store (store.py: flat arrays in numpy's .npy format, read without pickle, through memory
+maps: a run holds the pages it reads, never the samples as Python objects):
 
     meta.json                 the key's inputs, DataStats per split (counts, and the bad rows and dropped
                               samples named by file:line), sizes, and a SHA-256 of every array file
@@ -27,8 +28,9 @@ An entry (all arrays little files of numpy's .npy format, read without pickle):
     {split}.labels.npy        uint8 mask (1: the token is a target) when each label is its token or -100, which
                               our tokenizer guarantees; otherwise the int32 labels themselves
     {split}.offsets.npy       int64: sample i is ids[offsets[i]:offsets[i + 1]]
+    {split}.docs.npy          int64 [n, 2], preference data only: each pair's chosen and rejected lengths
 
-It is written into a temporary directory beside it and renamed into place, which is atomic on POSIX: a reader
+The arrays are written while the data is tokenized, as a stream. The entry is written into a temporary directory beside it and renamed into place, which is atomic on POSIX: a reader
 sees a whole entry or none, and two processes writing the same key (ranks of one torchrun) cannot mix files.
 The per-file digests catch what the rename cannot: a disk that lost data under a completed rename (power loss),
 a truncated copy, a hand-edited file. An entry that fails any check is reported and rebuilt, never used.
@@ -41,12 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -54,16 +56,17 @@ from typing import Any
 import numpy as np
 
 from finetune.data.pairs import completion_end
-from finetune.data.samples import build_samples
+from finetune.data.samples import build_into, build_samples
 from finetune.data.stats import DataStats
-from finetune.labels import IGNORE_INDEX
+from finetune.data.store import Samples, SplitWriter
 from finetune.recipe import DatasetConfig, Recipe, local_data_path
 
 # Bump whenever sources.py, formats.py, messages.py, tokenize.py or the truncation in tokenize_examples change
 # what samples a row gives (or what the stats say of them): every existing entry then stops matching.
 # 3: tool calls, tool messages and tools reach the template; unknown message fields are bad rows.
 # 4: samples dropped as too long are named in the stats (an older entry has the count only).
-DATA_VERSION = 4
+# 5: the arrays are written as a stream and read as memory maps (every file is checked: ids int32, labels dtype).
+DATA_VERSION = 5
 CACHE_ENV = "FINETUNE_CACHE_DIR"
 SPLITS = ("train", "eval")
 # tokenizer_config.json keys that say where a tokenizer was loaded from, not how it tokenizes.
@@ -81,8 +84,8 @@ class CacheError(Exception):
 class Prepared:
     """Samples ready for training, and where they came from."""
 
-    train: list[dict]
-    evals: list[dict]
+    train: Sequence[dict]  # Samples (memory-mapped from the entry), or a list when the cache was not usable
+    evals: Sequence[dict]
     train_stats: DataStats
     eval_stats: DataStats
     hit: bool  # loaded from the cache
@@ -195,24 +198,26 @@ def cache_key(inputs: dict[str, Any]) -> str:
 
 # --- writing and reading entries ---------------------------------------------------------------------------
 
-def _to_arrays(samples: list[dict]) -> tuple[dict[str, np.ndarray], str]:
-    lengths = np.fromiter((len(s["input_ids"]) for s in samples), dtype=np.int64, count=len(samples))
-    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    total = int(offsets[-1])
-    ids = np.fromiter(itertools.chain.from_iterable(s["input_ids"] for s in samples), dtype=np.int32, count=total)
-    labels = np.fromiter(itertools.chain.from_iterable(s["labels"] for s in samples), dtype=np.int32, count=total)
-    trained = labels != IGNORE_INDEX
-    # Preference pairs: each sample's chosen and rejected lengths.
-    docs = {"docs": np.array([s["docs"] for s in samples], dtype=np.int64)} if samples and "docs" in samples[0] else {}
-    if np.array_equal(labels[trained], ids[trained]):
-        return {"ids": ids, "labels": trained.astype(np.uint8), "offsets": offsets, **docs}, "mask"
-    return {"ids": ids, "labels": labels, "offsets": offsets, **docs}, "ids"
+Fill = Callable[[dict[str, SplitWriter]], dict[str, DataStats]]
 
 
-def save_entry(root: Path, key: str, inputs: dict[str, Any], splits: dict[str, tuple[list[dict], DataStats]],
+def save_entry(root: Path, key: str, inputs: dict[str, Any], splits: dict[str, tuple[Sequence[dict], DataStats]],
                *, replace: bool = False) -> Path:
-    """Write an entry atomically (temporary directory + rename); returns its path.
+    """Write an entry of samples already made (lists of sample dicts) atomically; returns its path."""
+
+    def fill(writers: dict[str, SplitWriter]) -> dict[str, DataStats]:
+        for split, (samples, _) in splits.items():
+            for sample in samples:
+                writers[split].append(sample)
+        return {split: stats for split, (_, stats) in splits.items()}
+
+    return write_entry(root, key, inputs, fill, replace=replace)[0]
+
+
+def write_entry(root: Path, key: str, inputs: dict[str, Any], fill: Fill, *,
+                replace: bool = False) -> tuple[Path, dict[str, DataStats]]:
+    """Write an entry atomically (temporary directory + rename): `fill` streams each split's samples into its
+    writer and returns their stats. Returns the entry's path and the stats.
 
     When an entry with this key already exists, it is kept (another process wrote the same samples first)
     unless `replace` (a broken entry, or --rebuild): then it is moved aside and removed.
@@ -222,15 +227,13 @@ def save_entry(root: Path, key: str, inputs: dict[str, Any], splits: dict[str, t
     entry = root / key
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
-        files, meta_splits = {}, {}
-        for split, (samples, stats) in splits.items():
-            arrays, labels_kind = _to_arrays(samples)
-            for name, array in arrays.items():
-                file = f"{split}.{name}.npy"
-                np.save(tmp / file, array, allow_pickle=False)
-                files[file] = file_sha256(tmp / file)
-            meta_splits[split] = {"samples": len(samples), "tokens": int(arrays["offsets"][-1]),
-                                  "labels": labels_kind, "stats": asdict(stats)}
+        writers = {split: SplitWriter(tmp, split) for split in SPLITS}
+        try:
+            stats = fill(writers)
+        finally:
+            sizes = {split: writer.close() for split, writer in writers.items()}
+        files = {file.name: file_sha256(file) for file in sorted(tmp.glob("*.npy"))}
+        meta_splits = {split: {**sizes[split], "stats": asdict(stats[split])} for split in SPLITS}
         meta = {"data_version": DATA_VERSION, "key": key, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "inputs": inputs, "splits": meta_splits, "files": files}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
@@ -248,7 +251,7 @@ def save_entry(root: Path, key: str, inputs: dict[str, Any], splits: dict[str, t
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return entry
+    return entry, stats
 
 
 def _remove_stale_temps(root: Path) -> None:
@@ -261,36 +264,21 @@ def _remove_stale_temps(root: Path) -> None:
             continue
 
 
-def load_entry(entry: Path, key: str) -> dict[str, tuple[list[dict], DataStats]]:
-    """Read an entry back into samples and stats; CacheError when anything about it is off."""
+def load_entry(entry: Path, key: str, *, verify: bool = True) -> dict[str, tuple[Samples, DataStats]]:
+    """Open an entry's samples (memory-mapped) and stats; CacheError when anything about it is off. `verify`
+    checks every file against its digest (off only for an entry this process has just written)."""
     try:
         meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
         if meta.get("data_version") != DATA_VERSION or meta.get("key") != key:
             raise CacheError(f"meta.json is for key {meta.get('key')} at data version {meta.get('data_version')}")
-        for file, digest in meta["files"].items():
+        for file, digest in meta["files"].items() if verify else ():
             if file_sha256(entry / file) != digest:
                 raise CacheError(f"{file} does not match its checksum")
         out = {}
         for split in SPLITS:
             info = meta["splits"][split]
-            ids = np.load(entry / f"{split}.ids.npy", allow_pickle=False)
-            labels = np.load(entry / f"{split}.labels.npy", allow_pickle=False)
-            offsets = np.load(entry / f"{split}.offsets.npy", allow_pickle=False)
-            n = info["samples"]
-            if (ids.ndim != 1 or labels.shape != ids.shape or offsets.shape != (n + 1,) or offsets[0] != 0
-                    or offsets[-1] != len(ids) or (n and np.any(np.diff(offsets) <= 0))):
-                raise CacheError(f"the {split} arrays do not fit together")
-            if info["labels"] == "mask":
-                labels = np.where(labels.astype(bool), ids, IGNORE_INDEX)
-            # One tolist() per array, then slices: far faster than converting sample by sample.
-            id_list, label_list, bounds = ids.tolist(), labels.tolist(), offsets.tolist()
-            samples = [{"input_ids": id_list[a:b], "labels": label_list[a:b]} for a, b in zip(bounds, bounds[1:])]
-            if (entry / f"{split}.docs.npy").is_file():  # preference pairs
-                docs = np.load(entry / f"{split}.docs.npy", allow_pickle=False)
-                if docs.shape != (n, 2) or np.any(docs.sum(axis=1) != np.diff(offsets)):
-                    raise CacheError(f"the {split} pair lengths do not fit the samples")
-                for sample, pair in zip(samples, docs.tolist()):
-                    sample["docs"] = pair
+            samples = Samples.open(entry, split, info["labels"])
+            _check_fits(samples, info, split)
             known = {f.name for f in fields(DataStats)}
             stats = DataStats(**{k: v for k, v in info["stats"].items() if k in known})
             out[split] = (samples, stats)
@@ -303,11 +291,24 @@ def load_entry(entry: Path, key: str) -> dict[str, tuple[list[dict], DataStats]]
         raise CacheError(f"unreadable ({type(e).__name__}: {e})") from None
 
 
+def _check_fits(samples: Samples, info: dict[str, Any], split: str) -> None:
+    ids, labels, offsets, n = samples.ids, samples.labels, samples.offsets, info["samples"]
+    label_type = np.uint8 if info["labels"] == "mask" else np.int32
+    if (ids.ndim != 1 or ids.dtype != np.int32 or labels.shape != ids.shape or labels.dtype != label_type
+            or offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != len(ids)
+            or (n and np.any(samples.lengths <= 0))):
+        raise CacheError(f"the {split} arrays do not fit together")
+    docs = samples.docs
+    if docs is not None and (docs.shape != (n, 2) or np.any(docs.sum(axis=1) != samples.lengths)):
+        raise CacheError(f"the {split} pair lengths do not fit the samples")
+
+
 # --- the entry point ------------------------------------------------------------------------------------------
 
 def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepared:
-    """The recipe's samples: from the cache when an entry for exactly these inputs exists, else tokenized and
-    stored. Never fails because of the cache: an unusable entry is rebuilt, an unwritable root is skipped."""
+    """The recipe's samples: from the cache when an entry for exactly these inputs exists, else tokenized into a
+    new entry (as a stream: no split is held in memory whole). Never fails because of the cache: an unusable entry
+    is rebuilt, an unwritable root is skipped (the samples are then made in memory)."""
     notes: list[str] = []
     try:
         inputs = cache_inputs(recipe, tokenizer)
@@ -331,17 +332,18 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
             broken = True
             notes.append(f"ignoring the cached data at {entry}: {e}; tokenizing again")
     start = time.perf_counter()
-    train, evals, train_stats, eval_stats = build_samples(recipe, tokenizer)
-    seconds = time.perf_counter() - start
     try:
-        save_entry(root, key, inputs, {"train": (train, train_stats), "eval": (evals, eval_stats)},
-                   replace=broken or rebuild)
-        notes.append(f"tokenized in {seconds:.1f} s; cached at {entry} (runs with the same data, tokenizer and "
-                     "data settings reuse it)")
-    except OSError as e:
-        entry = None
-        notes.append(f"warning: could not write the data cache under {root} ({e.strerror or e}); continuing "
-                     f"without it. Set {CACHE_ENV} (or data.cache_dir) to a writable directory.")
-    return Prepared(train, evals, train_stats, eval_stats, False, entry, "\n".join(notes), samples_key)
-
-
+        written, _ = write_entry(root, key, inputs, lambda out: dict(zip(SPLITS, build_into(
+            recipe, tokenizer, out["train"], out["eval"]))), replace=broken or rebuild)
+        loaded = load_entry(written, key, verify=False)
+    except (OSError, CacheError) as e:
+        notes.append(f"warning: could not write the data cache under {root} ({getattr(e, 'strerror', None) or e}); "
+                     f"continuing without it. Set {CACHE_ENV} (or data.cache_dir) to a writable directory.")
+        train, evals, train_stats, eval_stats = build_samples(recipe, tokenizer)
+        return Prepared(train, evals, train_stats, eval_stats, False, None, "\n".join(notes), samples_key)
+    (train, train_stats), (evals, eval_stats) = loaded["train"], loaded["eval"]
+    seconds = time.perf_counter() - start
+    rows, tokens = train_stats.rows_read + eval_stats.rows_read, train_stats.input_tokens + eval_stats.input_tokens
+    notes.append(f"tokenized in {seconds:.1f} s ({rows / seconds:,.0f} rows/s, {tokens / seconds:,.0f} tokens/s); "
+                 f"cached at {written} (runs with the same data, tokenizer and data settings reuse it)")
+    return Prepared(train, evals, train_stats, eval_stats, False, written, "\n".join(notes), samples_key)

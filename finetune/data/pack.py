@@ -12,6 +12,9 @@ A would be trained to predict the first token of document B; to keep every targe
 first label of every document is set to -100. In an unpacked row that label is never a target anyway (nothing
 precedes it), so packing trains exactly the same targets.
 
+Packing needs the samples' lengths only (`plan_packing`: the token store's length array, never the tokens); a
+row's tokens are read when the row is (`packed_row`), so an epoch's plan is two arrays of sample indices.
+
 Why best-fit rather than first-fit decreasing, and how the (seed, epoch) determinism works: docs/design.md,
 "Packing".
 """
@@ -20,15 +23,19 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
+from finetune.data.store import pair_flags, sample_lengths, target_counts
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "PackStats", "pack_samples"]
+__all__ = ["IGNORE_INDEX", "PackPlan", "PackStats", "pack_samples", "packed_row", "plan_packing"]
 
 
 @dataclass
@@ -59,6 +66,28 @@ def _rng(seed: int, epoch: int) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
+@dataclass
+class PackPlan:
+    """An epoch's packed rows as sample indices: row r is samples members[starts[r]:starts[r + 1]], in that
+    order, each cut to max_seq_len; `counts` says what was truncated or dropped (PackStats' fields)."""
+
+    members: np.ndarray
+    starts: np.ndarray
+    max_seq_len: int
+    counts: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def row(self, r: int) -> np.ndarray:
+        """The sample indices of row r."""
+        return self.members[self.starts[r]:self.starts[r + 1]]
+
+    @property
+    def tokens(self) -> int:
+        return self.counts["input_tokens"] - self.counts["truncated_tokens"] - self.counts["dropped_tokens"]
+
+
 def pack_samples(
     samples: Sequence[dict],
     max_seq_len: int,
@@ -74,96 +103,112 @@ def pack_samples(
     and a :class:`PackStats`. A sample is never split across rows; over-long samples are truncated to
     their first ``max_seq_len`` tokens or dropped (``truncation``); empty samples are dropped.
     """
+    plan = plan_packing(checked_lengths(samples), pair_flags(samples), max_seq_len, seed=seed, epoch=epoch,
+                        truncation=truncation)
+    rows = [packed_row(samples, plan.row(r), max_seq_len) for r in range(len(plan))]
+    stats = pack_stats(plan, len(samples), sum(sum(1 for x in r["labels"] if x != IGNORE_INDEX) for r in rows))
+    # Never lose a token silently: whatever is not in a row was counted as truncated or dropped.
+    assert stats.tokens == sum(len(r["input_ids"]) for r in rows), stats
+    return rows, stats
+
+
+def pack_stats(plan: PackPlan, n_samples: int, target_tokens: int) -> PackStats:
+    """What a plan did, with the target tokens of its rows (counted by the caller)."""
+    c = plan.counts
+    return PackStats(samples=n_samples, rows=len(plan), tokens=plan.tokens, target_tokens=target_tokens,
+                     truncated=c["truncated"], dropped=c["dropped"], capacity=len(plan) * plan.max_seq_len,
+                     input_tokens=c["input_tokens"], truncated_tokens=c["truncated_tokens"],
+                     dropped_tokens=c["dropped_tokens"])
+
+
+def plan_stats(samples: Sequence[dict], plan: PackPlan) -> PackStats:
+    """A plan's PackStats without building its rows: target tokens from the samples' labels, per document."""
+    targets = target_counts(samples, plan.max_seq_len)
+    return pack_stats(plan, len(samples), int(targets[plan.members].sum()))
+
+
+def checked_lengths(samples: Sequence[dict]) -> np.ndarray:
+    """The samples' lengths; a sample whose labels do not match its tokens one to one is the user's error."""
+    for i, sample in enumerate(samples if isinstance(samples, list) else ()):  # the store checked its own
+        if len(sample["input_ids"]) != len(sample["labels"]):
+            # Data problem the user can fix (their tokenization/template step), not a bug here.
+            raise UserError(
+                f"sample {i}: input_ids has {len(sample['input_ids'])} tokens but labels has "
+                f"{len(sample['labels'])}; every tokenized sample needs one label per token (-100 where no loss)"
+            )
+    return sample_lengths(samples)
+
+
+def plan_packing(lengths: np.ndarray, pairs: np.ndarray, max_seq_len: int, *, seed: int, epoch: int = 0,
+                 truncation: str = "truncate") -> PackPlan:
+    """Which samples share each row, from their lengths alone (and which are preference pairs, never cut: a
+    pair is fitted to max_seq_len when it is tokenized)."""
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     if truncation not in ("truncate", "drop"):
         raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
-    kept, counts = _fit_samples(samples, max_seq_len, truncation)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    over = lengths > max_seq_len
+    if np.any(over & pairs):
+        i = int(np.flatnonzero(over & pairs)[0])
+        raise ValueError(f"sample {i}: a pair of {lengths[i]} tokens does not fit max_seq_len {max_seq_len}")
+    cut = over & (truncation == "truncate")
+    dropped = (lengths == 0) | (over & (truncation == "drop"))
+    counts = {"input_tokens": int(lengths.sum()), "truncated": int(cut.sum()), "dropped": int(dropped.sum()),
+              "truncated_tokens": int((lengths[cut] - max_seq_len).sum()),
+              "dropped_tokens": int(lengths[dropped].sum())}
+    kept = np.flatnonzero(~dropped)
     rng = _rng(seed, epoch)
-    bins = _best_fit(kept, max_seq_len, rng)
+    bins = _best_fit(np.minimum(lengths[kept], max_seq_len), max_seq_len, rng)
     rng.shuffle(bins)  # row order changes per epoch; contents are fixed for this (seed, epoch)
-    rows = [_row(kept, members) for members in bins]
-    tokens = sum(len(r["input_ids"]) for r in rows)
-    stats = PackStats(samples=len(samples), rows=len(rows), tokens=tokens,
-                      target_tokens=sum(sum(1 for x in r["labels"] if x != IGNORE_INDEX) for r in rows),
-                      truncated=counts["truncated"], dropped=counts["dropped"], capacity=len(rows) * max_seq_len,
-                      input_tokens=counts["input_tokens"], truncated_tokens=counts["truncated_tokens"],
-                      dropped_tokens=counts["dropped_tokens"])
-    # Never lose a token silently: whatever is not in a row was counted as truncated or dropped.
-    assert stats.input_tokens == tokens + stats.truncated_tokens + stats.dropped_tokens, stats
-    return rows, stats
+    sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
+    starts = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    members = kept[np.fromiter((k for b in bins for k in b), dtype=np.int64, count=int(starts[-1]))]
+    return PackPlan(members, starts, max_seq_len, counts)
 
 
-# A sample as it goes into rows: (input_ids, labels, the sample itself for its other fields).
-Kept = tuple[list[int], list[int], dict]
-
-
-def _fit_samples(samples: Sequence[dict], max_seq_len: int, truncation: str) -> tuple[list[Kept], dict[str, int]]:
-    """The samples that go into rows, over-long ones truncated; and the counts of what was truncated or dropped
-    (empty samples, over-long ones in "drop" mode). A preference pair (a sample with "docs") is fitted to
-    max_seq_len when it is tokenized: it is never cut here, which would split it."""
-    kept: list[Kept] = []
-    counts = dict.fromkeys(("input_tokens", "truncated", "dropped", "truncated_tokens", "dropped_tokens"), 0)
-    for i, sample in enumerate(samples):
-        ids, labels = list(sample["input_ids"]), list(sample["labels"])
-        if len(ids) != len(labels):
-            # Data problem the user can fix (their tokenization/template step), not a bug here.
-            raise UserError(
-                f"sample {i}: input_ids has {len(ids)} tokens but labels has {len(labels)}; "
-                "every tokenized sample needs one label per token (-100 where no loss)"
-            )
-        n = len(ids)
-        counts["input_tokens"] += n
-        if n == 0:
-            counts["dropped"] += 1
-            continue
-        if n > max_seq_len and "docs" in sample:
-            raise ValueError(f"sample {i}: a pair of {n} tokens does not fit max_seq_len {max_seq_len}")
-        if n > max_seq_len:
-            if truncation == "drop":
-                counts["dropped"] += 1
-                counts["dropped_tokens"] += n
-                continue
-            counts["truncated"] += 1
-            counts["truncated_tokens"] += n - max_seq_len
-            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-        kept.append((ids, labels, sample))
-    return kept, counts
-
-
-def _best_fit(kept: list[Kept], max_seq_len: int, rng: random.Random) -> list[list[int]]:
-    """Rows as lists of sample indices: longest first, each into the row where it fits tightest."""
+def _best_fit(lengths: np.ndarray, max_seq_len: int, rng: random.Random) -> list[list[int]]:
+    """Rows as lists of positions in `lengths`: longest first, each into the row where it fits tightest (the
+    least free capacity that holds it; of equal ones, the row opened first)."""
     # Ties broken by a seeded permutation so equal-length samples regroup per epoch.
-    tie = list(range(len(kept)))
+    tie = list(range(len(lengths)))
     rng.shuffle(tie)
-    order = sorted(range(len(kept)), key=lambda k: (-len(kept[k][0]), tie[k]))
-    # `free` is sorted by (free capacity, row index); the tightest row that still fits a sample of length n is
-    # the first entry >= (n, -1). Full rows are removed (nothing fits in 0).
-    bins: list[list[int]] = []  # sample indices per row, in placement order
-    free: list[tuple[int, int]] = []
+    order = np.lexsort((np.array(tie, dtype=np.int64), -lengths)).tolist() if len(tie) else []
+    sizes = lengths.tolist()
+    # Rows with free capacity c wait in by_free[c], a heap of row indices; `caps` lists the capacities that have
+    # any, sorted. The tightest row for a sample of length n: the first row of the first capacity >= n.
+    by_free: list[list[int]] = [[] for _ in range(max_seq_len + 1)]
+    caps: list[int] = []
+    bins: list[list[int]] = []  # sample positions per row, in placement order
     for k in order:
-        n = len(kept[k][0])
-        pos = bisect.bisect_left(free, (n, -1))
-        if pos < len(free):
-            cap, row = free.pop(pos)
+        n = sizes[k]
+        pos = bisect.bisect_left(caps, n)
+        if pos < len(caps):
+            cap = caps[pos]
+            row = heapq.heappop(by_free[cap])
+            if not by_free[cap]:
+                caps.pop(pos)
             bins[row].append(k)
         else:
-            row = len(bins)
+            row, cap = len(bins), max_seq_len
             bins.append([k])
-            cap = max_seq_len
         cap -= n
-        if cap > 0:
-            bisect.insort(free, (cap, row))
+        if cap > 0:  # a full row takes nothing more
+            if not by_free[cap]:
+                bisect.insort(caps, cap)
+            heapq.heappush(by_free[cap], row)
     return bins
 
 
-def _row(kept: list[Kept], members: list[int]) -> dict:
-    """One packed row of the given samples, in order: positions restart at 0 for each document (a preference
-    pair is two: its chosen and its rejected sequence, side by side, and the row lists its pair samples under
-    "pairs")."""
+def packed_row(samples: Sequence[dict], members: Sequence[int], max_seq_len: int) -> dict:
+    """One packed row of the given samples (indices), in order, each cut to max_seq_len: positions restart at 0
+    for each document (a preference pair is two: its chosen and its rejected sequence, side by side, and the row
+    lists its pair samples under "pairs")."""
     row: dict = {"input_ids": [], "labels": [], "position_ids": [], "doc_lengths": []}
     for k in members:
-        ids, labels, sample = kept[k]
+        sample = samples[int(k)]
+        ids, labels = list(sample["input_ids"][:max_seq_len]), list(sample["labels"][:max_seq_len])
         start = 0
         for length in sample.get("docs", [len(ids)]):
             row["input_ids"].extend(ids[start:start + length])

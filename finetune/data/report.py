@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
-from finetune.data.batching import epoch_rows, rank_micro_batches, steps_in
+from finetune.data.batching import epoch_order, steps_in
 from finetune.data.cache import Prepared, prepare
-from finetune.data.pack import PackStats, pack_samples
+from finetune.data.pack import PackStats, checked_lengths, pack_samples, plan_packing, plan_stats
 from finetune.data.stats import DataStats
+from finetune.data.store import pair_flags
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import Recipe
 
@@ -26,7 +28,7 @@ def preprocess(recipe: Recipe, tokenizer: Any, *, show: int = 0, rebuild: bool =
     prepared = prepare(recipe, tokenizer, rebuild=rebuild)
     console.print(prepared.note, markup=False, highlight=False)
     _print_stats(console, prepared)
-    _print_histogram(console, [len(s["input_ids"]) for s in prepared.train], recipe.data.max_seq_len)
+    _print_histogram(console, checked_lengths(prepared.train).tolist(), recipe.data.max_seq_len)
     _print_packing(console, recipe, prepared)
     for i, sample in enumerate(prepared.train[: max(0, show)]):
         console.print()
@@ -115,26 +117,38 @@ def _print_histogram(console: Any, lengths: list[int], max_seq_len: int | None) 
         console.print("  " + line, markup=False, highlight=False)
 
 
-def padded_tokens_of_epoch(samples: list[dict], recipe: Recipe, epoch: int = 0) -> tuple[int, int]:
+def padded_tokens_of_epoch(samples: Sequence[dict], recipe: Recipe, epoch: int = 0) -> tuple[int, int]:
     """(rows, tokens computed) of one epoch with packing off: each micro-batch pads to its longest sample,
-    exactly as the trainer batches it (world size 1)."""
-    data = recipe.data.model_copy(update={"packing": False})
-    rows = epoch_rows(samples, data, recipe.seed, epoch)
-    batch = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps
+    exactly as the trainer batches it (world size 1; rank_micro_batches), from the samples' lengths alone."""
+    data = recipe.data
+    lengths = checked_lengths(samples)
+    rows = lengths[epoch_order(len(lengths), data, recipe.seed, epoch)].tolist()
+    micro = recipe.train.micro_batch_size
+    batch = micro * recipe.train.gradient_accumulation_steps
     multiple = data.pad_to_multiple_of or 1
     computed = 0
     for start in range(0, len(rows), batch):
-        for micro in rank_micro_batches(rows[start: start + batch], recipe.train.micro_batch_size, 1, 0,
-                                        data.group_by_length):
-            width = -(-max(len(r["input_ids"]) for r in micro) // multiple) * multiple
-            computed += width * len(micro)
+        step = rows[start: start + batch]
+        if data.group_by_length:
+            step.sort(reverse=True)
+        for first in range(0, len(step), micro):
+            widths = step[first: first + micro]
+            computed += -(-max(widths) // multiple) * multiple * len(widths)
     return len(rows), computed
 
 
-def pack_epoch0(samples: list[dict], recipe: Recipe) -> tuple[list[dict], PackStats]:
+def pack_epoch0(samples: Sequence[dict], recipe: Recipe) -> tuple[list[dict], PackStats]:
     """The packed rows of epoch 0, as the trainer builds them."""
     data = recipe.data
     return pack_samples(samples, data.max_seq_len or 0, seed=recipe.seed, epoch=0, truncation=data.truncation)
+
+
+def pack_stats_epoch0(samples: Sequence[dict], recipe: Recipe) -> PackStats:
+    """What packing epoch 0 does, from the samples' lengths and labels: no row is built."""
+    data = recipe.data
+    plan = plan_packing(checked_lengths(samples), pair_flags(samples), data.max_seq_len or 0, seed=recipe.seed,
+                        epoch=0, truncation=data.truncation)
+    return plan_stats(samples, plan)
 
 
 def token_accounting(stats: DataStats, pack: PackStats | None) -> tuple[int, int, int, int]:
@@ -163,9 +177,9 @@ def _print_packing(console: Any, recipe: Recipe, p: Prepared) -> None:
     pack = None
     packing = recipe.data.packing
     if width:  # packing needs a row length; without max_seq_len only the padded mode exists
-        rows, pack = pack_epoch0(p.train, recipe)
-        steps = steps_in(len(rows), global_batch, recipe.data.drop_last)
-        table.add_row(f"packed ({width})" + (" *" if packing else ""), f"{len(rows):,}", f"{steps:,}",
+        pack = pack_stats_epoch0(p.train, recipe)
+        steps = steps_in(pack.rows, global_batch, recipe.data.drop_last)
+        table.add_row(f"packed ({width})" + (" *" if packing else ""), f"{pack.rows:,}", f"{steps:,}",
                       f"{pack.tokens:,}", f"{pack.capacity:,}", f"{pack.efficiency:.3f}")
     n_rows, computed = padded_tokens_of_epoch(p.train, recipe)
     real = p.train_stats.tokens

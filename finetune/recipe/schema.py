@@ -202,8 +202,9 @@ class DataConfig(Section):
     """Padding mode: pad each micro-batch to a multiple of this."""
     group_by_length: bool = False
     """Padding mode: put samples of similar length in the same micro-batch."""
-    num_proc: int = Field(1, ge=1)
-    """Processes for tokenization."""
+    num_proc: int | None = Field(None, ge=1)
+    """Processes that tokenize (worker processes over chunks of the streamed rows); null: every core. The samples
+    are the same for any number."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed data row stops the run (error) or is skipped and counted (skip)."""
     max_row_bytes: int = Field(8 * 1024 * 1024, gt=0)

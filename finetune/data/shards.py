@@ -1,0 +1,291 @@
+"""Examples -> samples, in worker processes: chunks of examples streamed through a process pool, each chunk's
+samples sent back as flat arrays and delivered in input order, so the samples and the stats are exactly those of
+one serial pass.
+
+`tokenize_chunk` is that serial pass over one chunk (tokenize, then truncate or drop what is longer than
+max_seq_len, fit preference pairs, count everything). `tokenize_stream` feeds chunks to the workers as they come
+from a reader (never more than a few per worker in flight: memory does not grow with the input) and writes
+their samples to a sink, a list or the token store's SplitWriter. A failure in a chunk (a bad row with
+`data.on_bad_row: error`, a template the tokenizer refuses) is returned after the reader is drained: reading
+goes on, tokenizing stops, so an error found while reading a later row is raised first, as when every row was
+read before any was tokenized.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from finetune.data.formats import Example
+from finetune.data.pairs import PairExample, fit_pair, pair_sample, tokenize_pair, unfit_reason
+from finetune.data.sources import BadRow
+from finetune.data.stats import DataStats
+from finetune.data.store import SplitWriter
+from finetune.data.tokenize import tokenize_example
+from finetune.labels import IGNORE_INDEX
+from finetune.recipe import DataConfig
+
+# Below this many examples a process pool (starting it, sending examples out and samples back) costs more
+# than tokenizing in this process.
+PARALLEL_MIN_EXAMPLES = 256
+CHUNK_EXAMPLES = 512  # examples per chunk sent to a worker: ~0.1-1 s of work, a few hundred kB each way
+IN_FLIGHT_PER_WORKER = 3  # chunks queued per worker: enough to keep it busy, few enough to bound memory
+
+
+def workers_for(data: DataConfig) -> int:
+    """Processes that tokenize: data.num_proc, or every core this process may use."""
+    if data.num_proc:
+        return data.num_proc
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig, stats: DataStats,
+                   on_bad_row: str, template_kwargs: dict[str, Any], samples: Any, pair_end: str = "marker") -> Any:
+    """Tokenize examples into `samples` (appended; returned), truncating or dropping what is longer than
+    max_seq_len, and count everything in `stats`. Preference pairs' completions end at `pair_end` (data/pairs.py)."""
+    notes: Counter[str] = Counter()
+    for example in examples:
+        try:
+            if isinstance(example, PairExample):
+                sides = tokenize_pair(example, tokenizer, template_kwargs, notes, pair_end)
+            else:
+                sample = tokenize_example(example, tokenizer, template_kwargs, notes)
+        except BadRow as e:
+            stats.bad_row(e, on_bad_row)
+            continue
+        if isinstance(example, PairExample):
+            sample = _fitted_pair(example.origin, *sides, data, stats)
+            if sample is not None:
+                samples.append(sample)
+            continue
+        n = len(sample["input_ids"])
+        stats.input_tokens += n
+        if data.max_seq_len is not None and n > data.max_seq_len:
+            if data.truncation == "drop":
+                stats.drop(example.origin, n, f"{n} tokens, over data.max_seq_len {data.max_seq_len} "
+                                              "(data.truncation: drop)")
+                continue
+            stats.truncated += 1
+            stats.truncated_tokens += n - data.max_seq_len
+            sample = {k: v[: data.max_seq_len] for k, v in sample.items()}
+        if not sample["input_ids"]:
+            stats.drop(example.origin, 0, "no tokens")
+            continue
+        stats.samples += 1
+        stats.tokens += len(sample["input_ids"])
+        stats.target_tokens += sum(1 for x in sample["labels"][1:] if x != IGNORE_INDEX)
+        samples.append(sample)
+    stats.add_notes(notes)
+    return samples
+
+
+def _fitted_pair(origin: str, chosen: dict, rejected: dict, data: DataConfig, stats: DataStats) -> dict | None:
+    """A pair within data.max_seq_len (cut from its longer completion, or dropped per data.truncation), counted;
+    a dropped pair is named by its row's origin."""
+    n = len(chosen["input_ids"]) + len(rejected["input_ids"])
+    stats.input_tokens += n
+    fitted = fit_pair(chosen, rejected, data.max_seq_len)
+    if fitted is None or (fitted[2] and data.truncation == "drop"):
+        stats.drop(origin, n, unfit_reason(chosen, rejected, data.max_seq_len, data.truncation))
+        return None
+    chosen, rejected, cut = fitted
+    if cut:
+        stats.truncated += 1
+        stats.truncated_tokens += cut
+    sample = pair_sample(chosen, rejected)
+    stats.samples += 1
+    stats.tokens += len(sample["input_ids"])
+    stats.target_tokens += sum(1 for side in (chosen, rejected) for x in side["labels"][1:] if x != IGNORE_INDEX)
+    return sample
+
+
+@dataclass
+class Part:
+    """A chunk's samples as flat arrays (what a worker sends back: a few bytes per token to pickle, where lists of
+    Python ints cost tens) and the chunk's stats."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    lengths: np.ndarray
+    docs: np.ndarray | None
+    stats: DataStats
+
+    @classmethod
+    def of(cls, samples: list[dict], stats: DataStats) -> Part:
+        lengths = np.fromiter((len(s["input_ids"]) for s in samples), dtype=np.int64, count=len(samples))
+        total = int(lengths.sum())
+        chain = itertools.chain.from_iterable
+        ids = np.fromiter(chain(s["input_ids"] for s in samples), dtype=np.int32, count=total)
+        labels = np.fromiter(chain(s["labels"] for s in samples), dtype=np.int32, count=total)
+        docs = np.array([s["docs"] for s in samples], dtype=np.int64).reshape(-1, 2) \
+            if samples and "docs" in samples[0] else None
+        return cls(ids, labels, lengths, docs, stats)
+
+    def deliver(self, out: Any) -> None:
+        """Into a SplitWriter as arrays; into anything else (a list) as sample dicts."""
+        if isinstance(out, SplitWriter):
+            out.extend(self.ids, self.labels, self.lengths, self.docs)
+            return
+        ends = np.cumsum(self.lengths).tolist()
+        ids, labels = self.ids.tolist(), self.labels.tolist()
+        for i, (start, end) in enumerate(zip([0, *ends], ends)):
+            sample = {"input_ids": ids[start:end], "labels": labels[start:end]}
+            if self.docs is not None:
+                sample["docs"] = self.docs[i].tolist()
+            out.append(sample)
+
+
+_WORKER_TOKENIZER: Any = None  # set once per worker process by _init_worker
+
+
+def _init_worker(tokenizer: Any) -> None:
+    # The tokenizer is handed over once per worker (initargs: inherited under fork, pickled under spawn), not
+    # once per chunk. The recipe's chat template override is an attribute of it, so it travels too.
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+    # Each worker encodes one text at a time; the Rust thread pool would only oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _worker_chunk(examples: Sequence[Example], data: DataConfig, on_bad_row: str,
+                  template_kwargs: dict[str, Any], pair_end: str) -> Part:
+    stats = DataStats()
+    return Part.of(tokenize_chunk(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs, [],
+                                  pair_end), stats)
+
+
+def _pool(tokenizer: Any, workers: int) -> ProcessPoolExecutor:
+    # fork on Linux: a spawned worker re-imports transformers, and with it torch, before it can unpickle the
+    # tokenizer (measured 6-8 s per pool here: more than tokenizing 3000 examples serially takes). The usual
+    # fork hazard, a lock held by another thread of the parent, does not reach these workers: they run Python
+    # and the Rust tokenizer's single-text encode only (no OpenMP, no CUDA, no batch thread pool).
+    # macOS lists fork too, but its system libraries are not fork-safe: spawn there.
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method),
+                               initializer=_init_worker, initargs=(tokenizer,))
+
+
+def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Lists of `size` consecutive items (the last one shorter)."""
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
+
+
+class Progress:
+    """A line on stderr every `every` seconds once preprocessing has run that long: rows read, samples, and the
+    rates so far."""
+
+    def __init__(self, rows: Callable[[], int], every: float = 10.0) -> None:
+        self.rows, self.every = rows, every
+        self.start = self.last = time.perf_counter()
+        self.samples = self.tokens = 0
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            seconds = now - self.start
+            rows = self.rows()
+            print(f"preprocessing: {rows:,} rows read, {self.samples:,} samples, {self.tokens:,} tokens in "
+                  f"{seconds:.0f} s ({rows / seconds:,.0f} rows/s, {self.tokens / seconds:,.0f} tokens/s)",
+                  file=sys.stderr, flush=True)
+
+
+@dataclass
+class Job:
+    """How a stream's chunks are tokenized: the tokenizer, the data settings, and how bad rows are treated."""
+
+    tokenizer: Any
+    data: DataConfig
+    on_bad_row: str
+    template_kwargs: dict[str, Any]
+    progress: Progress | None = None
+    pair_end: str = "marker"  # where preference completions end (data/pairs.py completion_end)
+
+
+def tokenize_stream(chunks: Iterable[Sequence[Example]], job: Job, stats: DataStats, out: Any,
+                    workers: int) -> BaseException | None:
+    """Tokenize every chunk into `out`, in order, adding each chunk's stats to `stats`. With `workers` > 1 the
+    chunks go to that many worker processes (started once the input proves large enough to pay for them).
+    Returns the first failure (nothing after it is tokenized), after the chunks are drained."""
+    iterator = iter(chunks)
+    head: list[Sequence[Example]] = []
+    while sum(map(len, head)) < PARALLEL_MIN_EXAMPLES and (chunk := next(iterator, None)) is not None:
+        head.append(chunk)
+    rest = itertools.chain(head, iterator)
+    if workers <= 1 or sum(map(len, head)) < PARALLEL_MIN_EXAMPLES:
+        return _serial(rest, job, stats, out)
+    pool = _pool(job.tokenizer, workers)
+    try:
+        return _parallel(rest, job, stats, out, pool, workers)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _serial(chunks: Iterable[Sequence[Example]], job: Job, stats: DataStats, out: Any) -> BaseException | None:
+    failure = None
+    for chunk in chunks:
+        if failure is not None:
+            continue  # drained: reading goes on, so a later reading error still comes first
+        part = DataStats()
+        samples: list[dict] = []
+        try:
+            tokenize_chunk(chunk, job.tokenizer, job.data, part, job.on_bad_row, job.template_kwargs, samples,
+                           job.pair_end)
+        except Exception as e:
+            failure = e
+            continue
+        for sample in samples:
+            out.append(sample)
+        stats.add(part)
+        if job.progress:
+            job.progress.add(len(samples), sum(len(s["input_ids"]) for s in samples))
+    return failure
+
+
+def _parallel(chunks: Iterable[Sequence[Example]], job: Job, stats: DataStats, out: Any,
+              pool: ProcessPoolExecutor, workers: int) -> BaseException | None:
+    pending: collections.deque[Future[Part]] = collections.deque()
+    failure: BaseException | None = None
+
+    def deliver(drain: bool) -> None:
+        nonlocal failure
+        block = drain or len(pending) > workers * IN_FLIGHT_PER_WORKER
+        while pending and (block or pending[0].done()):
+            future = pending.popleft()
+            try:
+                part = future.result()
+            except Exception as e:  # the first failure in input order: what a serial pass would raise
+                failure = e
+                for rest in pending:
+                    rest.cancel()
+                pending.clear()
+                return
+            part.deliver(out)
+            stats.add(part.stats)
+            if job.progress:
+                job.progress.add(len(part.lengths), int(part.lengths.sum()))
+            block = drain or len(pending) > workers * IN_FLIGHT_PER_WORKER
+
+    for chunk in chunks:
+        if failure is not None:
+            continue  # drained: reading goes on, so a later reading error still comes first
+        pending.append(pool.submit(_worker_chunk, chunk, job.data, job.on_bad_row, job.template_kwargs,
+                                   job.pair_end))
+        deliver(drain=False)
+    deliver(drain=True)
+    return failure

@@ -1,0 +1,132 @@
+"""Tokenization as a stream through worker processes (finetune/data/shards.py): the samples, the stats, the bad
+rows and the errors are exactly those of reading every row first and tokenizing them in one process, for any
+number of workers; the rows are consumed as they are tokenized, never all at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import tiny_recipe
+
+from finetune.data import DataStats, build_samples, load_examples, tokenize_examples
+from finetune.data.cache import prepare
+from finetune.data.shards import Job, Progress, tokenize_stream, workers_for
+from finetune.data.sources import BadRow
+from finetune.recipe import DataConfig, validate
+
+LONE_SURROGATE = '{"messages": [{"role": "user", "content": "a\\ud800b"}, {"role": "assistant", "content": "ok"}]}'
+
+
+def chat_line(i: int) -> str:
+    turns = [{"role": "user", "content": f"Say {i}: " + "word " * (i % 9)},
+             {"role": "assistant", "content": f"{i} " + "ok " * (i % 13)}]
+    return json.dumps({"messages": turns})
+
+
+def write_rows(path: Path, n: int, bad: dict[int, str]) -> Path:
+    """n rows (1-based lines), the lines in `bad` replaced by the given text."""
+    path.write_text("".join(bad.get(i, chat_line(i)) + "\n" for i in range(1, n + 1)), encoding="utf-8")
+    return path
+
+
+# Unreadable rows (caught while reading) and rows the tokenizer refuses (caught while tokenizing), spread out.
+MIXED_BAD = {5: "{not json", 40: LONE_SURROGATE, 300: '{"messages": [{"role": "wizard", "content": "x"}]}',
+             333: LONE_SURROGATE, 610: "[1, 2]", 640: LONE_SURROGATE, 650: "{oops", 700: LONE_SURROGATE}
+
+
+def recipe_for(tmp_path: Path, data: Path, **data_keys):
+    raw = tiny_recipe(tmp_path / "run", data)
+    raw["data"].update(max_seq_len=24, **data_keys)  # some samples truncated: their counts must merge too
+    return validate(raw)
+
+
+def reference(recipe, tokenizer):
+    """How samples were made before streaming: every row read and converted first, then tokenized in one process."""
+    stats = DataStats()
+    examples = load_examples(recipe.datasets, recipe.data.on_bad_row, stats, "datasets", recipe.data)
+    one = recipe.data.model_copy(update={"num_proc": 1})
+    return tokenize_examples(examples, tokenizer, one, stats, recipe.data.on_bad_row), stats
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_streamed_samples_and_stats_equal_reading_everything_first(tmp_path, tokenizer, num_proc):
+    data = write_rows(tmp_path / "rows.jsonl", 900, MIXED_BAD)
+    recipe = recipe_for(tmp_path, data, on_bad_row="skip", num_proc=num_proc)
+    train, evals, stats, _ = build_samples(recipe, tokenizer)
+    expected, expected_stats = reference(recipe, tokenizer)
+    assert stats.truncated > 0 and stats.bad_rows_skipped == len(MIXED_BAD)
+    assert train == expected and evals == [] and stats == expected_stats
+    # The rows unreadable on their own are named before those the tokenizer refused, as when all were read first.
+    named = [e.split(": ")[0].rsplit(":", 1)[1] for e in stats.bad_row_examples]
+    assert named == ["5", "300", "610", "650", "40"], stats.bad_row_examples
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_an_unreadable_row_is_the_error_even_after_a_row_the_tokenizer_refused(tmp_path, tokenizer, num_proc):
+    data = write_rows(tmp_path / "rows.jsonl", 900, {40: LONE_SURROGATE, 820: "{not json"})
+    recipe = recipe_for(tmp_path, data, num_proc=num_proc)
+    with pytest.raises(BadRow, match=rf"{data}:820: malformed JSON"):
+        build_samples(recipe, tokenizer)
+    clean = recipe_for(tmp_path, write_rows(tmp_path / "clean.jsonl", 900, {40: LONE_SURROGATE}), num_proc=num_proc)
+    with pytest.raises(BadRow, match=r"clean.jsonl:40: the tokenizer cannot encode this row"):
+        build_samples(clean, tokenizer)
+
+
+def test_max_rows_and_the_store_agree_with_one_process(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("FINETUNE_CACHE_DIR", str(tmp_path / "cache"))
+    data = write_rows(tmp_path / "rows.jsonl", 900, MIXED_BAD)
+    raw = tiny_recipe(tmp_path / "run", data)
+    raw["datasets"][0]["max_rows"] = 620
+    raw["data"].update(on_bad_row="skip", num_proc=2)
+    parallel = prepare(validate(raw), tokenizer)
+    raw["data"]["num_proc"] = 1
+    serial, serial_stats = reference(validate(raw), tokenizer)
+    assert parallel.train == serial and parallel.train_stats == serial_stats
+    assert serial_stats.rows_read == 620 + 3  # the 3 unreadable rows among them are read, not taken
+
+
+class Watched(list):
+    """A sink that notes how many chunks its source had given when the first sample arrived."""
+
+    def __init__(self, chunks: list) -> None:
+        super().__init__()
+        self.chunks, self.consumed, self.at_first = chunks, 0, None
+
+    def source(self):
+        for chunk in self.chunks:
+            self.consumed += 1
+            yield chunk
+
+    def append(self, sample: dict) -> None:
+        if self.at_first is None:
+            self.at_first = self.consumed
+        super().append(sample)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_chunks_are_consumed_as_they_are_tokenized(tmp_path, tokenizer, workers):
+    data = write_rows(tmp_path / "rows.jsonl", 3000, {})
+    examples = load_examples(recipe_for(tmp_path, data).datasets, "error", DataStats())
+    out = Watched([examples[i:i + 100] for i in range(0, len(examples), 100)])
+    job = Job(tokenizer, DataConfig(max_seq_len=24), "error", {})
+    assert tokenize_stream(out.source(), job, DataStats(), out, workers) is None
+    assert len(out) == 3000 and out.consumed == 30
+    # No more than the head that decides on a pool (256 examples: 3 chunks) and the chunks in flight.
+    assert out.at_first <= 3 + 2 * 3 + 1, out.at_first
+
+
+def test_progress_line_says_rows_samples_tokens_and_rates(capsys):
+    progress = Progress(rows=lambda: 1234, every=0.0)
+    progress.add(1000, 56789)
+    err = capsys.readouterr().err
+    assert "1,234 rows read, 1,000 samples, 56,789 tokens" in err and "rows/s" in err and "tokens/s" in err
+
+
+def test_every_core_tokenizes_by_default():
+    assert DataConfig().num_proc is None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert workers_for(DataConfig()) == cores and workers_for(DataConfig(num_proc=3)) == 3
