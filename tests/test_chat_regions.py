@@ -98,7 +98,9 @@ def test_a_long_chat_costs_as_many_renderings_as_a_short_one(name):
         layout = chat_layout(tokenizer, messages, [i for i in range(n) if i % 2], family.kwargs)
         assert len(layout.turns) == n // 2
         counts.append(tokenizer.renders)
-    assert counts == [4, 4]  # the whole, every message replaced, each half replaced
+    # The whole and every message replaced (2: the contents swapped back give the whole, regions_by_content), or
+    # also each half replaced (4): a constant number whatever the length.
+    assert counts[0] == counts[1] and counts[0] in (2, 4), counts
 
 
 @pytest.mark.parametrize("name", ["qwen2.5", "llama3.1", "mistral-nemo"])

@@ -10,7 +10,10 @@ suffix of the two renderings, so it is exactly the text the message produced, wh
 
 Two ways to find them, with the same answer:
 
-* `regions_at_once`, four renderings whatever the length of the conversation (linear time): S, every message's
+* `regions_at_once`, two or four renderings whatever the length of the conversation (linear time). Two when the
+  template writes each message's content verbatim (`regions_by_content`: S, every message's text replaced at once,
+  with each sentinel swapped back for its message's content, is the real rendering, character for character; no
+  message has reasoning or tool calls): each content is then where its sentinel was. Else four: S, every message's
   text replaced at once, gives the order in which the template renders the messages; messages are dealt
   alternately, in that order, to two halves A and B; X_A (A real, the rest replaced) and X_B. Each message of A lies
   between two messages of B, whose sentinels sit at known places both in S and in X_A: the windows between them
@@ -218,7 +221,7 @@ def _window(marks: _Marks, order: Sequence[int], pos: int, length: int) -> Regio
 
 
 def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None) -> Regions | None:
-    """Four renderings; None when the check fails (then regions_one_by_one decides)."""
+    """Four renderings, or two (regions_by_content); None when the check fails (then regions_one_by_one decides)."""
     c = sentinel_char(full, messages, tools)
     replaced = [sentinel_message(m, c, j) for j, m in enumerate(messages)]
     try:
@@ -228,6 +231,9 @@ def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, t
     marks = _marks(every, c)
     if marks is None:
         return None
+    by_content = regions_by_content(messages, full, every, marks)
+    if by_content is not None:
+        return by_content
     order = marks.order
     stretch: dict[int, Region] = {}  # per message: its region in `every`
     real: dict[int, str] = {}  # per message: its region's text in the real rendering
@@ -250,6 +256,19 @@ def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, t
             stretch[j] = (s0 + p, s1 - s)
             real[j] = text[x0 + p:x1 - s]
     return _rebuilt(messages, full, every, order, stretch, real, marks)
+
+
+def regions_by_content(messages: list[dict[str, Any]], full: str, every: str, marks: _Marks) -> Regions | None:
+    """Two renderings (the real one and `every`): when no message has reasoning or tool calls and swapping each
+    message's sentinel in `every` for its content, verbatim, gives the real rendering character for character,
+    the regions are where the contents landed. None otherwise (then regions_at_once decides)."""
+    for m in messages:
+        if m.get("tool_calls") or not isinstance(m.get("content"), str) or \
+                any(isinstance(m.get(k), str) and m[k] for k in REASONING_FIELDS):
+            return None
+    stretch = {j: marks.spans[j] for j in marks.order}
+    real = {j: messages[j]["content"] for j in marks.order}
+    return _rebuilt(messages, full, every, marks.order, stretch, real, marks)
 
 
 def _rebuilt(messages: list[dict[str, Any]], full: str, every: str, order: Sequence[int], stretch: dict[int, Region],
