@@ -266,3 +266,25 @@ def test_accumulating_micro_batches_adds_no_gradient_communication(tmp_path, str
     else:
         assert once["reduce_scatter"] == split["reduce_scatter"] == 0
     assert split["all_reduce"] == once["all_reduce"], (once, split)
+
+
+def test_the_model_is_freed_before_the_process_group_is_shut_down(tmp_path, monkeypatch):
+    """DDP's reducer holds the process group: a model freed only after shutdown() destroyed the group (when
+    train() returned) hung a gloo rank now and then at exit. Here, in one process, shutdown must find the model
+    (the net the step loop ran) already gone."""
+    import weakref
+
+    from finetune import dist
+    from finetune.recipe import load_recipe
+    from finetune.train import loop
+
+    nets: list[weakref.ref] = []
+    seen_at_shutdown: list[bool] = []
+    setup, shutdown = loop.setup, dist.shutdown
+    monkeypatch.setattr(loop, "setup", lambda *a, **k: (run := setup(*a, **k), nets.append(weakref.ref(run.net)))[0])
+    monkeypatch.setattr(dist, "shutdown", lambda *a, **k: (seen_at_shutdown.append(nets[0]() is not None),
+                                                           shutdown(*a, **k))[1])
+    monkeypatch.setenv("FINETUNE_DEVICE", "cpu")
+    recipe = load_recipe(QUICKSTART, [*TINY, "train.max_steps=1", f"output_dir={tmp_path / 'run'}"])
+    loop.train(recipe)
+    assert seen_at_shutdown == [False]

@@ -62,13 +62,17 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
         console = Console(quiet=True, soft_wrap=True)
     with dist.process_group(world) as device, _run_lock(recipe, world, console):
         run = setup(recipe, world, device, console, overwrite=overwrite, allow_unpinned=allow_unpinned)
+        out = run.out.root
         try:
             train_loop(run)
         except BaseException:
             if run.logger:
                 run.logger.close(ok=False)  # trackers record the run as failed
             raise
-    return run.out.root
+        # The model goes while the process group lives: DDP's reducer holds the group, and destroying the reducer
+        # after shutdown() had destroyed the group hung a gloo rank now and then at exit (seen in CI).
+        del run
+    return out
 
 
 @contextlib.contextmanager
