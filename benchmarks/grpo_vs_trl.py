@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/grpo_vs_trl.py --trl-path /tmp/trl_pkgs   # TRL installed with
         .venv/bin/pip install --no-deps --target /tmp/trl_pkgs trl==1.16.0   (its other needs are in our venv)
     .venv/bin/python benchmarks/grpo_vs_trl.py --cli all    # ours through `finetune train` for every case (slow)
-    .venv/bin/python benchmarks/grpo_vs_trl.py --pins       # also print TRL's figures as tests/test_grpo_trl.py pins
+    .venv/bin/python benchmarks/grpo_vs_trl.py --pins       # also print TRL's figures as tests/rl/test_grpo_trl.py pins
 
 One optimizer step of a 2-layer Llama (hidden 32, vocabulary 1024, float32, CPU, weights drawn from a seeded
 generator: `write_model`) on 16 replayed completions (4 groups of 4, `write_replay`), for each TRL loss_type and
@@ -398,7 +398,7 @@ def main() -> None:
     parser.add_argument("--varied-prompts", action="store_true", help="prompts of 3 to 9 ids (TRL left-pads them)")
     parser.add_argument("--quick", action="store_true", help="the split 4 x 4 only")
     parser.add_argument("--json", type=Path, help="write every row here")
-    parser.add_argument("--pins", action="store_true", help="print TRL's figures as tests/test_grpo_trl.py pins them")
+    parser.add_argument("--pins", action="store_true", help="print TRL's figures as tests/rl/test_grpo_trl.py pins them")
     args = parser.parse_args()
     if args.trl_path:
         sys.path.insert(0, args.trl_path)
@@ -432,7 +432,7 @@ def main() -> None:
           f"{worst:.2e}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    if args.pins:  # the rows that should match, full precision: tests/test_grpo_trl.py's TRL table
+    if args.pins:  # the rows that should match, full precision: tests/rl/test_grpo_trl.py's TRL table
         print("".join(f'    "{r["case"]}": ({r["trl_loss"]!r}, {r["trl_grad_norm"]!r}),\n' for r in rows
                       if "loss_rel" in r and not r["known_difference"]), end="")
 

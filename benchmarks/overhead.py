@@ -8,14 +8,14 @@ needs is time the device may wait, most of all with small models and short rows.
 where compute is negligible (a 2-layer Llama of width 32, rows of 64 tokens, float32, one thread), for:
   * ours: the trainer's step as finetune/train/loop.py takes it (micro-batches moved with MicroBatch.to, the step's
     counts, forward_backward, clipping, the one read, the weight samples, the optimizer, the scheduler and the
-    update ratio; tests/test_step.py mirrors the same body), with the packed rows' documents and our attention;
+    update ratio; tests/train/test_step.py mirrors the same body), with the packed rows' documents and our attention;
   * plain: a minimal loop on the same model and micro-batches (transformers' sdpa, its own loss: forward, loss,
     backward, AdamW).
 Each takes the optimizer it would run on CUDA: ours build_optimizer's fused AdamW, the plain loop torch's default
 there, foreach (`--plain-fused`: fused too, the strictest comparison). Our attention takes its CUDA path (kernel
 choice, varlen wrapper, one kernel call per layer) with torch's varlen_attn replaced by a stand-in of its torch 2.13
 signature: causal attention over each row in one op, as many attention ops as the plain loop's sdpa (it does not
-isolate documents: this measures overhead only; tests/test_packed_kernels.py checks isolation with stand-ins that
+isolate documents: this measures overhead only; tests/attention/test_packed_kernels.py checks isolation with stand-ins that
 do). Like torch's varlen_attn (torch_attn::_varlen_attn) the stand-in is a torch.library custom op with its
 backward registered, so each call pays that Python path's host time as on CUDA; `--standin function` measures
 without it (a plain function, as in the issue's first measurement).

@@ -291,7 +291,7 @@ def main() -> None:
     parser.add_argument("--cli", nargs="*", default=["dpo-sigmoid-4x4", "orpo-16x1"],
                         help="case names also run through `finetune train` (all: every case)")
     parser.add_argument("--json", type=Path, help="write every row here")
-    parser.add_argument("--pins", action="store_true", help="print TRL's figures as tests/test_preference_trl.py "
+    parser.add_argument("--pins", action="store_true", help="print TRL's figures as tests/objectives/test_preference_trl.py "
                                                              "pins them")
     parser.add_argument("--curves", type=Path, metavar="SFT_MODEL",
                         help="also train examples/yaml/quickstart-dpo.yaml from this model under both (slow)")

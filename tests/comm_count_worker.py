@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/test_distributed.py: `finetune train ARGS` under the torch profiler, then rank 0
+"""A torchrun worker for tests/train/test_distributed.py: `finetune train ARGS` under the torch profiler, then rank 0
 prints how many gradient reductions ran, as one JSON line: {"reduce_scatter": n, "all_reduce": n}.
 
 The profiler records every c10d collective by name on gloo too (`c10d::_reduce_scatter_base_` is FSDP2's

@@ -1,5 +1,5 @@
 """The support matrix: every decoder-only causal LM architecture of the pinned transformers, built tiny with random
-weights through finetune's own load path, and what finetune does with it (tests/test_models.py asserts it,
+weights through finetune's own load path, and what finetune does with it (tests/model/test_models.py asserts it,
 scripts/gen_models_doc.py writes it to docs/models.md).
 
 For each architecture, in fp32 on the CPU (`evaluate`, computed once and cached):

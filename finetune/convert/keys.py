@@ -4,7 +4,7 @@ only with --allow-approx, announced) or refused (it cannot be carried over faith
 
 A key set to null is unset in Axolotl (it drops None values), so it is skipped whatever its table. A refused or
 approximated key whose value is off (false, 0, empty) is unset too. docs/migrating-from-axolotl.md is written from
-these tables (scripts/gen_migrating_doc.py), and tests/test_convert.py holds them to Axolotl's schema: every field
+these tables (scripts/gen_migrating_doc.py), and tests/convert/test_convert.py holds them to Axolotl's schema: every field
 name sits in exactly one table.
 """
 

@@ -9,7 +9,7 @@
 - The linear layers that LoRA's `all-linear` must leave alone (`lora_exclusions`).
 
 Read from the modeling code of transformers 5.23.0 and checked against it for every causal LM architecture by
-tests/test_models.py, whose results are docs/models.md. A new transformers pin reruns that test: a new head or a
+tests/model/test_models.py, whose results are docs/models.md. A new transformers pin reruns that test: a new head or a
 new kind of layer shows up there, and is added here.
 """
 

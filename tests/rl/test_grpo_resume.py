@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_files import grpo_args, write_prompts, write_replay
 from helpers import QUICKSTART, TINY, final_weights, run_cli, train_lines
-from test_grpo import grpo_args, write_prompts, write_replay
 
 from finetune.run import checkpoint
 
@@ -138,7 +138,7 @@ def test_the_rollouts_identity_is_content_not_paths(tmp_path):
     from finetune.recipe import load_recipe
     from finetune.rl.sources import rollout_samples
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "examples" / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "examples" / "tokenizer")
     replay = write_replay(tmp_path / "r.jsonl")
     copy = tmp_path / "elsewhere.jsonl"
     copy.write_bytes(replay.read_bytes())
@@ -149,7 +149,7 @@ def test_the_rollouts_identity_is_content_not_paths(tmp_path):
     assert key(replay) == key(copy) and key(replay).startswith("rl:")
     copy.write_bytes(replay.read_bytes().replace(b'"reward": 1.0', b'"reward": 0.0', 1))
     assert key(copy) != key(replay)
-    other = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "examples" / "tokenizer")
+    other = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "examples" / "tokenizer")
     other.add_tokens(["<extra>"])
     assert key(replay, other) != key(replay)
 

@@ -1,6 +1,6 @@
 """`finetune convert axolotl` over Axolotl's whole examples folder (slow; needs a checkout).
 
-    AXOLOTL_EXAMPLES=/path/to/axolotl/examples .venv/bin/python -m pytest -m slow tests/test_convert_corpus.py -s
+    AXOLOTL_EXAMPLES=/path/to/axolotl/examples .venv/bin/python -m pytest -m slow tests/convert/test_convert_corpus.py -s
 
 Every example config (*.yml, *.yaml, but the cloud/ launcher files) either converts to a recipe that validates or
 is refused with its reasons (a UserError naming each key); none crashes. The figure (converted / total, exactly and

@@ -1,6 +1,6 @@
 """GRPO (train.objective grpo): advantages and the policy loss against hand computation, the replay file's contract,
 and the loss contract through the real CLI: any split of the step gives the same weights (2 ranks under DDP and FSDP:
-tests/test_distributed.py)."""
+tests/train/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_files import grpo_args, write_prompts, write_replay
 from helpers import QUICKSTART, TINY, final_weights, rel_diff, run_cli, train_lines
 
 from finetune.batch import Targets
@@ -262,31 +263,10 @@ def test_replay_renders_prompts_and_tokenizes_text(tmp_path, tokenizer):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "examples" / "tokenizer")
+    return AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "examples" / "tokenizer")
 
 
 # --- the loss contract through the CLI ---------------------------------------------------------------------------
-
-
-def write_replay(path: Path, groups: int = 4, size: int = 4, seed: int = 0) -> Path:
-    """Rollouts of random ids (vocabulary 1024; end token 2): prompts of varying length, completions of 1 to 12
-    tokens, some ending with the end token, rewards 0, 0.5 or 1 (some groups all equal)."""
-    rng = random.Random(seed)
-    lines = []
-    for g in range(groups):
-        prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(3, 10))]
-        for _ in range(size):
-            completion = [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 12))] + [2] * rng.randrange(2)
-            lines.append({"group": g, "prompt_ids": prompt, "completion_ids": completion,
-                          "reward": 1.0 if g == 3 else rng.choice([0.0, 0.5, 1.0])})
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return path
-
-
-def grpo_args(replay: Path, *extra: str) -> list[str]:
-    return [*TINY, "datasets=[]", "eval_datasets=[]", "data.packing=false", "train.objective=grpo",
-            f"grpo.replay={replay}", "grpo.num_generations=4", "train.warmup_steps=0", "train.lr=1e-2",
-            "train.epochs=1", *extra]
 
 
 @pytest.mark.parametrize("normalize", ["tokens", "sequences", "constant"])
@@ -344,16 +324,6 @@ def test_a_bad_replay_line_exits_2_naming_it(tmp_path):
 
 
 # --- generated rollouts ----------------------------------------------------------------------------------------------
-
-
-def write_prompts(path: Path, n: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randrange(2, 60), rng.randrange(2, 40)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_generated_rollouts_train_and_eval_reports_the_mean_reward(tmp_path):

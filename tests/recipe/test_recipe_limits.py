@@ -4,7 +4,7 @@ geometry beyond reason (and a step larger than the epoch, a warning), `model.pat
 `convert axolotl` reading a template file outside the config's folder or one that is not text, and `recipes add`
 handing git an option.
 
-Torch-free and fast, like tests/test_recipe.py (the step-plan tests import the data package inside the test); the
+Torch-free and fast, like tests/recipe/test_recipe.py (the step-plan tests import the data package inside the test); the
 CLI-level cases (exit code 2, no traceback, nothing lost) are rows of tests/test_bad_inputs.py.
 """
 

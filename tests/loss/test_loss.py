@@ -28,7 +28,7 @@ from finetune.loss.fused import (
 )
 from finetune.loss.liger import triton_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str = "",
@@ -384,7 +384,7 @@ def test_resolve_impl_cpu(monkeypatch):
 
 def test_auto_is_chunked_on_cuda_too():
     """Chosen by the H100 figures (chunked 1.11x the naive time, Liger 1.5x) and by Liger's host reads: a step with
-    `auto` reads the device once (tests/test_step.py). A torch.device is enough: nothing touches CUDA."""
+    `auto` reads the device once (tests/train/test_step.py). A torch.device is enough: nothing touches CUDA."""
     assert resolve_impl("auto", torch.device("cuda")) == "chunked"
     assert resolve_impl("auto", "cuda:1") == "chunked"
 
