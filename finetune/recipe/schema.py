@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from finetune.recipe.preference import DPOConfig, ORPOConfig
 from finetune.recipe.rl import GRPOConfig
 from finetune.recipe.section import Section
 
@@ -69,6 +70,14 @@ class ModelConfig(Section):
     mean_resizing: bool = True
     """Rows added by a resize start at the mean of the existing embeddings (transformers' mean_resizing); false:
     at the model's own random initialization (what Axolotl does)."""
+    freeze_vision: bool = True
+    """Vision-language models, full fine-tuning: keep the vision encoder frozen (its projector into the language
+    model still trains); false trains it too. With an adapter the base is frozen anyway and the LoRA goes on the
+    language model, unless adapter.target_modules is a regular expression that names vision modules (docs/vision.md)."""
+    image_processor: dict[str, Any] = Field(default_factory=dict)
+    """Vision-language models: settings of the image processor over the model's own preprocessor_config.json (with
+    init: random, over the processor made from model.config's vision_config), e.g. {min_pixels: 1024, max_pixels:
+    4096} for Qwen2-VL: how large images are resized, hence how many tokens each one takes."""
 
 
 class TokenizerConfig(Section):
@@ -78,8 +87,8 @@ class TokenizerConfig(Section):
     """Tokenizer directory or hub id; defaults to model.path."""
     chat_template: str | None = None
     """A chat template replacing the tokenizer's own: Jinja text, or the name of one shipped with finetune
-    (chatml, gemma, gemma3, gemma4, llama3, qwen2_5, qwen3, qwen3_5: the vendors' official templates, no network
-    needed; finetune/templates/README.md)."""
+    (chatml, gemma, gemma3, gemma4, llama3, qwen2_5, qwen3, qwen3_5, qwen2_vl: the vendors' official templates, no
+    network needed; finetune/templates/README.md)."""
     special_tokens: dict[Literal["bos_token", "eos_token", "pad_token", "unk_token"], str] = Field(default_factory=dict)
     """Special tokens to set, e.g. {eos_token: '<|im_end|>'}: a text the vocabulary lacks becomes a new token (the
     embedding grows; see model.vocab_multiple_of). The eos token is what completion samples end with and what
@@ -283,40 +292,6 @@ class TrainConfig(Section):
             except re.error as e:
                 raise ValueError(f"{pattern!r} is not a regular expression ({e})") from None
         return patterns
-
-
-class DPOConfig(Section):
-    """Direct preference optimization (train.objective: dpo)."""
-
-    beta: float = Field(0.1, gt=0)
-    """Strength of the implicit KL penalty: rewards are beta x (policy - reference) log-probabilities."""
-    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """sigmoid: -log sigmoid(beta x margin) (the DPO paper). ipo: (length-averaged margin - 1 / (2 beta))^2.
-    hinge: relu(1 - beta x margin)."""
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
-    """sigmoid only: conservative DPO, the assumed probability that a pair's preference is flipped."""
-    reference: str = "auto"
-    """The reference model: auto (the model as loaded, before training; with an adapter, the base with the adapter
-    off), or a path to another model with the same tokenizer. Its log-probabilities are computed once before
-    training and cached by content; a resume is refused if the weights at the path changed."""
-    completion_end: Literal["marker", "template"] = "marker"
-    """Which tokens a completion's log-probability covers. marker: its assistant turns as SFT scores them, each
-    turn's content through its end-of-turn marker. template: on to the end of the chat template's rendering (with
-    ChatML the newline after `<|im_end|>` too): TRL's DPOTrainer's completion (docs/preference.md)."""
-
-
-class ORPOConfig(Section):
-    """Odds-ratio preference optimization (train.objective: orpo): no reference model."""
-
-    beta: float = Field(0.1, gt=0)
-    """Weight of the odds-ratio term next to the chosen completions' cross-entropy."""
-    completion_end: Literal["marker", "template"] = "marker"
-    """Which tokens a completion covers. marker: its assistant turns as SFT scores them (content and end-of-turn
-    marker). template: TRL's ORPOTrainer's: on to the end of the chat template's rendering, then the tokenizer's
-    eos appended when the rendering does not end with it (with ChatML a second `<|im_end|>` after the newline)."""
-    nll: Literal["completion", "sequence"] = "completion"
-    """What the cross-entropy term covers. completion: the chosen completions' tokens. sequence: every token of
-    the chosen side but its first, the prompt's too (TRL's ORPOTrainer); over the step's such tokens either way."""
 
 
 class LossConfig(Section):
