@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from finetune.data.formats import Example, MessageFields, to_example
+from finetune.data.images import cut
 from finetune.data.pairs import (
     PairExample,
     PairFields,
@@ -30,7 +31,7 @@ from finetune.data.stats import DataStats
 from finetune.data.tokenize import tokenize_example
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
-from finetune.recipe import DataConfig, DatasetConfig, Recipe
+from finetune.recipe import DataConfig, DatasetConfig, Recipe, local_data_path
 
 
 def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats,
@@ -65,7 +66,9 @@ def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
 def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = ()) -> Example | PairExample:
     """One row of a dataset as its format reads it, through the dataset's field and role mappings (message fields
     in `ignore` left out)."""
-    fields = MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore)
+    local = local_data_path(cfg.path)  # image paths are relative to the data file
+    fields = MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore,
+                           str(local.parent) if local is not None else None)
     if cfg.format == "preference":
         return to_pair(row, PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, fields))
     return to_example(row, cfg.format, messages_field=cfg.messages_field, text_field=cfg.text_field,
@@ -118,9 +121,12 @@ def _tokenize_serial(examples: Sequence[Example], tokenizer: Any, data: DataConf
                 stats.drop(example.origin, n, f"{n} tokens, over data.max_seq_len {data.max_seq_len} "
                                               "(data.truncation: drop)")
                 continue
+            sample, why = cut(sample, data.max_seq_len)  # None when the cut falls inside an image's tokens
+            if sample is None:
+                stats.drop(example.origin, n, why)
+                continue
             stats.truncated += 1
             stats.truncated_tokens += n - data.max_seq_len
-            sample = {k: v[: data.max_seq_len] for k, v in sample.items()}
         if not sample["input_ids"]:
             stats.drop(example.origin, 0, "no tokens")
             continue
