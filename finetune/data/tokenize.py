@@ -112,6 +112,10 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template; set tokenizer.chat_template in the recipe "
                         "(or use format: completion)")
+    vision = layout_for(tokenizer)
+    if example.images and vision is None:
+        raise UserError(f"{example.origin}: this row has images, and the model is not a vision-language model "
+                        "finetune trains (docs/vision.md); set model.path to one, or remove the image parts")
     messages = list(example.messages)
     trained = example.trained or tuple(m["role"] == "assistant" for m in messages)
     # train_on_inputs trains everything; only messages marked train: false need locating, to be masked.
@@ -121,13 +125,12 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
     except TemplateNotLocal as e:
         raise UserError(f"{example.origin}: {e}") from None
     except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
-        raise BadRow(f"{example.origin}: the chat template refused this conversation: {e}") from None
+        parts = any(isinstance(m.get("content"), list) for m in messages)
+        hint = "; its content parts need a template that renders them (e.g. qwen2_vl)" if parts else ""
+        raise BadRow(f"{example.origin}: the chat template refused this conversation: {e}{hint}") from None
     _check_tools_rendered(example, tokenizer, template_kwargs, layout)
-    vision, text, turns, placed = layout_for(tokenizer), layout.text, layout.turns, None
+    text, turns, placed = layout.text, layout.turns, None
     if example.images:  # each image's placeholder becomes its tokens, the trained spans move with them
-        if vision is None:
-            raise UserError(f"{example.origin}: this row has images, and the model is not a vision-language model "
-                            "finetune trains (docs/vision.md); set model.path to one, or remove the image parts")
         placed = place(example.origin, text, example.images, vision)
         text, turns = placed.text, moved_turns(turns, placed)
     encoded = encode(tokenizer, example.origin, text, add_special_tokens=False, return_offsets_mapping=True)
