@@ -186,3 +186,21 @@ def test_rows_with_images_are_counted_like_any(tok, folder):
     assert stats.samples == len(samples) and stats.samples + stats.dropped_too_long == len(rows)
     assert all(len(s["input_ids"]) <= 40 for s in samples)
     assert torch.tensor([s["labels"][0] for s in samples]).eq(IGNORE_INDEX).all()
+
+
+def test_the_shapes_example_data_regenerates_byte_for_byte(tmp_path):
+    """examples/data/shapes is what scripts/make_shapes_data.py writes, rows and images."""
+    import subprocess
+    import sys
+
+    from vision_fixtures import ROOT
+
+    shipped = ROOT / "examples" / "data" / "shapes"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shapes_data.py"), "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert made == sorted(p.relative_to(shipped) for p in shipped.rglob("*") if p.is_file())
+    assert all((tmp_path / p).read_bytes() == (shipped / p).read_bytes() for p in made)
+    rows = [json.loads(line) for line in (shipped / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 600 and all(len(r["messages"]) == 6 for r in rows)
