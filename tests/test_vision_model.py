@@ -61,7 +61,7 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
 def test_other_vision_language_models_are_refused_with_the_reason():
     for config, why in (({"model_type": "llava"}, "its image layout, its loss through the fused head"),
                         ({"model_type": "smolvlm"}, "not checked yet"),
-                        ({"model_type": "mllama"}, "cross-attention layers")):
+                        ({"model_type": "idefics"}, "cross-attention layers")):
         with pytest.raises(UserError, match=f"model_type '{config['model_type']}' is an image-text-to-text model "
                                             f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl"):
             load_tokenizer(tokenizer_config(), ModelConfig(init="random", config=config))

@@ -51,9 +51,10 @@ SUPPORTED = {
     "qwen2_5_vl": VisionModel("qwen2_5_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
                               _QWEN_IDS),
 }
+# Why some are refused, where it is more than "not checked yet".
 _REASONS = {
-    "mllama": "its images enter through cross-attention layers, not as tokens in the sequence",
-    "llama4": "only its text model is trained here (model_type llama4_text)",
+    "idefics": "its images enter through cross-attention layers, not as tokens in the sequence",
+    "vision-encoder-decoder": "it is an encoder-decoder model, not a decoder reading image tokens",
 }
 
 
@@ -72,7 +73,7 @@ def refusal(config: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED or model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return None
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in _REASONS:
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return None  # loaded as a causal LM, as before; rows with images are refused when they are tokenized
     why = _REASONS.get(model_type, "its image layout, its loss through the fused head and its image processor "
                                    "without torchvision are not checked yet")
