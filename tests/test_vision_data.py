@@ -78,6 +78,29 @@ def test_layout_is_the_image_processors_own(tok, folder):
             assert len(span) == item["features"] + 2
 
 
+def test_llava_layout_is_llava_processors_own(folder):
+    """LLaVA: the whole token sequence equals LlavaProcessor's (transformers' own processor, built offline around
+    the same tokenizer and image processor), for images of different sizes; the image tokens never trained."""
+    from transformers import LlavaProcessor
+
+    from finetune.data.images import layout_for
+
+    tok = load_tokenizer(tokenizer_config("llava"), model_config("llava"))
+    layout = layout_for(tok)
+    processor = LlavaProcessor(image_processor=layout.processor, tokenizer=tok, patch_size=8,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    for names in (["red.png"], ["blue.png", "green.png", "yellow.png"]):
+        row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
+        sample = tokenize_example(_example(row, folder), tok)
+        rendered = tok.apply_chat_template(_example(row, folder).messages, tokenize=False)
+        images = [Image.open(folder / "images" / n) for n in names]
+        expected = processor(text=[rendered], images=images)["input_ids"][0]
+        assert sample["input_ids"] == list(expected)
+        assert [item["features"] for item in sample["images"]["items"]] == [16] * len(names)
+        assert not any(t == image_id for t, label in zip(sample["input_ids"], sample["labels"]) if label != -100)
+
+
 def test_only_the_trained_messages_text_is_trained(tok, folder):
     vision_ids = set(tok.convert_tokens_to_ids(VISION_TOKENS))
     row = _row(_image("green.png"), _text("What color?"), answer=[_text("It is green.")])

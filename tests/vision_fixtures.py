@@ -13,6 +13,12 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 512,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 100.0}}
+LLAVA_TOKENS = ["<image>"]
+# ChatML with image parts written as LLaVA's placeholder (a template of this project's, for the tests).
+LLAVA_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                  "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}"
+                  "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_vl": {"model_type": "qwen2_vl", "text_config": TEXT,
                  "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 8,
@@ -21,6 +27,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                      "out_hidden_size": 64, "patch_size": 8, "spatial_merge_size": 2,
                                      "temporal_patch_size": 2, "window_size": 32, "fullatt_block_indexes": [1]}},
+    # CLIP tower on 32x32 crops: 16 patches + CLS, less one (the default strategy): 16 image tokens per image.
+    "llava": {"model_type": "llava",
+              "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+              "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
+                                "projection_dim": 32}},
 }
 # 16 x 16 pixels make one image token (patch 8, merge 2); at most 64 x 64 pixels (16 tokens) per image.
 IMAGE_PROCESSOR = {"min_pixels": 256, "max_pixels": 4096}
@@ -72,25 +85,35 @@ def write_data(folder: Path, n: int = 8) -> Path:
     return data
 
 
+def _processor(family: str) -> dict[str, Any]:
+    return {} if family == "llava" else IMAGE_PROCESSOR
+
+
 def model_config(family: str = "qwen2_vl", **overrides: Any) -> Any:
     """The recipe's model section for a tiny random VLM of `family`."""
     from finetune.recipe import ModelConfig
 
-    return ModelConfig(init="random", config=CONFIGS[family], image_processor=IMAGE_PROCESSOR, **overrides)
+    return ModelConfig(init="random", config=CONFIGS[family], image_processor=_processor(family), **overrides)
 
 
-def tokenizer_config() -> Any:
+def _tokenizer_keys(family: str) -> dict[str, Any]:
+    if family == "llava":
+        return {"path": str(TOKENIZER), "chat_template": LLAVA_TEMPLATE, "added_special_tokens": LLAVA_TOKENS}
+    return {"path": str(TOKENIZER), "chat_template": "qwen2_vl", "added_special_tokens": VISION_TOKENS}
+
+
+def tokenizer_config(family: str = "qwen2_vl") -> Any:
     from finetune.recipe import TokenizerConfig
 
-    return TokenizerConfig(path=str(TOKENIZER), chat_template="qwen2_vl", added_special_tokens=VISION_TOKENS)
+    return TokenizerConfig(**_tokenizer_keys(family))
 
 
 def recipe_yaml(data: Path, family: str = "qwen2_vl", **data_keys: Any) -> str:
     """A recipe (YAML text) training a tiny random VLM of `family` on `data`, padded batches."""
     recipe = {
         "seed": 0,
-        "model": {"init": "random", "config": CONFIGS[family], "image_processor": IMAGE_PROCESSOR},
-        "tokenizer": {"path": str(TOKENIZER), "chat_template": "qwen2_vl", "added_special_tokens": VISION_TOKENS},
+        "model": {"init": "random", "config": CONFIGS[family], "image_processor": _processor(family)},
+        "tokenizer": _tokenizer_keys(family),
         "datasets": [{"path": str(data), "format": "chat"}],
         "data": {"max_seq_len": 256, "packing": False, **data_keys},
         "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "epochs": 1, "lr": 1e-3},

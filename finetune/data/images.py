@@ -8,7 +8,7 @@ template gets `{"type": "text", "text"}` and `{"type": "image"}` and writes each
 The layout (preprocessing): each placeholder becomes the text the model's processor would make of it (Qwen2-VL: one
 `<|image_pad|>` per feature the vision encoder gives the language model), their number computed from the image's
 height and width, read from the file's header (its pixels are never loaded here), through the image processor's
-own resize rule. The expansion is made in the rendered text, before it is tokenized, as the processor does, and the
+own resize rule (image_families.py: each family's rule). The expansion is made in the rendered text, before it is tokenized, as the processor does, and the
 trained character spans move with it. Then every image token and every vision special token has no label: only
 the trained messages' text is trained, whatever train_on_inputs says. A sample records, per image, where its tokens
 are (`start`, `length`: the placeholder's tokens and the vision markers around them) and how many features it has.
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.data.image_families import FAMILIES, Family
 from finetune.data.sources import BadRow
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
@@ -103,37 +104,7 @@ def image_size(origin: str, path: str) -> tuple[int, int]:
     return (width, height) if orientation in _TRANSPOSED else (height, width)
 
 
-# --- the families: how a placeholder expands -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Family:
-    """How one family's processor turns an image into tokens: the template writes `placeholder` once per image,
-    the processor writes `opening + image_token * n + closing` in its place (n: the image's features), and
-    `specials` are the vision tokens that are never trained."""
-
-    placeholder: str
-    image_token: str
-    specials: tuple[str, ...]
-    count: Callable[[Any, int, int], int]
-    """(image processor, height, width) -> the image's number of features."""
-    before: str = ""
-    """A vision token the template writes right before the placeholder, counted as the image's (truncation)."""
-    after: str = ""
-
-    def expansion(self, n: int) -> str:
-        return self.image_token * n
-
-
-def _qwen2_vl_count(processor: Any, height: int, width: int) -> int:
-    # The processor's own resize rule (smart_resize) gives the patch grid; merge_size**2 patches make one token.
-    return processor.get_number_of_image_patches(height, width, {}) // processor.merge_size ** 2
-
-
-_QWEN_VL = Family("<|image_pad|>", "<|image_pad|>",
-                  ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"), _qwen2_vl_count,
-                  before="<|vision_start|>", after="<|vision_end|>")
-FAMILIES = {"qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL}
-
+# --- the layout: a family, its processor and its token ids ------------------------------------------------------
 
 @dataclass(frozen=True, eq=False)
 class ImageLayout:
@@ -143,6 +114,8 @@ class ImageLayout:
     family_name: str
     family: Family
     processor: Any
+    settings: dict[str, Any]
+    """What the count needs from the model besides the processor (LLaVA: patch size, CLS tokens, strategy)."""
     image_id: int
     never_trained: frozenset[int]
     before_id: int | None
@@ -150,16 +123,17 @@ class ImageLayout:
     key: str
 
     def tokens(self, height: int, width: int) -> int:
-        return self.family.count(self.processor, height, width)
+        return self.family.count(self.processor, self.settings, height, width)
 
 
 _LAYOUTS: dict[str, ImageLayout] = {}
 _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ImageLayout] = weakref.WeakKeyDictionary()
 
 
-def make_layout(family_name: str, processor: Any, tokenizer: Any) -> ImageLayout:
-    """The layout of `family_name` with this image processor and tokenizer; UserError when the tokenizer lacks one
-    of the family's vision tokens as a single token."""
+def make_layout(family_name: str, processor: Any, tokenizer: Any,
+                settings: Mapping[str, Any] | None = None) -> ImageLayout:
+    """The layout of `family_name` with this image processor, tokenizer and model settings; UserError when the
+    tokenizer lacks one of the family's vision tokens as a single token."""
     family = FAMILIES[family_name]
     ids = {}
     for token in {family.placeholder, family.image_token, *family.specials, *filter(None, (family.before,
@@ -171,10 +145,11 @@ def make_layout(family_name: str, processor: Any, tokenizer: Any) -> ImageLayout
                                 "use the model's own tokenizer, or add it with tokenizer.added_special_tokens")
             continue
         ids[token] = found
-    settings = json.dumps({"family": family_name, "processor": processor.to_dict(), "ids": ids}, sort_keys=True,
-                          default=str)
-    key = hashlib.sha256(settings.encode()).hexdigest()[:16]
-    layout = ImageLayout(family_name, family, processor, ids[family.image_token],
+    settings = dict(settings or {})
+    described = json.dumps({"family": family_name, "processor": processor.to_dict(), "ids": ids,
+                            "settings": settings}, sort_keys=True, default=str)
+    key = hashlib.sha256(described.encode()).hexdigest()[:16]
+    layout = ImageLayout(family_name, family, processor, settings, ids[family.image_token],
                          frozenset(ids[t] for t in family.specials if t in ids), ids.get(family.before),
                          ids.get(family.after), key)
     _LAYOUTS.setdefault(key, layout)

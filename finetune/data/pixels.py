@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from finetune.batch import VisionFields
-from finetune.data.images import ImageLayout, layout_named
+from finetune.data.images import layout_named
 from finetune.errors import UserError
 
 
@@ -42,19 +42,10 @@ def vision_fields(rows: Sequence[dict], input_ids: torch.Tensor) -> VisionFields
     layout = layout_named(keys.pop())
     items = [item for entry in entries for item in entry["items"]]
     processed = layout.processor(images=[load_image(item["path"]) for item in items], return_tensors="pt")
-    _check_features(layout, items, processed)
-    inputs = {name: processed[name] for name in ("pixel_values", "image_grid_thw")}
-    inputs["mm_token_type_ids"] = (input_ids == layout.image_id).to(torch.int32)
-    return VisionFields(inputs, len(items))
-
-
-def _check_features(layout: ImageLayout, items: Sequence[dict], processed: Any) -> None:
-    """Each image's grid (Qwen2-VL: t x h x w patches, merge_size**2 of them per feature) gives the features its
-    tokens were laid out for."""
-    merge = layout.processor.merge_size ** 2
-    for item, grid in zip(items, processed["image_grid_thw"].tolist()):
-        got = grid[0] * grid[1] * grid[2] // merge
+    features = layout.family.processed(layout.processor, layout.settings, processed)
+    for item, got in zip(items, features):
         if got != item["features"]:
             raise UserError(f"the image {item['path']} gives {got} image features and its sample was laid out for "
                             f"{item['features']} (size {item['size'][0]}x{item['size'][1]} when preprocessed): the "
                             "file changed since; rerun `finetune preprocess --rebuild`")
+    return VisionFields(layout.family.inputs(processed, input_ids, layout.image_id), len(items))

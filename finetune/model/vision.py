@@ -1,11 +1,11 @@
 """Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
 
 A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
-SUPPORTED, each checked like the text models (tests/test_vision_model.py): the fused loss over the language model's
-head equals the model's own loss and gradients, the token layout equals what the model's vision encoder gives, and
-gradient accumulation is exact with images of different sizes. Every other image-text-to-text architecture of the
-pinned transformers that the causal-LM path cannot load is refused when it loads, with the reason
-(`refusal`). docs/vision.md says what is supported.
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA), each checked like the text models (tests/test_vision_model.py): the fused
+loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
+model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
+image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
+loads, with the reason (`refusal`). docs/vision.md says what is supported.
 
 The image processor is the model's own (preprocessor_config.json, through its Pillow/numpy class: torchvision stays
 out of the dependencies), or with init: random the family's class made from model.config's vision_config (patch,
@@ -16,11 +16,12 @@ What trains: the language model and the projector that feeds it; the vision enco
 model.freeze_vision: false (full fine-tuning). A LoRA goes on the language model only, unless
 adapter.target_modules is a regular expression (it then reaches whatever it matches, vision modules included).
 Packing is refused (architectures.packing_refusal): the isolation of packed documents is not proven for the
-vision tokens and the 3D positions of Qwen2-VL.
+image tokens (nor for Qwen's 3D positions).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,23 +34,46 @@ from finetune.recipe import AdapterConfig, ModelConfig
 
 @dataclass(frozen=True)
 class VisionModel:
-    """What finetune knows of one supported VLM family: its layout family (data/images.py), its image processor's
-    Pillow class, where its vision encoder and projector are, and the config's token id fields with their tokens."""
+    """What finetune knows of one supported VLM family: its layout family (data/image_families.py), its image
+    processor's Pillow class, where its vision encoder and projector are, the config's token id fields with their
+    tokens, the processor's settings for a random-init model, and what the layout needs from the config."""
 
     layout: str
     processor_class: str
     tower: str
     projector: str
     token_ids: tuple[tuple[str, str], ...]
+    random_processor: Callable[[Any], dict[str, Any]]
+    layout_settings: Callable[[Any], dict[str, Any]] = lambda config: {}
+
+
+def _qwen_processor(config: Any) -> dict[str, Any]:
+    vision = config.vision_config
+    return {"patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
+            "temporal_patch_size": vision.temporal_patch_size}
+
+
+def _llava_processor(config: Any) -> dict[str, Any]:
+    side = config.vision_config.image_size
+    return {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
+
+
+def _llava_settings(config: Any) -> dict[str, Any]:
+    # CLIP towers put a CLS token before the patches; the default strategy drops the first feature either way.
+    vision = config.vision_config
+    return {"patch_size": vision.patch_size, "cls_tokens": int(vision.model_type == "clip_vision_model"),
+            "strategy": config.vision_feature_select_strategy}
 
 
 _QWEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
              ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
 SUPPORTED = {
     "qwen2_vl": VisionModel("qwen2_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
-                            _QWEN_IDS),
+                            _QWEN_IDS, _qwen_processor),
     "qwen2_5_vl": VisionModel("qwen2_5_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
-                              _QWEN_IDS),
+                              _QWEN_IDS, _qwen_processor),
+    "llava": VisionModel("llava", "LlavaImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
+                         (("image_token_id", "<image>"),), _llava_processor, _llava_settings),
 }
 # Why some are refused, where it is more than "not checked yet".
 _REASONS = {
@@ -122,7 +146,8 @@ def attach_layout(tokenizer: Any, cfg: ModelConfig) -> None:
     vlm = family(config)
     if vlm is None:
         return
-    attach(tokenizer, make_layout(vlm.layout, _image_processor(cfg, config, vlm), tokenizer))
+    attach(tokenizer, make_layout(vlm.layout, _image_processor(cfg, config, vlm), tokenizer,
+                                  vlm.layout_settings(config)))
 
 
 def _image_processor(cfg: ModelConfig, config: Any, vlm: VisionModel) -> Any:
@@ -131,10 +156,7 @@ def _image_processor(cfg: ModelConfig, config: Any, vlm: VisionModel) -> Any:
     overrides = dict(cfg.image_processor)
     try:
         if cfg.init == "random" or not cfg.path:
-            vision = config.vision_config
-            settings = {"patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
-                        "temporal_patch_size": vision.temporal_patch_size, **overrides}
-            return getattr(transformers, vlm.processor_class)(**settings)
+            return getattr(transformers, vlm.processor_class)(**{**vlm.random_processor(config), **overrides})
         from transformers import AutoImageProcessor
 
         return AutoImageProcessor.from_pretrained(cfg.path, backend="pil", **overrides)
@@ -200,8 +222,8 @@ def lora_exclusions(model: torch.nn.Module, adapter: AdapterConfig) -> list[str]
     vlm = family(model.config)
     if vlm is None or (isinstance(adapter.target_modules, str) and adapter.target_modules != "all-linear"):
         return []
-    return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and (name == vlm.tower or name.startswith(vlm.tower + "."))]
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+            and any(name == side or name.startswith(side + ".") for side in (vlm.tower, vlm.projector))]
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module | None:
