@@ -4,7 +4,8 @@ One type with typed fields instead of a dict of string keys. The collate step (f
 tensors and the host counts; an objective's extra inputs ride in their own typed section (`pairs` for DPO and
 ORPO, `rollouts` for GRPO), and an objective names the sections it needs (Objective.needs): a batch without them
 is refused with one clear message where the step's micro-batches are made (MicroBatch.check_needs, called by
-train/step.py's step_micro_batches), before any count or forward, rather than an error deep in a loss.
+train/step.py's step_micro_batches), before any count or forward, rather than an error deep in a loss. The images
+of rows that have them ride in `vision` (pixel values and the model's other image inputs), for the model call.
 
 `MicroBatch.to(device)` is the one move to the device. What the model call needs is found on the CPU first,
 while the labels and positions are still there: the target positions and their id range (`Targets`: the loss and
@@ -154,6 +155,18 @@ class RolloutFields:
 
 
 @dataclass(eq=False)
+class VisionFields:
+    """A micro-batch's images, as its model takes them (finetune/data/pixels.py): `inputs` are the model's own keyword
+    tensors (Qwen2-VL: pixel_values, image_grid_thw and mm_token_type_ids), `images` how many images the rows hold."""
+
+    inputs: dict[str, torch.Tensor]
+    images: int
+
+    def to(self, device: torch.device | str) -> VisionFields:
+        return dataclasses.replace(self, inputs={k: to_device(v, device) for k, v in self.inputs.items()})
+
+
+@dataclass(eq=False)
 class MicroBatch:
     """One micro-batch. Packed rows carry `position_ids` (restarting at 0 per document) and no attention mask;
     padded rows carry an `attention_mask`. Counts are host integers, known before any forward:
@@ -171,6 +184,7 @@ class MicroBatch:
     filler: bool = False
     pairs: PairFields | None = None
     rollouts: RolloutFields | None = None
+    vision: VisionFields | None = None
     device: torch.device | None = None
     target_positions: Targets | None = None
     documents: Documents | None = None
@@ -190,7 +204,8 @@ class MicroBatch:
                  for value in [getattr(self, name)]}
         return dataclasses.replace(
             self, **moved, pairs=self.pairs.to(device) if self.pairs is not None else None,
-            rollouts=self.rollouts.to(device) if self.rollouts is not None else None, device=device,
+            rollouts=self.rollouts.to(device) if self.rollouts is not None else None,
+            vision=self.vision.to(device) if self.vision is not None else None, device=device,
             target_positions=find_targets(self.labels, device),
             documents=Documents.of(self.position_ids, device) if self.packed else None)
 
@@ -204,6 +219,8 @@ class MicroBatch:
             inputs["position_ids"] = self.position_ids
         if self.documents is not None:
             inputs["documents"] = self.documents
+        if self.vision is not None:
+            inputs["vision"] = self.vision
         return inputs
 
     def check_needs(self, needs: tuple[str, ...], objective: str) -> None:

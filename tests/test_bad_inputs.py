@@ -75,6 +75,13 @@ def with_arguments(row: dict, arguments: Any) -> dict:
     messages[1]["tool_calls"] = [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]
     return {**row, "messages": messages}
 
+IMAGE_ROW = {"messages": [{"role": "user", "content": [{"type": "image", "path": "cat.png"},
+                                                      {"type": "text", "text": "What is this?"}]},
+                          {"role": "assistant", "content": "A cat."}]}
+# A 1x1 PNG: what a row's image part names, for a model that takes no images.
+PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415478"
+                    "9c63f8cfc0000003010100c9fe92ef0000000049454e44ae426082")
+
 # The billion laughs under model.config: nine levels of ten aliases each, 10^9 values in under 1 KB.
 ALIAS_BOMB = "model:\n  config:\n    l0: &l0 [" + ", ".join(["lol"] * 10) + "]\n" + "".join(
     f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9))
@@ -249,6 +256,13 @@ CASES = [
          ("{d}/train.jsonl:1: message 1 (assistant) needs a string 'content'",),
          files={"train.jsonl": jsonl({"messages": [{"role": "user", "content": "2+2"},
                                                    {"role": "assistant", "content": 4}]})}),
+    Case("image_missing", "an image part whose file does not exist", "data",
+         ("{d}/train.jsonl:1: message 0, part 0 (image): 'cat.png' is not a file",),
+         files={"train.jsonl": jsonl(IMAGE_ROW, *GOOD_ROWS)}),
+    Case("image_with_text_model", "a row with an image, for a text-only model", "data",
+         ("{d}/train.jsonl:1: this row has images, and the model is not a vision-language model finetune trains",
+          "docs/vision.md"),
+         files={"train.jsonl": jsonl(IMAGE_ROW, *GOOD_ROWS), "cat.png": PNG}),
     Case("alpaca_missing_output", "an alpaca row without `output`", "data",
          ("{d}/train.jsonl:2: alpaca rows need a string 'output' (fields present: input, instruction)",),
          patch={"datasets": [{"path": "train.jsonl", "format": "alpaca"}]},

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from finetune.data.images import layout_for
 from finetune.data.pairs import completion_end
 from finetune.data.samples import build_into, build_samples
 from finetune.data.stats import DataStats
@@ -168,6 +169,9 @@ def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
     """Everything the samples depend on, as JSON-able values: equal inputs give equal samples."""
     import tokenizers
     import transformers
+
+    if layout_for(tokenizer) is not None:  # their key would need the image files and the image processor
+        raise CacheError("the samples of a vision-language model are not cached yet")
 
     data = {k: v for k, v in recipe.data.model_dump(mode="json").items() if k not in _AFTER_SAMPLES}
     split = not recipe.eval_datasets and recipe.data.val_fraction > 0  # build_samples holds out rows only then

@@ -90,11 +90,14 @@ def sentinel_message(message: Mapping[str, Any], c: str, j: int) -> dict[str, An
     """Message j with its free text replaced by sentinels (other fields, empty reasoning kept).
 
     Content is replaced unless it is empty or None beside tool calls: those calls then mark where the message is.
+    A list of parts (text and images) becomes one text part, so that the message's region spans all its parts.
     """
     out = dict(message)
     calls = out.get("tool_calls") or []
     if isinstance(out.get("content"), str) and (out["content"] or not calls):
         out["content"] = f"{c}{j}{c}"
+    elif isinstance(out.get("content"), list):  # text and image parts: the region is all of them, images included
+        out["content"] = [{"type": "text", "text": f"{c}{j}{c}"}]
     for key in REASONING_FIELDS:
         if isinstance(out.get(key), str) and out[key]:
             out[key] = f"{c}{j}r{c}"

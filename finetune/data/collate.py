@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from finetune.batch import MicroBatch, PairFields, RolloutFields
+from finetune.data.pixels import vision_fields
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
@@ -70,7 +71,8 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> MicroB
 
     `targets` counts the tokens that carry a loss after the shift (what N_step sums). A filler micro-batch (see
     rank_micro_batches) is computed, so its tokens count as padded tokens, but it is no data: its seq_tokens are 0.
-    Preference pairs also get their documents numbered (`pairs.doc_index`, chosen 2i, rejected 2i+1; pair_fields).
+    Preference pairs also get their documents numbered (`pairs.doc_index`, chosen 2i, rejected 2i+1; pair_fields);
+    rows with images get their pixels (`vision`, finetune/data/pixels.py).
     """
     filler = bool(rows and rows[0].get("filler"))
     pairs = bool(rows) and ("pairs" in rows[0] or "docs" in rows[0])
@@ -85,6 +87,7 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> MicroB
         batch.pairs = pair_fields(rows, batch.labels, data.packing, filler)
     if rows and "rollout" in rows[0]:
         batch.rollouts = rollout_fields(rows, batch.labels, filler)
+    batch.vision = vision_fields(rows, batch.input_ids)  # images loaded and processed here, never cached
     return batch
 
 

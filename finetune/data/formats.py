@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data.images import part_texts
 from finetune.data.messages import REASONING_FIELDS, ROLES, MessageFields, chat_message, row_tools
 from finetune.data.prompts import alpaca_prompt
 from finetune.data.sources import BadRow, RawRow
@@ -38,6 +39,8 @@ class Example:
     completion: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     """The row's `tools` (function schemas), passed to the chat template."""
+    images: tuple[str, ...] = ()
+    """The absolute paths of the images of the messages' image parts, in the order they appear."""
 
 
 def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_field: str = "text",
@@ -48,8 +51,9 @@ def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_
         raise BadRow(f"{row.origin}: {row.error}")
     flags: tuple[bool | None, ...]
     tools = None
+    images: list[str] = []
     if fmt == "chat":
-        messages, flags = _chat_messages(row, messages_field, fields)
+        messages, flags = _chat_messages(row, messages_field, fields, images)
         tools = row_tools(row.origin, row.data)
     elif fmt == "alpaca" and prompt_template != "chat":
         return _prompted_alpaca(row, prompt_template, train_on_inputs)
@@ -65,7 +69,8 @@ def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_
     else:
         raise ValueError(f"unknown format {fmt!r}")  # the schema only admits the three above
     trained = _trained(row.origin, messages, flags, train_on_inputs, roles_to_train)
-    return Example(row.origin, messages=messages, train_on_inputs=train_on_inputs, trained=trained, tools=tools)
+    return Example(row.origin, messages=messages, train_on_inputs=train_on_inputs, trained=trained, tools=tools,
+                   images=tuple(images))
 
 
 def _trained(origin: str, messages: tuple[dict[str, Any], ...], flags: tuple[bool | None, ...],
@@ -88,12 +93,12 @@ def _trained(origin: str, messages: tuple[dict[str, Any], ...], flags: tuple[boo
 
 
 def _is_empty(message: dict[str, Any]) -> bool:
-    texts = [message.get("content"), *(message.get(k) for k in REASONING_FIELDS)]
+    texts = [*part_texts(message.get("content")), *(message.get(k) for k in REASONING_FIELDS)]
     return not message.get("tool_calls") and not any(isinstance(t, str) and t.strip() for t in texts)
 
 
-def _chat_messages(row: RawRow, field: str,
-                   fields: MessageFields) -> tuple[tuple[dict[str, Any], ...], tuple[bool | None, ...]]:
+def _chat_messages(row: RawRow, field: str, fields: MessageFields,
+                   images: list[str]) -> tuple[tuple[dict[str, Any], ...], tuple[bool | None, ...]]:
     raw = row.data.get(field)
     if raw is None:
         raise BadRow(f"{row.origin}: missing field {field!r}{_fields_hint(row.data)}")
@@ -106,7 +111,7 @@ def _chat_messages(row: RawRow, field: str,
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
             raise BadRow(f"{row.origin}: message {i} is not an object")
-        messages.append(chat_message(row.origin, i, message, fields))
+        messages.append(chat_message(row.origin, i, message, fields, images))
         flags.append(_train_flag(row.origin, i, message))
     system = row.data.get(fields.system) if fields.system else None
     if system is not None and messages[0]["role"] != "system":

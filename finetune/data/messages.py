@@ -1,10 +1,11 @@
 """One chat message as a row gives it -> the message handed to the chat template, every field accounted for.
 
-A message keeps its role and content (read through datasets[].role_field, content_field, role_map), its reasoning
-(reasoning_content, thinking or reasoning: assistant messages only; transformers aliases the three onto each
-other), `tool_calls` (assistant messages only), `tool_call_id` and `name` (tool messages only), and `train`
-(formats.py reads it). Any other field is a bad row naming it, unless data.ignore_message_fields lists it: a field
-the template never sees is data dropped, so it is never dropped unseen.
+A message keeps its role and content (read through datasets[].role_field, content_field, role_map; a content may
+be a list of text and image parts, finetune/data/images.py), its reasoning (reasoning_content, thinking or
+reasoning: assistant messages only; transformers aliases the three onto each other), `tool_calls` (assistant
+messages only), `tool_call_id` and `name` (tool messages only), and `train` (formats.py reads it). Any other field
+is a bad row naming it, unless data.ignore_message_fields lists it: a field the template never sees is data
+dropped, so it is never dropped unseen.
 
 Tool calls reach the template as the row gives them (OpenAI's `{id, type, function: {name, arguments}}` or the flat
 `{name, arguments}`), except that arguments held as a JSON string (as OpenAI's API returns them) are parsed into
@@ -20,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data.images import message_parts
 from finetune.data.sources import BadRow
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -45,14 +47,18 @@ class MessageFields:
     system: str | None = None
     """A row field whose text becomes a leading system message when the conversation has none."""
     ignore: tuple[str, ...] = ()
+    image_root: str | None = None
+    """The folder that relative image paths start from: the data file's."""
 
     def role_of(self, name: Any) -> Any:
         return dict(self.role_map).get(name, name) if isinstance(name, str) else name
 
 
-def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFields) -> dict[str, Any]:
+def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFields,
+                 images: list[str] | None = None) -> dict[str, Any]:
     """Message i as {role, content[, reasoning][, tool_calls][, tool_call_id, name]}; a BadRow naming `origin` and
-    the message when it does not fit."""
+    the message when it does not fit. A content that is a list of text and image parts (data/images.py) stays a
+    list, its images' paths appended to `images` (None: rows of a format that takes no images)."""
     role, content = fields.role_of(message.get(fields.role)), message.get(fields.content)
     if role is None and "from" in message and "value" in message:
         # The most common mix-up: ShareGPT rows ({from: human|gpt, value}) read as chat.
@@ -65,7 +71,14 @@ def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFi
     _check_fields(origin, i, role, message, fields)
     message = {k: v for k, v in message.items() if k not in fields.ignore}
     calls = tool_calls(f"{origin}: message {i} (assistant)", message.get("tool_calls"))
-    if not isinstance(content, str) and not (content is None and calls):
+    if isinstance(content, list):
+        content, paths = message_parts(origin, i, content, fields.image_root)
+        if paths and images is None:
+            raise BadRow(f"{origin}: message {i} has image parts; images are read in chat rows (format: chat) only "
+                         "so far")
+        if paths:
+            images.extend(paths)
+    elif not isinstance(content, str) and not (content is None and calls):
         raise BadRow(f"{origin}: message {i} ({role}) needs a string {fields.content!r}")
     out: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
     for key in REASONING_FIELDS:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from finetune.data.batching import epoch_order, steps_in
@@ -200,26 +201,41 @@ def _print_packing(console: Any, recipe: Recipe, p: Prepared) -> None:
 
 
 def print_sample(console: Any, tokenizer: Any, sample: dict, title: str) -> None:
-    """One sample, decoded, with trained tokens told apart from masked ones.
+    """One sample, decoded, with trained tokens told apart from masked ones, and each image's tokens shown as one
+    mark (its file, its size, its number of tokens; never trained).
 
-    On a terminal trained tokens are bold green and masked ones dim; otherwise (a pipe, a file) trained text is
-    wrapped in [[...]]. Tokens are decoded in runs of equal masking rather than one by one, so a character that
-    byte-level BPE splits over several tokens still prints whole.
+    On a terminal trained tokens are bold green, masked ones dim and images magenta; otherwise (a pipe, a file)
+    trained text is wrapped in [[...]] and an image is <<image ...>>. Tokens are decoded in runs of equal masking
+    rather than one by one, so a character that byte-level BPE splits over several tokens still prints whole.
     """
     from rich.text import Text
 
     ids, labels = sample["input_ids"], sample["labels"]
     trained_count = sum(1 for x in labels if x != IGNORE_INDEX)
-    console.print(f"--- {title}: {len(ids)} tokens, {trained_count} trained ---", markup=False, highlight=False)
+    items = sorted((sample.get("images") or {}).get("items", []), key=lambda item: item["start"])
+    console.print(f"--- {title}: {len(ids)} tokens, {trained_count} trained"
+                  f"{f', {len(items)} images' if items else ''} ---", markup=False, highlight=False)
     color = console.is_terminal and not console.no_color
-    text = Text()
-    for trained, run in itertools.groupby(zip(ids, labels), key=lambda pair: pair[1] != IGNORE_INDEX):
-        piece = tokenizer.decode([token for token, _ in run], skip_special_tokens=False,
-                                 clean_up_tokenization_spaces=False)
-        if color:
-            text.append(piece, style="bold green" if trained else "dim")
-        else:
-            text.append(f"[[{piece}]]" if trained else piece)
+    text, at = Text(), 0
+    for item in [*items, None]:
+        end = item["start"] if item is not None else len(ids)
+        for trained, run in itertools.groupby(zip(ids[at:end], labels[at:end]),
+                                              key=lambda pair: pair[1] != IGNORE_INDEX):
+            piece = tokenizer.decode([token for token, _ in run], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+            if color:
+                text.append(piece, style="bold green" if trained else "dim")
+            else:
+                text.append(f"[[{piece}]]" if trained else piece)
+        if item is not None:
+            mark = (f"image {Path(item['path']).name} {item['size'][1]}x{item['size'][0]}: {item['length']} tokens, "
+                    f"{item['features']} features")
+            if color:
+                text.append(mark, style="magenta")
+            else:
+                text.append(f"<<{mark}>>")
+            at = item["start"] + item["length"]
     console.print(text)
     if color:
-        console.print(Text.assemble(("legend: ", ""), ("trained", "bold green"), (" / ", ""), ("masked", "dim")))
+        console.print(Text.assemble(("legend: ", ""), ("trained", "bold green"), (" / ", ""), ("masked", "dim"),
+                                    *((" / ", ""), ("image (never trained)", "magenta")) if items else ()))

@@ -24,7 +24,7 @@ from finetune.data.shards import (
 from finetune.data.sources import BadRow, read_rows
 from finetune.data.stats import DataStats
 from finetune.errors import UserError
-from finetune.recipe import DataConfig, DatasetConfig, Recipe
+from finetune.recipe import DataConfig, DatasetConfig, Recipe, local_data_path
 
 __all__ = ["PARALLEL_MIN_EXAMPLES", "Sink", "build_into", "build_samples", "iter_examples", "load_examples",
            "row_example", "tokenize_examples"]
@@ -68,7 +68,9 @@ def iter_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
 def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = ()) -> Example | PairExample:
     """One row of a dataset as its format reads it, through the dataset's field and role mappings (message fields
     in `ignore` left out)."""
-    fields = MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore)
+    local = local_data_path(cfg.path)  # image paths are relative to the data file
+    fields = MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore,
+                           str(local.parent) if local is not None else None)
     if cfg.format == "preference":
         return to_pair(row, PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, fields))
     return to_example(row, cfg.format, messages_field=cfg.messages_field, text_field=cfg.text_field,

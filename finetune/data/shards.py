@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from finetune.data.formats import Example
+from finetune.data.images import cut
 from finetune.data.pairs import PairExample, fit_pair, pair_sample, tokenize_pair, unfit_reason
 from finetune.data.sources import BadRow
 from finetune.data.stats import DataStats
@@ -76,9 +77,12 @@ def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig
                 stats.drop(example.origin, n, f"{n} tokens, over data.max_seq_len {data.max_seq_len} "
                                               "(data.truncation: drop)")
                 continue
+            sample, why = cut(sample, data.max_seq_len)  # None when the cut falls inside an image's tokens
+            if sample is None:
+                stats.drop(example.origin, n, why)
+                continue
             stats.truncated += 1
             stats.truncated_tokens += n - data.max_seq_len
-            sample = {k: v[: data.max_seq_len] for k, v in sample.items()}
         if not sample["input_ids"]:
             stats.drop(example.origin, 0, "no tokens")
             continue

@@ -10,7 +10,8 @@ message's tool calls are part of its turn (the template decides how they look), 
 a tool message is an input, like a user message. A template that leaves out a message's tool calls, or the row's
 tools, makes the row a bad row.
 `train_on_inputs: true` trains every token (but the first, which nothing predicts), except the turns of
-messages marked `train: false`.
+messages marked `train: false`. Image parts (finetune/data/images.py) become their image tokens here, and no
+image or vision token is ever trained.
 
 Text in a message that spells one of the tokenizer's added tokens (`<|im_end|>` typed into a user message)
 becomes that token, as it does when the same text is rendered and tokenized at inference (transformers splits
@@ -38,6 +39,7 @@ from finetune.data.chat_spans import (
     trained_tokens,
 )
 from finetune.data.formats import Example
+from finetune.data.images import finish, layout_for, moved_turns, part_texts, place
 from finetune.data.sources import BadRow
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
@@ -65,7 +67,11 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
             ids = [*ids, tokenizer.eos_token_id]
         labels = list(ids)
     else:
-        ids, labels = _tokenize_chat(example, tokenizer, template_kwargs, notes if notes is not None else Counter())
+        ids, labels, images = _tokenize_chat(example, tokenizer, template_kwargs,
+                                             notes if notes is not None else Counter())
+        if labels:
+            labels[0] = IGNORE_INDEX
+        return {"input_ids": ids, "labels": labels, **({"images": images} if images else {})}
     if labels:
         labels[0] = IGNORE_INDEX
     return {"input_ids": ids, "labels": labels}
@@ -102,10 +108,14 @@ def _tokenize_prompted(example: Example, tokenizer: Any) -> tuple[list[int], lis
 
 
 def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
-                   notes: Counter[str]) -> tuple[list[int], list[int]]:
+                   notes: Counter[str]) -> tuple[list[int], list[int], dict[str, Any] | None]:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template; set tokenizer.chat_template in the recipe "
                         "(or use format: completion)")
+    vision = layout_for(tokenizer)
+    if example.images and vision is None:
+        raise UserError(f"{example.origin}: this row has images, and the model is not a vision-language model "
+                        "finetune trains (docs/vision.md); set model.path to one, or remove the image parts")
     messages = list(example.messages)
     trained = example.trained or tuple(m["role"] == "assistant" for m in messages)
     # train_on_inputs trains everything; only messages marked train: false need locating, to be masked.
@@ -115,14 +125,23 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
     except TemplateNotLocal as e:
         raise UserError(f"{example.origin}: {e}") from None
     except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
-        raise BadRow(f"{example.origin}: the chat template refused this conversation: {e}") from None
+        parts = any(isinstance(m.get("content"), list) for m in messages)
+        hint = "; its content parts need a template that renders them (e.g. qwen2_vl)" if parts else ""
+        raise BadRow(f"{example.origin}: the chat template refused this conversation: {e}{hint}") from None
     _check_tools_rendered(example, tokenizer, template_kwargs, layout)
-    encoded = encode(tokenizer, example.origin, layout.text, add_special_tokens=False, return_offsets_mapping=True)
+    text, turns, placed = layout.text, layout.turns, None
+    if example.images:  # each image's placeholder becomes its tokens, the trained spans move with them
+        placed = place(example.origin, text, example.images, vision)
+        text, turns = placed.text, moved_turns(turns, placed)
+    encoded = encode(tokenizer, example.origin, text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
-    in_spans = trained_tokens(encoded["offset_mapping"], layout.turns)
+    in_spans = trained_tokens(encoded["offset_mapping"], turns)
     labels = [t if flag != example.train_on_inputs else IGNORE_INDEX for t, flag in zip(ids, in_spans)]
+    images = None
+    if vision is not None:  # image and vision tokens are never trained, whatever train_on_inputs says
+        images = finish(example.origin, ids, labels, encoded["offset_mapping"], example.images, placed, vision)
     _take_notes(notes, tokenizer, messages, layout, example.train_on_inputs)
-    return ids, labels
+    return ids, labels, images
 
 
 def _check_tools_rendered(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
@@ -156,10 +175,11 @@ def _take_notes(notes: Counter[str], tokenizer: Any, messages: list[dict[str, An
         for turn in layout.turns:
             message = messages[turn.message_index]
             rendered = layout.text[turn.start:turn.end]
-            texts = [message.get("content") or "", *(message.get(k) or "" for k in REASONING_FIELDS)]
+            texts = [*part_texts(message.get("content")), *(message.get(k) or "" for k in REASONING_FIELDS)]
             if any(t.strip() and t.strip() not in rendered for t in texts):
                 notes[NOTE_ALTERED] += 1  # e.g. reasoning the template drops from earlier turns (Qwen3, R1)
     _, specials = added_tokens(tokenizer)
     texts = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
+    texts += [t for m in messages if isinstance(m.get("content"), list) for t in part_texts(m["content"])]
     if any(s in t for s in specials for t in texts):
         notes[NOTE_SPECIAL_TEXT] += 1

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from finetune.model.vision import family as vision_family
+
 
 @dataclass(frozen=True)
 class HeadSpec:
@@ -127,6 +129,10 @@ def packing_refusal(model: torch.nn.Module, pad_token_id: int | None) -> str | N
     isolation check (finetune/model/isolation.py) measures the rest."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if vision_family(config) is not None:
+        return (f"data.packing: {model_type} is a vision-language model, and packing its rows is not supported yet: "
+                "that packed documents stay apart is not proven for its image tokens and 3D (M-RoPE) positions. "
+                f"{_PACKING_OFF}")
     stateful = stateful_layer(model)
     if stateful:
         return (f"data.packing: {model_type} has layers that carry a state along the sequence ({stateful}); in a "

@@ -37,7 +37,7 @@ import torch
 from finetune import templates
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
-from finetune.model import architectures, kernels, vocab
+from finetune.model import architectures, kernels, vision, vocab
 from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,6 +108,7 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.pad_token_id is None:
         raise UserError(f"tokenizer {path!r} has neither a pad nor an eos token; it cannot batch sequences")
+    vision.attach_layout(tokenizer, model)  # a vision-language model's image processor and token layout
     return tokenizer
 
 
@@ -116,12 +117,17 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
     """The causal LM in the recipe's dtype, with its adapter applied (if any). On the CPU (the caller moves it
     to `device`), except a QLoRA base, quantized straight onto `device` when that is a GPU. With `trainable`
     (train.trainable_parameters), only the parameters whose name matches one of those patterns train."""
+    if adapter.type == "qlora" and vision.family(vision.model_config(cfg)) is not None:
+        raise UserError("adapter.type: qlora is not supported for vision-language models yet; use lora")
     if adapter.type == "qlora":
         model = _load_quantized(cfg, tokenizer, seed, device or torch.device("cpu"))
         _keep_4bit_trainable(model)
     else:
         model = _plain_model(cfg, tokenizer, seed)
     new_rows = vocab.resize_embeddings(model, tokenizer, cfg)  # tokens the recipe added (tokenizer.*tokens)
+    vision.check_token_ids(model, tokenizer)
+    if adapter.type == "none":
+        vision.freeze_tower(model, cfg)  # model.freeze_vision
     _check_fused_loss(model, tokenizer)
     _document_attention(model, cfg)
     model.config.use_cache = False
@@ -162,7 +168,7 @@ def _check_fused_loss(model: torch.nn.Module, tokenizer: Any) -> None:
     if why:
         raise UserError(why)
     _, head = output_layer(model)
-    vocab = architectures.head_spec(model.config, head.weight.shape[0]).vocab
+    vocab = architectures.head_spec(vision.text_config(model.config), head.weight.shape[0]).vocab
     if vocab is not None and vocab < len(tokenizer):
         raise UserError(f"model.config.unpadded_vocab_size {vocab} is smaller than the tokenizer's {len(tokenizer)} "
                         "tokens: the model has no logits for the others. Use a tokenizer of at most that many tokens")
@@ -198,8 +204,8 @@ def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:
     """attn_implementation auto: where transformers chose sdpa, switch to the same sdpa run one packed document at
     a time (finetune/attention/dispatch.py). Architectures without sdpa (e.g. Gemma2's softcapped attention) keep eager;
     those it cannot serve (attention without position_ids: GPTBigCode, Llama4; their own mask: Doge) keep sdpa."""
-    if cfg.attn_implementation != "auto" or model.config._attn_implementation != "sdpa":
-        return
+    if cfg.attn_implementation != "auto" or model.config._attn_implementation != "sdpa" or vision.family(model.config):
+        return  # a VLM's padded rows keep transformers' sdpa (packing is refused), its vision encoder its own
     attention.register()
     model.set_attn_implementation(attention.ATTN_NAME)
     if not attention.serves(model):  # no position_ids reach it, or not causal without a mask
@@ -208,26 +214,37 @@ def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:
 
 def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
     """The model in the recipe's dtype with plain (savable, unquantized) weights."""
-    from transformers import AutoModelForCausalLM
-
     dtype = DTYPES[cfg.dtype]
     common = _common_kwargs(cfg)
+    auto = _auto_class(cfg)
     if cfg.init == "random":
         config = _random_init_config(cfg, tokenizer)
         # Seeded right here, so the same config and seed give the same weights whatever ran before:
         # `finetune merge` rebuilds a random-init base this way instead of storing it.
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+        return auto.from_config(config, dtype=dtype, **common)
     path, gguf = _gguf_location(cfg)
     kwargs: dict[str, Any] = {"dtype": dtype, **common}
     if gguf:
         kwargs["gguf_file"] = gguf
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = auto.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise UserError(f"model.path {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
                         "  Use a local HF model directory, a .gguf file, or model.init: random.") from None
     return _plain_copy(model, dtype, common) if gguf else model
+
+
+def _auto_class(cfg: ModelConfig) -> Any:
+    """AutoModelForImageTextToText for a supported vision-language model (an unsupported one refused), else
+    AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = vision.model_config(cfg)
+    why = vision.refusal(config)
+    if why:
+        raise UserError(why)
+    return AutoModelForImageTextToText if vision.family(config) is not None else AutoModelForCausalLM
 
 
 def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, Any]) -> torch.nn.Module:
@@ -293,6 +310,8 @@ def _random_init_config(cfg: ModelConfig, tokenizer: Any) -> Any:
             config = AutoConfig.for_model(model_type, **values)
         except (ValueError, TypeError, StrictDataclassError) as e:
             raise UserError(f"model.config: {first_line(e)}") from None
+        if vision.family(config) is not None:
+            return vision.random_config(config, values, tokenizer)
         if "vocab_size" not in values:
             config.vocab_size = len(tokenizer)
     else:
@@ -341,6 +360,7 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
     tie = bool(adapter.modules_to_save) and bool(getattr(model.config, "tie_word_embeddings", False))
     # all-linear: PEFT's every nn.Linear but the output layer, less those a LoRA would not act on correctly.
     exclude = architectures.lora_exclusions(model) if adapter.target_modules == "all-linear" else []
+    exclude += vision.lora_exclusions(model, adapter)  # a LoRA by names stays on the language model
     config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
                         target_modules=adapter.target_modules, exclude_modules=exclude or None,
                         modules_to_save=adapter.modules_to_save, ensure_weight_tying=tie, task_type="CAUSAL_LM")
@@ -384,7 +404,7 @@ def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
     copy, so the fused loss follows the same weight as the model's own forward.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    decoder, head = vision.backbone(base) or base.get_decoder(), base.get_output_embeddings()
     if decoder is base:  # Llama4ForCausalLM: its get_decoder() finds no `language_model`; the backbone is .model
         decoder = getattr(base, "model", None)
     if decoder is None or head is None:
@@ -418,6 +438,7 @@ def save_final(model: torch.nn.Module, tokenizer: Any, out_dir: Path, state_dict
     finally:
         config.use_cache = use_cache
     tokenizer.save_pretrained(out_dir)
+    vision.save_processor(tokenizer, out_dir)
 
 
 def is_adapter_model(model: torch.nn.Module) -> bool:

@@ -10,9 +10,10 @@ import torch
 
 from finetune.attention import dispatch as attention
 from finetune.attention.kernels import setting
-from finetune.batch import Documents, Targets
+from finetune.batch import Documents, Targets, VisionFields
 from finetune.loss.fused import linear_cross_entropy
 from finetune.loss.logprobs import token_logprobs
+from finetune.model import vision as vision_models
 from finetune.model.architectures import head_spec, stateful_layer
 from finetune.model.loading import output_layer
 from finetune.recipe import LossConfig
@@ -34,7 +35,7 @@ class CausalLMWithLoss(torch.nn.Module):
         # Found once (a walk through a PEFT wrapper each forward is host time per micro-batch); a tuple, so that the
         # two are not registered again as submodules of this one.
         self._layers = output_layer(lm)
-        self.head = head_spec(lm.config, self._layers[1].weight.shape[0])
+        self.head = head_spec(vision_models.text_config(lm.config), self._layers[1].weight.shape[0])
         self.softcap = softcap or self.head.softcap
         self.takes_boundaries = takes_boundaries(lm)
         # The run's packed-attention kernel setting, resolved once (the environment override read once per process);
@@ -50,13 +51,17 @@ class CausalLMWithLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, per_token: bool = False, targets: Targets | None = None,
-                documents: Documents | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                documents: Documents | None = None, temperature: float = 1.0,
+                vision: VisionFields | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, number of targets); with per_token, (each target's log-probability, its flat position)
         for objectives that score whole sequences. `targets` and `documents` (MicroBatch.model_inputs: the target
         positions and the packed rows' documents, found on the CPU) spare the loss and the attention host syncs.
-        `temperature` (per_token only): the log-probabilities of logits / temperature."""
+        `temperature` (per_token only): the log-probabilities of logits / temperature. `vision`: the images of the
+        rows (pixel values and the like), for a vision-language model's backbone."""
         decoder, head = self._layers
         extra = documents.model_kwargs(self.packed_kernel) if documents is not None and self.takes_boundaries else {}
+        if vision is not None:
+            extra.update(vision.inputs)
         # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False, **extra).last_hidden_state

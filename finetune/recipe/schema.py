@@ -70,6 +70,14 @@ class ModelConfig(Section):
     mean_resizing: bool = True
     """Rows added by a resize start at the mean of the existing embeddings (transformers' mean_resizing); false:
     at the model's own random initialization (what Axolotl does)."""
+    freeze_vision: bool = True
+    """Vision-language models, full fine-tuning: keep the vision encoder frozen (its projector into the language
+    model still trains); false trains it too. With an adapter the base is frozen anyway and the LoRA goes on the
+    language model, unless adapter.target_modules is a regular expression that names vision modules (docs/vision.md)."""
+    image_processor: dict[str, Any] = Field(default_factory=dict)
+    """Vision-language models: settings of the image processor over the model's own preprocessor_config.json (with
+    init: random, over the processor made from model.config's vision_config), e.g. {min_pixels: 1024, max_pixels:
+    4096} for Qwen2-VL: how large images are resized, hence how many tokens each one takes."""
 
 
 class TokenizerConfig(Section):
@@ -79,8 +87,8 @@ class TokenizerConfig(Section):
     """Tokenizer directory or hub id; defaults to model.path."""
     chat_template: str | None = None
     """A chat template replacing the tokenizer's own: Jinja text, or the name of one shipped with finetune
-    (chatml, gemma, gemma3, gemma4, llama3, qwen2_5, qwen3, qwen3_5: the vendors' official templates, no network
-    needed; finetune/templates/README.md)."""
+    (chatml, gemma, gemma3, gemma4, llama3, qwen2_5, qwen3, qwen3_5, qwen2_vl: the vendors' official templates, no
+    network needed; finetune/templates/README.md)."""
     special_tokens: dict[Literal["bos_token", "eos_token", "pad_token", "unk_token"], str] = Field(default_factory=dict)
     """Special tokens to set, e.g. {eos_token: '<|im_end|>'}: a text the vocabulary lacks becomes a new token (the
     embedding grows; see model.vocab_multiple_of). The eos token is what completion samples end with and what

@@ -1,8 +1,8 @@
 """Chat templates shipped with finetune, by name: `tokenizer.chat_template: chatml` needs no network.
 
 Each file is the model vendor's official template (taken from TRL 1.16.0's wheel, which stores the templates the
-models ship), except chatml.jinja, the plain ChatML form written for this project; README.md here says where
-each comes from and under which licence. A leaf: it imports nothing from the package.
+models ship; qwen2_vl.jinja from the model's own chat_template.json), except chatml.jinja, the plain ChatML form
+written for this project; README.md here says where each comes from and under which licence. A leaf: it imports nothing from the package.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ TEMPLATES = {
     "qwen2_5": "Qwen2.5 (Qwen/Qwen2.5-7B-Instruct)",
     "qwen3": "Qwen3 (Qwen/Qwen3-*)",
     "qwen3_5": "Qwen3.5 (Qwen/Qwen3.5-4B and larger: thinking on by default)",
+    "qwen2_vl": "Qwen2-VL and Qwen2.5-VL (Qwen/Qwen2-VL-*-Instruct): ChatML with image parts",
 }
 
 

@@ -1,0 +1,51 @@
+"""The images of a micro-batch, loaded and processed when it is collated: pixel values are never cached.
+
+Each sample names its image layout (finetune/data/images.py) and, per image, its file, its size and its number of
+features as preprocessing counted them. Here the files are read (EXIF rotation applied, RGB, as transformers'
+load_image does), the micro-batch's images go through the image processor in row order, and each image's grid must
+give the number of features its tokens were laid out for: a file replaced by an image of another size since the
+samples were made is an error naming it, never a silent misalignment of image features and tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from finetune.batch import VisionFields
+from finetune.data.images import layout_named
+from finetune.errors import UserError
+
+
+def load_image(path: str) -> Any:
+    """The image at `path` as the processor takes it: EXIF rotation applied, RGB."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise UserError(f"the image {path} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def vision_fields(rows: Sequence[dict], input_ids: torch.Tensor) -> VisionFields | None:
+    """The model's image inputs for these collated rows (None when no row has an image)."""
+    entries = [row["images"] for row in rows if row.get("images")]
+    if not entries:
+        return None
+    keys = {entry["layout"] for entry in entries}
+    if len(keys) > 1:  # one model, one processor: two layouts in a batch are samples of two preprocessings
+        raise UserError("a micro-batch holds samples laid out for two different image processors; rerun "
+                        "`finetune preprocess --rebuild`")
+    layout = layout_named(keys.pop())
+    items = [item for entry in entries for item in entry["items"]]
+    processed = layout.processor(images=[load_image(item["path"]) for item in items], return_tensors="pt")
+    features = layout.family.processed(layout.processor, layout.settings, processed)
+    for item, got in zip(items, features):
+        if got != item["features"]:
+            raise UserError(f"the image {item['path']} gives {got} image features and its sample was laid out for "
+                            f"{item['features']} (size {item['size'][0]}x{item['size'][1]} when preprocessed): the "
+                            "file changed since; rerun `finetune preprocess --rebuild`")
+    return VisionFields(layout.family.inputs(processed, input_ids, layout.image_id), len(items))

@@ -1,0 +1,239 @@
+"""Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
+
+A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA), each checked like the text models (tests/model/test_vision_model.py): the fused
+loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
+model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
+image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
+loads, with the reason (`refusal`). docs/vision.md says what is supported.
+
+The image processor is the model's own (preprocessor_config.json, through its Pillow/numpy class: torchvision stays
+out of the dependencies), or with init: random the family's class made from model.config's vision_config (patch,
+merge and temporal sizes), with model.image_processor over either. It is attached to the tokenizer as an image
+layout (finetune/data/images.py), which preprocessing and collate read.
+
+What trains: the language model and the projector that feeds it; the vision encoder too only with
+model.freeze_vision: false (full fine-tuning). A LoRA goes on the language model only, unless
+adapter.target_modules is a regular expression (it then reaches whatever it matches, vision modules included).
+Packing is refused (architectures.packing_refusal): the isolation of packed documents is not proven for the
+image tokens (nor for Qwen's 3D positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.data.images import attach, layout_for, make_layout
+from finetune.errors import UserError, first_line
+from finetune.recipe import AdapterConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class VisionModel:
+    """What finetune knows of one supported VLM family: its layout family (data/image_families.py), its image
+    processor's Pillow class, where its vision encoder and projector are, the config's token id fields with their
+    tokens, the processor's settings for a random-init model, and what the layout needs from the config."""
+
+    layout: str
+    processor_class: str
+    tower: str
+    projector: str
+    token_ids: tuple[tuple[str, str], ...]
+    random_processor: Callable[[Any], dict[str, Any]]
+    layout_settings: Callable[[Any], dict[str, Any]] = lambda config: {}
+
+
+def _qwen_processor(config: Any) -> dict[str, Any]:
+    vision = config.vision_config
+    return {"patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
+            "temporal_patch_size": vision.temporal_patch_size}
+
+
+def _llava_processor(config: Any) -> dict[str, Any]:
+    side = config.vision_config.image_size
+    return {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
+
+
+def _llava_settings(config: Any) -> dict[str, Any]:
+    # CLIP towers put a CLS token before the patches; the default strategy drops the first feature either way.
+    vision = config.vision_config
+    return {"patch_size": vision.patch_size, "cls_tokens": int(vision.model_type == "clip_vision_model"),
+            "strategy": config.vision_feature_select_strategy}
+
+
+_QWEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+             ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
+SUPPORTED = {
+    "qwen2_vl": VisionModel("qwen2_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
+                            _QWEN_IDS, _qwen_processor),
+    "qwen2_5_vl": VisionModel("qwen2_5_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
+                              _QWEN_IDS, _qwen_processor),
+    "llava": VisionModel("llava", "LlavaImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
+                         (("image_token_id", "<image>"),), _llava_processor, _llava_settings),
+}
+# Why some are refused, where it is more than "not checked yet".
+_REASONS = {
+    "idefics": "its images enter through cross-attention layers, not as tokens in the sequence",
+    "vision-encoder-decoder": "it is an encoder-decoder model, not a decoder reading image tokens",
+}
+
+
+def family(config: Any) -> VisionModel | None:
+    """The supported VLM family of this config, None for any other model."""
+    return SUPPORTED.get(getattr(config, "model_type", None))
+
+
+def refusal(config: Any) -> str | None:
+    """Why this image-text-to-text model is not trained (a message), None when it is supported or not one."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if model_type in SUPPORTED or model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return None
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None  # loaded as a causal LM, as before; rows with images are refused when they are tokenized
+    why = _REASONS.get(model_type, "its image layout, its loss through the fused head and its image processor "
+                                   "without torchvision are not checked yet")
+    return (f"model_type {model_type!r} is an image-text-to-text model finetune does not train yet: {why}. "
+            f"Supported: {', '.join(SUPPORTED)} (docs/vision.md)")
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config of a supported VLM (where its head's settings are), else the config itself."""
+    return config.text_config if family(config) is not None else config
+
+
+def model_config(cfg: ModelConfig) -> Any | None:
+    """The config model.path or model.config gives, or None when there is none to read (GGUF, no path)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if cfg.config:
+        values = dict(cfg.config)
+        model_type = values.pop("model_type", None)
+        if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return None  # text models are configured by loading.py
+        try:
+            return AutoConfig.for_model(model_type, **values)
+        except Exception:  # noqa: BLE001 - a bad model.config: loading.py words the error
+            return None
+    if not cfg.path or cfg.gguf_file or cfg.path.endswith(".gguf") or cfg.path.startswith("pkg://"):
+        return None
+    try:
+        return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return None  # loading the model says why
+
+
+# --- the image processor and the layout ------------------------------------------------------------------------
+
+def attach_layout(tokenizer: Any, cfg: ModelConfig) -> None:
+    """When model.path (or model.config) is a supported VLM: its image processor and token layout, attached to the
+    tokenizer (data/images.py); nothing for a text model. A UserError for an unsupported VLM."""
+    config = model_config(cfg)
+    if config is None:
+        return
+    why = refusal(config)
+    if why:
+        raise UserError(why)
+    vlm = family(config)
+    if vlm is None:
+        return
+    attach(tokenizer, make_layout(vlm.layout, _image_processor(cfg, config, vlm), tokenizer,
+                                  vlm.layout_settings(config)))
+
+
+def _image_processor(cfg: ModelConfig, config: Any, vlm: VisionModel) -> Any:
+    import transformers
+
+    overrides = dict(cfg.image_processor)
+    try:
+        if cfg.init == "random" or not cfg.path:
+            return getattr(transformers, vlm.processor_class)(**{**vlm.random_processor(config), **overrides})
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(cfg.path, backend="pil", **overrides)
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"model.image_processor: the image processor of {cfg.path or config.model_type} could not "
+                        f"be made ({type(e).__name__}: {first_line(e)})") from None
+
+
+def random_config(config: Any, values: dict[str, Any], tokenizer: Any) -> Any:
+    """A supported VLM's config for random init: the language model's vocabulary the tokenizer's (unless
+    model.config.text_config sets it), its special and vision token ids the tokenizer's."""
+    vlm = family(config)
+    text = config.text_config
+    if "vocab_size" not in (values.get("text_config") or {}):
+        text.vocab_size = len(tokenizer)
+    if text.vocab_size < len(tokenizer):
+        raise UserError(f"model.config.text_config.vocab_size {text.vocab_size} is smaller than the tokenizer's "
+                        f"{len(tokenizer)} tokens")
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        setattr(text, name, getattr(tokenizer, name))
+    for field, token in vlm.token_ids:
+        found = tokenizer.convert_tokens_to_ids(token)
+        if field not in values and found is not None and tokenizer.convert_ids_to_tokens(found) == token:
+            setattr(config, field, found)
+    return config
+
+
+def check_token_ids(model: torch.nn.Module, tokenizer: Any) -> None:
+    """The model's image token ids are the tokenizer's: else the model would look for its image features at other
+    tokens than the layout put them."""
+    vlm = family(model.config)
+    for field, token in vlm.token_ids if vlm else ():
+        found = tokenizer.convert_tokens_to_ids(token)
+        want = getattr(model.config, field, None)
+        if found is not None and tokenizer.convert_ids_to_tokens(found) == token and want != found:
+            raise UserError(f"model.config.{field} is {want} and the tokenizer's {token} is {found}: use the model's "
+                            "own tokenizer")
+
+
+# --- what trains -----------------------------------------------------------------------------------------------
+
+def _tower_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of the vision encoder's modules, the projector's left out."""
+    vlm = family(model.config)
+    if vlm is None:
+        return []
+    return [(name, module) for name, module in model.named_modules()
+            if (name == vlm.tower or name.startswith(vlm.tower + "."))
+            and not (name == vlm.projector or name.startswith(vlm.projector + "."))]
+
+
+def freeze_tower(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """model.freeze_vision (full fine-tuning): the vision encoder's parameters do not train; its projector does."""
+    if cfg.freeze_vision:
+        for _, module in _tower_modules(model):
+            for param in module.parameters(recurse=False):
+                param.requires_grad_(False)
+
+
+def lora_exclusions(model: torch.nn.Module, adapter: AdapterConfig) -> list[str]:
+    """The full names of the vision side's linear layers (encoder and projector), which a LoRA given by names or
+    all-linear leaves alone; none when adapter.target_modules is a regular expression (it says what it means)."""
+    vlm = family(model.config)
+    if vlm is None or (isinstance(adapter.target_modules, str) and adapter.target_modules != "all-linear"):
+        return []
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+            and any(name == side or name.startswith(side + ".") for side in (vlm.tower, vlm.projector))]
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The multimodal backbone of a supported VLM (vision encoder, projector and language model, whose last hidden
+    state the head reads), None for any other model."""
+    return getattr(model, "model", None) if family(model.config) is not None else None
+
+
+def save_processor(tokenizer: Any, out_dir: Any) -> None:
+    """A VLM run's image processor beside its tokenizer in final/ (preprocessor_config.json)."""
+    layout = layout_for(tokenizer)
+    if layout is not None:
+        layout.processor.save_pretrained(out_dir)

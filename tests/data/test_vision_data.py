@@ -1,0 +1,229 @@
+"""Images in chat rows (finetune/data/images.py, pixels.py): parts, the token layout against the image processor's
+own, exact masks, truncation that never cuts an image, and pixels made in collate."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+from vision_fixtures import IMAGES, VISION_TOKENS, model_config, tokenizer_config, write_data, write_images
+
+from finetune.data.collate import collate
+from finetune.data.formats import MessageFields, to_example
+from finetune.data.report import print_sample
+from finetune.data.samples import tokenize_examples
+from finetune.data.sources import BadRow, RawRow
+from finetune.data.stats import DataStats
+from finetune.data.tokenize import tokenize_example
+from finetune.errors import UserError
+from finetune.labels import IGNORE_INDEX
+from finetune.model.loading import load_tokenizer
+from finetune.recipe import DataConfig, ModelConfig, TokenizerConfig
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(tokenizer_config(), model_config())
+
+
+@pytest.fixture
+def folder(tmp_path):
+    write_images(tmp_path / "images")
+    return tmp_path
+
+
+def _example(row, folder, origin="data/t.jsonl:7", **kwargs):
+    return to_example(RawRow(row, origin), "chat", fields=MessageFields(image_root=str(folder)), **kwargs)
+
+
+def _row(*user_parts, answer="It is red."):
+    return {"messages": [{"role": "user", "content": list(user_parts)}, {"role": "assistant", "content": answer}]}
+
+
+def _image(name):
+    return {"type": "image", "path": f"images/{name}"}
+
+
+def _text(text):
+    return {"type": "text", "text": text}
+
+
+def test_layout_is_the_image_processors_own(tok, folder):
+    """Each image becomes exactly the tokens the processor's own rule writes for it (Qwen2VLProcessor: one
+    <|image_pad|> per grid_t x grid_h x grid_w / merge_size**2, from the processed pixels), here counted from the
+    file's size alone; the whole token sequence equals the processor's text tokenized."""
+    from finetune.data.images import layout_for
+
+    layout = layout_for(tok)
+    for names in (["red.png"], ["blue.png", "green.png"], ["yellow.png", "red.png", "green.png"]):
+        row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
+        sample = tokenize_example(_example(row, folder), tok)
+        grids = layout.processor(images=[Image.open(folder / "images" / n) for n in names])["image_grid_thw"]
+        rendered = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                                                         *[{"type": "image"}] * len(names),
+                                                                         {"type": "text", "text": "what colors?"}]},
+                                            {"role": "assistant", "content": "It is red."}], tokenize=False)
+        for t, h, w in grids.tolist():  # the processor's replace_image_token, in order
+            rendered = rendered.replace("<|image_pad|>", "\0" * (t * h * w // layout.processor.merge_size ** 2), 1)
+        expected = tok(rendered.replace("\0", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
+        assert sample["input_ids"] == expected
+        items = sample["images"]["items"]
+        assert [item["features"] for item in items] == [t * h * w // 4 for t, h, w in grids.tolist()]
+        for item in items:  # <|vision_start|>, the image tokens, <|vision_end|>
+            span = sample["input_ids"][item["start"]:item["start"] + item["length"]]
+            assert tok.convert_ids_to_tokens([span[0], span[-1]]) == ["<|vision_start|>", "<|vision_end|>"]
+            assert len(span) == item["features"] + 2
+
+
+def test_llava_layout_is_llava_processors_own(folder):
+    """LLaVA: the whole token sequence equals LlavaProcessor's (transformers' own processor, built offline around
+    the same tokenizer and image processor), for images of different sizes; the image tokens never trained."""
+    from transformers import LlavaProcessor
+
+    from finetune.data.images import layout_for
+
+    tok = load_tokenizer(tokenizer_config("llava"), model_config("llava"))
+    layout = layout_for(tok)
+    processor = LlavaProcessor(image_processor=layout.processor, tokenizer=tok, patch_size=8,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    for names in (["red.png"], ["blue.png", "green.png", "yellow.png"]):
+        row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
+        sample = tokenize_example(_example(row, folder), tok)
+        rendered = tok.apply_chat_template(_example(row, folder).messages, tokenize=False)
+        images = [Image.open(folder / "images" / n) for n in names]
+        expected = processor(text=[rendered], images=images)["input_ids"][0]
+        assert sample["input_ids"] == list(expected)
+        assert [item["features"] for item in sample["images"]["items"]] == [16] * len(names)
+        assert not any(t == image_id for t, label in zip(sample["input_ids"], sample["labels"]) if label != -100)
+
+
+def test_only_the_trained_messages_text_is_trained(tok, folder):
+    vision_ids = set(tok.convert_tokens_to_ids(VISION_TOKENS))
+    row = _row(_image("green.png"), _text("What color?"), answer=[_text("It is green.")])
+    sample = tokenize_example(_example(row, folder), tok)
+    trained = [t for t, label in zip(sample["input_ids"], sample["labels"]) if label != IGNORE_INDEX]
+    assert tok.decode(trained) == "It is green.<|im_end|>"
+    # train_on_inputs: the prompt's text is trained too, and still no image or vision token
+    sample = tokenize_example(_example(row, folder, train_on_inputs=True), tok)
+    labelled = [t for t, label in zip(sample["input_ids"], sample["labels"]) if label != IGNORE_INDEX]
+    assert "What color?" in tok.decode(labelled)
+    assert not vision_ids & set(labelled)
+    assert sum(t in vision_ids for t in sample["input_ids"]) == 2 + sample["images"]["items"][0]["features"]
+    # an image in the trained message itself: its tokens stay untrained, the text around them is trained
+    row = _row(_text("Draw it."), answer=[_text("Here:"), _image("red.png"), _text("done")])
+    sample = tokenize_example(_example(row, folder), tok)
+    trained = [t for t, label in zip(sample["input_ids"], sample["labels"]) if label != IGNORE_INDEX]
+    assert tok.decode(trained) == "Here:done<|im_end|>" and not vision_ids & set(trained)
+
+
+def test_a_cut_inside_an_image_drops_the_sample_and_names_it(tok, folder):
+    row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
+    full = tokenize_example(_example(row, folder), tok)
+    item = full["images"]["items"][0]
+    cases = {"inside": item["start"] + 3, "after": item["start"] + item["length"] + 2, "before": item["start"]}
+    for where, length in cases.items():
+        stats = DataStats()
+        samples = tokenize_examples([_example(row, folder)], tok, DataConfig(max_seq_len=length), stats)
+        if where == "inside":
+            assert samples == [] and stats.dropped_too_long == 1 and stats.dropped_tokens == len(full["input_ids"])
+            assert stats.dropped_examples[0].startswith("data/t.jsonl:7: data.max_seq_len")
+            assert "inside the tokens of image 0" in stats.dropped_examples[0]
+        else:
+            (sample,) = samples
+            assert len(sample["input_ids"]) == length and stats.truncated == 1
+            assert ("images" in sample) == (where == "after")
+
+
+def test_bad_image_parts_are_bad_rows_naming_the_row(tok, folder):
+    cases = [
+        ({"type": "video", "path": "v.mp4"}, "part 0 is 'video'"),
+        ({"type": "image"}, "part 0 (image) needs a 'path'"),
+        ({"type": "image", "path": "images/missing.png"}, "'images/missing.png' is not a file"),
+        ({"type": "image", "path": "https://example.com/a.png"}, "only local files"),
+        ({"type": "image", "path": "images/red.png", "detail": "high"}, "has 'detail'"),
+        ({"type": "text", "text": 3}, "needs a string 'text'"),
+    ]
+    for part, message in cases:
+        with pytest.raises(BadRow, match="data/t.jsonl:7: message 0, part 0") as e:
+            _example(_row(part), folder)
+        assert message in str(e.value)
+    (folder / "images" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(BadRow, match="data/t.jsonl:7: the image .*broken.png cannot be read"):
+        tokenize_example(_example(_row(_image("broken.png")), folder), tok)
+
+
+def test_images_need_a_vision_model_and_a_template_that_renders_them(tok, folder):
+    text_only = load_tokenizer(TokenizerConfig(path=tokenizer_config().path), ModelConfig(init="random"))
+    with pytest.raises(UserError, match="data/t.jsonl:7: this row has images, and the model is not a vision"):
+        tokenize_example(_example(_row(_image("red.png")), folder), text_only)
+    chatml = load_tokenizer(tokenizer_config().model_copy(update={"chat_template": "chatml"}), model_config())
+    with pytest.raises(BadRow, match="refused this conversation: .*content parts need a template that renders them"):
+        tokenize_example(_example(_row(_image("red.png")), folder), chatml)
+    as_text = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"  # the list's repr
+    printed = load_tokenizer(tokenizer_config().model_copy(update={"chat_template": as_text}), model_config())
+    with pytest.raises(BadRow, match="rendered 0 image placeholders .* for 1 images"):
+        tokenize_example(_example(_row(_image("red.png")), folder), printed)
+    # text that spells the placeholder would shift every image after it: refused
+    with pytest.raises(BadRow, match="rendered 2 image placeholders"):
+        tokenize_example(_example(_row(_text("<|image_pad|>"), _image("red.png")), folder), tok)
+
+
+def test_collate_makes_the_pixels_and_refuses_a_changed_image(tok, tmp_path):
+    data = write_data(tmp_path, n=4)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    samples = [tokenize_example(_example(row, tmp_path), tok) for row in rows]
+    batch = collate(samples, DataConfig(packing=False), tok.pad_token_id)
+    items = [item for s in samples if "images" in s for item in s["images"]["items"]]
+    assert batch.vision is not None and batch.vision.images == len(items) == 4
+    grid = batch.vision.inputs["image_grid_thw"]
+    assert grid.prod(-1).sum() == batch.vision.inputs["pixel_values"].shape[0]
+    assert int(batch.vision.inputs["mm_token_type_ids"].sum()) == sum(item["features"] for item in items)
+    assert collate(samples[3:], DataConfig(packing=False), tok.pad_token_id).vision is None  # no image in it
+    Image.new("RGB", (160, 160), "red").save(tmp_path / "images" / IMAGES[0][0])  # replaced by a larger image
+    with pytest.raises(UserError, match="red.png gives 16 image features and its sample was laid out for 4"):
+        collate(samples, DataConfig(packing=False), tok.pad_token_id)
+
+
+def test_preprocess_show_marks_the_images(tok, folder):
+    from rich.console import Console
+
+    sample = tokenize_example(_example(_row(_image("blue.png"), _text("What color?"), answer="blue"), folder), tok)
+    out = io.StringIO()
+    print_sample(Console(file=out, width=200), tok, sample, "sample 0")
+    text = out.getvalue()
+    assert "1 images" in text and "<<image blue.png 64x20: 6 tokens, 4 features>>What color?" in text
+    assert "[[blue<|im_end|>]]" in text and "<|image_pad|>" not in text
+
+
+def test_rows_with_images_are_counted_like_any(tok, folder):
+    """The token accounting balances with images: input = kept + truncated + dropped."""
+    rows = [_row(_image(name), _text("color?")) for name, _, _ in IMAGES]
+    stats = DataStats()
+    samples = tokenize_examples([_example(r, folder, f"d.jsonl:{i}") for i, r in enumerate(rows)], tok,
+                                DataConfig(max_seq_len=40), stats)
+    assert stats.input_tokens == stats.tokens + stats.truncated_tokens + stats.dropped_tokens
+    assert stats.samples == len(samples) and stats.samples + stats.dropped_too_long == len(rows)
+    assert all(len(s["input_ids"]) <= 40 for s in samples)
+    assert torch.tensor([s["labels"][0] for s in samples]).eq(IGNORE_INDEX).all()
+
+
+def test_the_shapes_example_data_regenerates_byte_for_byte(tmp_path):
+    """examples/data/shapes is what scripts/make_shapes_data.py writes, rows and images."""
+    import subprocess
+    import sys
+
+    from vision_fixtures import ROOT
+
+    shipped = ROOT / "examples" / "data" / "shapes"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shapes_data.py"), "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert made == sorted(p.relative_to(shipped) for p in shipped.rglob("*") if p.is_file())
+    assert all((tmp_path / p).read_bytes() == (shipped / p).read_bytes() for p in made)
+    rows = [json.loads(line) for line in (shipped / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 600 and all(len(r["messages"]) == 6 for r in rows)

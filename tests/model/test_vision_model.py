@@ -1,0 +1,164 @@
+"""Vision-language models (finetune/model/vision.py): the fused loss is the model's own, what trains, what is
+refused, and exact gradient accumulation through the real trainer with images of different sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import final_weights, max_rel_diff, rel_diff, run_cli, train_lines
+from vision_fixtures import model_config, recipe_yaml, tokenizer_config, write_data
+
+from finetune.data.collate import collate
+from finetune.data.formats import MessageFields, to_example
+from finetune.data.sources import RawRow
+from finetune.data.tokenize import tokenize_example
+from finetune.errors import UserError
+from finetune.model.architectures import packing_refusal
+from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.with_loss import CausalLMWithLoss
+from finetune.recipe import AdapterConfig, DataConfig, ModelConfig
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
+TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "llava": "model.vision_tower."}
+
+
+def _batch(tok, folder, n=6):
+    """A padded micro-batch of n rows of vision_fixtures.image_rows: 0, 1 or 2 images each, of four sizes."""
+    data = write_data(folder, n=n)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    samples = [tokenize_example(to_example(RawRow(row, f"t.jsonl:{i}"), "chat",
+                                           fields=MessageFields(image_root=str(folder))), tok)
+               for i, row in enumerate(rows)]
+    return collate(samples, DataConfig(packing=False), tok.pad_token_id).to("cpu")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("impl", ["chunked", "torch"])
+def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
+    """The fused loss over the language model's head (a padded batch of rows with 0, 1 and 2 images of different
+    sizes) equals the model's own `model(..., labels=...)` loss within 1e-5, and so does every gradient, the vision
+    encoder's included (max |a - b| / max |b| per tensor; a key bias, whose gradient is zero but for float noise,
+    against the largest gradient)."""
+    tok = load_tokenizer(tokenizer_config(family), model_config(family))
+    model = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0)
+    batch = _batch(tok, tmp_path)
+    assert batch.vision is not None and batch.vision.images == 7
+    net = CausalLMWithLoss(model, impl, chunk_size=16, z_loss=0.0, softcap=None)
+    loss_sum, count = net(**batch.model_inputs())
+    fused = loss_sum / count
+    fused.backward()
+    ours = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    own = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
+                **batch.vision.inputs).loss
+    own.backward()
+    assert count == batch.targets
+    assert abs(fused.item() - own.item()) <= 1e-5 * own.item(), (fused.item(), own.item())
+    vision_grads = [name for name in ours if name.startswith(TOWER[family]) and ours[name].abs().sum() > 0]
+    assert vision_grads, "the vision encoder got no gradient: the comparison would not cover it"
+    top = max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+    for name, p in model.named_parameters():
+        if p.grad is None:  # unused by both (LLaVA reads the vision tower's second-to-last layer)
+            assert name not in ours, name
+            continue
+        if name.endswith("k_proj.bias") and p.grad.abs().max() < 1e-7 * top:
+            # Zero in exact arithmetic (CLIP's attention has no RoPE: q.b shifts every key's score alike, which the
+            # softmax ignores); both sides are float noise (1e-11), held to the largest gradient's scale.
+            assert (ours[name] - p.grad).abs().max() <= 1e-5 * top, name
+            continue
+        assert max_rel_diff(ours[name], p.grad) <= 1e-5, (name, max_rel_diff(ours[name], p.grad))
+
+
+def test_other_vision_language_models_are_refused_with_the_reason():
+    for config, why in (({"model_type": "smolvlm"}, "its image layout, its loss through the fused head"),
+                        ({"model_type": "mistral3"}, "not checked yet"),
+                        ({"model_type": "idefics"}, "cross-attention layers")):
+        with pytest.raises(UserError, match=f"model_type '{config['model_type']}' is an image-text-to-text model "
+                                            f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava"):
+            load_tokenizer(tokenizer_config(), ModelConfig(init="random", config=config))
+    tok = load_tokenizer(tokenizer_config(), model_config())
+    with pytest.raises(UserError, match="adapter.type: qlora is not supported for vision-language models"):
+        load_model(model_config(), AdapterConfig(type="qlora"), tok, seed=0)
+
+
+def test_packing_is_refused_with_the_reason():
+    tok = load_tokenizer(tokenizer_config(), model_config())
+    model = load_model(model_config(), AdapterConfig(), tok, seed=0)
+    why = packing_refusal(model, tok.pad_token_id)
+    assert why and why.startswith("data.packing: qwen2_vl is a vision-language model") and "packing: false" in why
+
+
+PROJECTOR = {"qwen2_vl": "model.visual.merger.", "llava": "model.multi_modal_projector."}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family):
+    tok = load_tokenizer(tokenizer_config(family), model_config(family))
+    frozen = load_model(model_config(family), AdapterConfig(), tok, seed=0)
+    training = {name for name, p in frozen.named_parameters() if p.requires_grad}
+    tower, projector = TOWER[family], PROJECTOR[family]
+    assert not any(n.startswith(tower) and not n.startswith(projector) for n in training)
+    assert any(n.startswith(projector) for n in training)
+    assert any(n.startswith("model.language_model.layers.") for n in training)
+    full = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0)
+    assert all(p.requires_grad for p in full.parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(family):
+    tok = load_tokenizer(tokenizer_config(family), model_config(family))
+    vision_side = (TOWER[family], PROJECTOR[family])
+    for target in ("all-linear", ["qkv", "q_proj", "fc1", "down_proj", "linear_1"]):
+        model = load_model(model_config(family), AdapterConfig(type="lora", r=4, target_modules=target), tok, seed=0)
+        adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
+        assert adapted and all("lora_" in n for n in adapted)
+        assert not any(n.startswith(vision_side) for n in adapted), (target, sorted(adapted)[:3])
+        assert any(n.startswith("model.language_model.") for n in adapted), target
+    regex = {"qwen2_vl": r".*(visual\.blocks\.\d+\.attn\.qkv|q_proj)$",
+             "llava": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$"}[family]
+    model = load_model(model_config(family), AdapterConfig(type="lora", r=4, target_modules=regex), tok, seed=0)
+    adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.startswith(TOWER[family]) for n in adapted) and any(".language_model." in f".{n}" for n in adapted)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_accumulation_factorizations_give_identical_training_with_images(tmp_path, family):
+    """micro x accum = 8x1, 1x8, 2x4 for 2 steps of rows with 0, 1 or 2 images of four sizes, the vision encoder
+    training too (model.freeze_vision: false): the same logged losses and grad norms within 1e-5, and the same
+    final weights (||a - b|| / ||b|| <= 1e-5 per tensor, as for text: tests/test_train_cli.py says why)."""
+    data = write_data(tmp_path / "data", n=16)
+    recipe = tmp_path / "vlm.yaml"
+    recipe.write_text(recipe_yaml(data, family))
+    runs = {}
+    for micro, accum in ((8, 1), (1, 8), (2, 4)):
+        out = tmp_path / f"m{micro}a{accum}"
+        result = run_cli("train", str(recipe), f"output_dir={out}", "model.freeze_vision=false", "train.max_steps=2",
+                         f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accum}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[(micro, accum)] = out
+    ref = runs[(8, 1)]
+    ref_lines, ref_weights = train_lines(ref), final_weights(ref)
+    assert (ref / "final" / "preprocessor_config.json").is_file()  # the image processor travels with the model
+    for key, out in runs.items():
+        lines = train_lines(out)
+        assert len(lines) == len(ref_lines) == 2
+        for a, b in zip(lines, ref_lines):
+            assert a["tokens"] == b["tokens"]
+            assert abs(a["loss"] - b["loss"]) / abs(b["loss"]) <= 1e-5, (key, a["loss"], b["loss"])
+            assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] <= 1e-5, (key, a["grad_norm"])
+        weights = final_weights(out)
+        for name, tensor in ref_weights.items():
+            if family == "llava" and name.endswith("k_proj.bias") and tensor.abs().max() < 1e-5:
+                # CLIP's key bias: its gradient is zero but for float noise (no RoPE, the softmax ignores q.b), and
+                # Adam turns that noise into noise-sized steps (1e-7 after 2 steps of lr 1e-3): it never moved.
+                assert weights[name].abs().max() < 1e-5, (key, name)
+                continue
+            assert rel_diff(weights[name], tensor) <= 1e-5, (key, name, rel_diff(weights[name], tensor))
+    tok = load_tokenizer(tokenizer_config(family), model_config(family))
+    start = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0).state_dict()
+    # The vision encoder trained (saved under the checkpoint's names): the comparison is not of its init.
+    saved, loaded = {"qwen2_vl": ("visual.blocks.0.attn.qkv.weight", "model.visual.blocks.0.attn.qkv.weight"),
+                     "llava": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
+                               "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight")}[family]
+    assert rel_diff(ref_weights[saved], start[loaded]) > 1e-3

@@ -1,0 +1,123 @@
+"""Tiny vision-language models and image rows for the tests: random Qwen2-VL / Qwen2.5-VL configs over the
+quickstart tokenizer (with the Qwen vision tokens added), small generated images of different sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "examples" / "tokenizer"
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 100.0}}
+LLAVA_TOKENS = ["<image>"]
+# ChatML with image parts written as LLaVA's placeholder (a template of this project's, for the tests).
+LLAVA_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                  "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}"
+                  "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2_vl": {"model_type": "qwen2_vl", "text_config": TEXT,
+                 "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 8,
+                                   "spatial_merge_size": 2, "temporal_patch_size": 2, "mlp_ratio": 2}},
+    "qwen2_5_vl": {"model_type": "qwen2_5_vl", "text_config": TEXT,
+                   "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                     "out_hidden_size": 64, "patch_size": 8, "spatial_merge_size": 2,
+                                     "temporal_patch_size": 2, "window_size": 32, "fullatt_block_indexes": [1]}},
+    # CLIP tower on 32x32 crops: 16 patches + CLS, less one (the default strategy): 16 image tokens per image.
+    "llava": {"model_type": "llava",
+              "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+              "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
+                                "projection_dim": 32}},
+}
+# 16 x 16 pixels make one image token (patch 8, merge 2); at most 64 x 64 pixels (16 tokens) per image.
+IMAGE_PROCESSOR = {"min_pixels": 256, "max_pixels": 4096}
+# (file, size, color): four sizes, so rows of a micro-batch have images of different token counts.
+IMAGES = [("red.png", (40, 30), "red"), ("blue.png", (64, 20), "blue"), ("green.png", (100, 90), "green"),
+          ("yellow.png", (16, 48), "yellow")]
+
+
+def write_images(folder: Path) -> None:
+    """The IMAGES: their color with seeded noise over it. Not flat: in a flat image every patch is the same, so the
+    vision encoder's attention is uniform and its query and key weights get no gradient, which would leave the
+    accumulation test nothing but float noise to compare there."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, (width, height), color in IMAGES:
+        base = np.array(Image.new("RGB", (1, 1), color), dtype=np.int16)
+        noisy = base + rng.integers(-60, 60, size=(height, width, 3))
+        Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(folder / name)
+
+
+def image_rows(n: int = 8) -> list[dict[str, Any]]:
+    """n chat rows: one or two images (relative paths), a question, an answer; every fourth row has no image."""
+    rows = []
+    for i in range(n):
+        name, _, color = IMAGES[i % len(IMAGES)]
+        other, _, color2 = IMAGES[(i + 1) % len(IMAGES)]
+        if i % 4 == 3:
+            user: Any = f"Say {color} {i} times."
+            answer = " ".join([color] * (i % 5 + 1))
+        elif i % 2:
+            user = [{"type": "text", "text": "Which colors?"}, {"type": "image", "path": f"images/{name}"},
+                    {"type": "image", "path": f"images/{other}"}]
+            answer = f"{color} and {color2}"
+        else:
+            user = [{"type": "image", "path": f"images/{name}"}, {"type": "text", "text": "What color is this?"}]
+            answer = [{"type": "text", "text": f"It is {color}."}]
+        rows.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+    return rows
+
+
+def write_data(folder: Path, n: int = 8) -> Path:
+    """Images under folder/images and n rows in folder/train.jsonl; returns the data file."""
+    write_images(folder / "images")
+    data = folder / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in image_rows(n)))
+    return data
+
+
+def _processor(family: str) -> dict[str, Any]:
+    return {} if family == "llava" else IMAGE_PROCESSOR
+
+
+def model_config(family: str = "qwen2_vl", **overrides: Any) -> Any:
+    """The recipe's model section for a tiny random VLM of `family`."""
+    from finetune.recipe import ModelConfig
+
+    return ModelConfig(init="random", config=CONFIGS[family], image_processor=_processor(family), **overrides)
+
+
+def _tokenizer_keys(family: str) -> dict[str, Any]:
+    if family == "llava":
+        return {"path": str(TOKENIZER), "chat_template": LLAVA_TEMPLATE, "added_special_tokens": LLAVA_TOKENS}
+    return {"path": str(TOKENIZER), "chat_template": "qwen2_vl", "added_special_tokens": VISION_TOKENS}
+
+
+def tokenizer_config(family: str = "qwen2_vl") -> Any:
+    from finetune.recipe import TokenizerConfig
+
+    return TokenizerConfig(**_tokenizer_keys(family))
+
+
+def recipe_yaml(data: Path, family: str = "qwen2_vl", **data_keys: Any) -> str:
+    """A recipe (YAML text) training a tiny random VLM of `family` on `data`, padded batches."""
+    recipe = {
+        "seed": 0,
+        "model": {"init": "random", "config": CONFIGS[family], "image_processor": _processor(family)},
+        "tokenizer": _tokenizer_keys(family),
+        "datasets": [{"path": str(data), "format": "chat"}],
+        "data": {"max_seq_len": 256, "packing": False, **data_keys},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "epochs": 1, "lr": 1e-3},
+        "eval": {"at_start": False, "every_steps": None},
+        "logging": {"every_steps": 1},
+    }
+    return json.dumps(recipe)  # JSON is YAML
