@@ -19,7 +19,6 @@ import torch
 from finetune.data.images import finish, layout_for, place
 from finetune.data.pixels import vision_fields
 from finetune.errors import UserError
-from finetune.labels import IGNORE_INDEX
 
 _ORIGIN = "the prompt"
 
@@ -65,7 +64,8 @@ def prompt_inputs(tokenizer: Any, rendered: str, images: Sequence[str]) -> dict[
         return _text_inputs(tokenizer, rendered)
     encoded = tokenizer(placed.text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
-    entry = finish(_ORIGIN, ids, [IGNORE_INDEX] * len(ids), encoded["offset_mapping"], images, placed, layout)
+    # finish also masks a training sample's labels: a prompt has none, so a throwaway list takes that.
+    entry = finish(_ORIGIN, ids, list(ids), encoded["offset_mapping"], images, placed, layout)
     input_ids = torch.tensor([ids])
     fields = vision_fields([{"images": entry}], input_ids)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **(fields.inputs if fields else {})}
