@@ -1,10 +1,11 @@
-"""`finetune generate RUN --image PATH --prompt TEXT` on a tiny random Qwen2-VL run (one training step, in-process).
+"""`finetune generate RUN --image PATH --prompt TEXT` on tiny random Qwen2-VL and LLaVA runs (one training step each,
+in-process).
 
 Generation from a model trained to answer about images would take minutes; what is checked instead is that the
 images reach the model as training gave them: the prompt's token ids and image inputs equal what transformers' own
-Qwen2VLProcessor's rule makes of the same rendering and images, `complete` gives token for token what a hand-built
-`model.generate` call on the processor's output gives, and two images of the same size (the same token ids) but
-different pixels change the model's next-token logits. Bad inputs are UserErrors.
+processor makes of the same rendering and images (Qwen2VLProcessor's rule, LlavaProcessor itself), `complete` gives
+token for token what a hand-built `model.generate` call on the processor's output gives, and two images of the same
+size (the same token ids) but different pixels change the model's next-token logits. Bad inputs are UserErrors.
 """
 
 from __future__ import annotations
@@ -160,3 +161,32 @@ def test_cli_generate_with_images(run_dir, images):
     result = run_cli("generate", str(run_dir), "--image", "nowhere.png", "--prompt", PROMPT)
     assert result.returncode == 2 and "--image nowhere.png: does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_llava_image_prompt_equals_llava_processors_own(tmp_path):
+    """LLaVA (a tiny random run, its final/ loaded as an HF model directory): the prompt's input ids and pixel values
+    equal transformers' own LlavaProcessor's, and greedy `complete` equals model.generate on the processor's output."""
+    from transformers import LlavaProcessor
+
+    from finetune.train.loop import train
+
+    data = write_data(tmp_path / "data", n=4)
+    (tmp_path / "llava.yaml").write_text(recipe_yaml(data, "llava"))
+    train(load_recipe(tmp_path / "llava.yaml", [f"output_dir={tmp_path / 'run'}", "train.max_steps=1"]))
+    model, tokenizer = load_for_inference(str(tmp_path / "run" / "final"))
+    paths = [str(tmp_path / "data" / "images" / name) for name in ("green.png", "yellow.png")]
+    rendered = render_prompt(tokenizer, _messages(2))
+    ours = prompt_inputs(tokenizer, rendered, paths)
+    processor = LlavaProcessor(image_processor=layout_for(tokenizer).processor, tokenizer=tokenizer, patch_size=8,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    theirs = dict(processor(text=[rendered], images=[Image.open(p).convert("RGB") for p in paths],
+                            return_tensors="pt"))
+    assert set(ours) == {"input_ids", "attention_mask", "pixel_values"}
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    reply = complete(model, tokenizer, _messages(2), GREEDY, stream=None, images=paths)
+    with torch.inference_mode():
+        out = model.generate(**{k: theirs[k] for k in ours}, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             top_k=None, top_p=None, temperature=None, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+    assert reply.token_ids == tuple(out[0, theirs["input_ids"].shape[1]:].tolist())
