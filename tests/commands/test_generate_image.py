@@ -125,6 +125,15 @@ def test_the_images_pixels_reach_the_model(loaded, images, tmp_path):
     assert (red - green).abs().max() > 1e-3 * red.abs().max()
 
 
+def test_a_text_prompt_on_a_vision_language_run(loaded):
+    """Without --image the prompt is text alone: no image inputs, and the model still answers."""
+    model, tokenizer = loaded
+    rendered = render_prompt(tokenizer, _messages(0))
+    assert "<|vision_start|>" not in rendered and set(prompt_inputs(tokenizer, rendered, [])) == {"input_ids",
+                                                                                                 "attention_mask"}
+    assert len(complete(model, tokenizer, _messages(0), GREEDY, stream=None).token_ids) == 6
+
+
 def test_bad_images_and_prompts_are_user_errors(run_dir, loaded, images, tmp_path):
     model, tokenizer = loaded
     with pytest.raises(UserError, match="--image .*missing.png: does not exist"):
