@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run_dir", help="a run directory, or an HF model directory")
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the user message")
+            p.add_argument("--image", action="append", default=[], metavar="PATH",
+                           help="an image put before the prompt's text (a vision-language run; repeat for more)")
         p.add_argument("--system", default=None, help="a system message")
         p.add_argument("--max-new-tokens", type=int, default=256)
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -292,7 +294,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.command == "chat":
         chat(args.run_dir, options)
     else:
-        generate(args.run_dir, args.prompt, options)
+        generate(args.run_dir, args.prompt, options, images=args.image)
     return 0
 
 

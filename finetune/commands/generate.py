@@ -3,22 +3,33 @@
 RUN_DIR is a run directory (its final/ holds a full model, or a LoRA adapter that goes on the run's base,
 rebuilt as `finetune merge` rebuilds it), or any HF model directory (e.g. RUN_DIR/merged). The conversation is
 rendered with the tokenizer's chat template, saved with the run, and the run's tokenizer.chat_template_kwargs,
-so the model sees prompts formatted exactly as in training. Tokens stream to stdout as they are produced. Generation uses the KV cache: it is inference on
+so the model sees prompts formatted exactly as in training. `generate --image PATH` (a vision-language run) puts
+the images before the prompt's text in the user message, laid out and processed as training did
+(image_prompt.py). Tokens stream to stdout as they are produced. Generation uses the KV cache: it is inference on
 one sequence, where the packed-document problem that makes training turn the cache off does not arise.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from finetune.commands.image_prompt import (
+    check_images_allowed,
+    image_files,
+    image_tokens,
+    prompt_inputs,
+    user_content,
+)
 from finetune.dist import default_device
 from finetune.errors import UserError
+from finetune.model import vision
+from finetune.recipe import ModelConfig
 from finetune.run.directory import finished_run, is_run
 from finetune.run.trained import has_adapter, load_trained
 
@@ -49,14 +60,18 @@ class Completion:
     """The prompt exactly as the model saw it (the chat template's rendering)."""
     new_tokens: int
     """How many tokens were generated (including a final end-of-turn token)."""
+    token_ids: tuple[int, ...] = ()
+    """The generated token ids."""
 
 
-def generate(run_dir: str, prompt: str, options: GenerationOptions) -> str:
-    """Answer one user message, streaming the reply to stdout; returns the reply."""
+def generate(run_dir: str, prompt: str, options: GenerationOptions, images: Sequence[str] = ()) -> str:
+    """Answer one user message (the images, then the prompt's text), streaming the reply to stdout; returns the
+    reply."""
+    paths = image_files(images)
     model, tokenizer, options = _load_with_options(run_dir, options)
     torch.manual_seed(options.seed)
-    messages = _with_system([{"role": "user", "content": prompt}], options.system)
-    return complete(model, tokenizer, messages, options).text
+    messages = _with_system([{"role": "user", "content": user_content(prompt, len(paths))}], options.system)
+    return complete(model, tokenizer, messages, options, images=paths).text
 
 
 def chat(run_dir: str, options: GenerationOptions) -> None:
@@ -94,19 +109,26 @@ def render_prompt(tokenizer: Any, messages: list[dict], template_kwargs: Mapping
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the model's tokenizer has no chat template; train with tokenizer.chat_template set, "
                         "or add chat_template.jinja to the model directory")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **dict(template_kwargs or {}))
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **dict(template_kwargs or {}))
+    except (TemplateError, TypeError) as e:  # e.g. image parts given to a template that only renders strings
+        raise UserError(f"the chat template could not render the conversation ({type(e).__name__}: {e})") from None
 
 
 def complete(model: Any, tokenizer: Any, messages: list[dict], options: GenerationOptions,
-             stream: TextIO | None = sys.stdout) -> Completion:
-    """Generate the assistant's reply to `messages`; tokens stream to `stream` (None: silent)."""
+             stream: TextIO | None = sys.stdout, images: Sequence[str] = ()) -> Completion:
+    """Generate the assistant's reply to `messages`; tokens stream to `stream` (None: silent). `images`: the files of
+    the messages' image parts, in order."""
     from transformers import GenerationConfig, TextStreamer
 
+    check_images_allowed(tokenizer, images)
     prompt = render_prompt(tokenizer, messages, options.template_kwargs)
-    # The template writes the special tokens itself: adding them again would double the bos.
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(_device(model))
-    max_new = _room(model, ids.shape[1], options.max_new_tokens)
+    inputs = {k: v.to(_device(model)) for k, v in prompt_inputs(tokenizer, prompt, images).items()}
+    ids = inputs["input_ids"]
+    max_new = _room(model, ids.shape[1], options.max_new_tokens, image_tokens(tokenizer, ids))
     sampling = options.temperature > 0
     config = GenerationConfig(
         max_new_tokens=max_new, min_new_tokens=min(options.min_new_tokens, max_new), do_sample=sampling,
@@ -117,10 +139,10 @@ def complete(model: Any, tokenizer: Any, messages: list[dict], options: Generati
     if stream is not None:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             streamer=streamer)
+        out = model.generate(**inputs, generation_config=config, streamer=streamer)
     new = out[0, ids.shape[1]:]
-    return Completion(tokenizer.decode(new, skip_special_tokens=True).strip(), prompt, int(new.numel()))
+    return Completion(tokenizer.decode(new, skip_special_tokens=True).strip(), prompt, int(new.numel()),
+                      tuple(new.tolist()))
 
 
 def _load_with_options(run_dir: str, options: GenerationOptions) -> tuple[Any, Any, GenerationOptions]:
@@ -140,7 +162,7 @@ def load_for_inference(run_dir: str) -> tuple[Any, Any]:
 
 def _load(run_dir: str) -> tuple[Any, Any, dict[str, Any]]:
     """load_for_inference's model and tokenizer, and the chat template kwargs of the run ({} for a model dir)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     template_kwargs: dict[str, Any] = {}
     path = Path(run_dir).expanduser()
@@ -155,11 +177,24 @@ def _load(run_dir: str) -> tuple[Any, Any, dict[str, Any]]:
         template_kwargs = dict(recipe.tokenizer.chat_template_kwargs)
     elif (path / "config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = _load_hf(AutoModelForCausalLM, path, "auto")
+        model = _load_hf(_hf_auto_class(tokenizer, path), path, "auto")
     else:
         raise UserError(f"{run_dir}: neither a run directory (recipe.yaml + final/) nor an HF model directory "
                         "(config.json)")
     return model.to(default_device()).eval(), tokenizer, template_kwargs
+
+
+def _hf_auto_class(tokenizer: Any, path: Path) -> Any:
+    """AutoModelForImageTextToText for a supported vision-language model directory (e.g. a merged VLM run), its
+    image processor (preprocessor_config.json) attached to the tokenizer as training attached it; else
+    AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = ModelConfig(path=str(path))
+    if vision.family(vision.model_config(cfg)) is None:
+        return AutoModelForCausalLM
+    vision.attach_layout(tokenizer, cfg)
+    return AutoModelForImageTextToText
 
 
 def _load_hf(auto: Any, path: Path, dtype: str) -> Any:
@@ -179,16 +214,19 @@ def _device(model: Any) -> torch.device:
 
 def _max_positions(model: Any) -> int | None:
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
-    return getattr(config, "max_position_embeddings", None)
+    # A vision-language model's positions are its language model's.
+    return getattr(vision.text_config(config), "max_position_embeddings", None)
 
 
-def _room(model: Any, prompt_tokens: int, wanted: int) -> int:
+def _room(model: Any, prompt_tokens: int, wanted: int, image_tokens: int = 0) -> int:
     """max_new_tokens, shortened so prompt + reply fit the model's positions (beyond them output is garbage)."""
     limit = _max_positions(model)
     if limit is None:
         return wanted
     if prompt_tokens >= limit:
-        raise UserError(f"the prompt has {prompt_tokens} tokens; the model handles at most {limit} positions")
+        images = f" ({image_tokens} of them for its images: give fewer images)" if image_tokens else ""
+        raise UserError(f"the prompt has {prompt_tokens} tokens{images}; the model handles at most {limit} "
+                        "positions")
     return min(wanted, limit - prompt_tokens)
 
 

@@ -9,6 +9,9 @@ The base is rebuilt from the run's recipe.yaml exactly as training loaded it (`m
 * a QLoRA base is loaded unquantized in the recipe's dtype: the adapter was trained against the NF4
   rounding of those weights, and merging into the original weights is the usual choice (a note says so).
 
+A vision-language run's merged directory loads with AutoModelForImageTextToText and holds the image processor training
+used (preprocessor_config.json), so `finetune generate DIR --image ...` lays images out as training did.
+
 The merge happens in the recipe's dtype (PEFT computes scale * B @ A in float32 on the CPU, then adds it to W):
 no float32 copy of the whole model, which for an 8B model would need 32 GB of RAM.
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from finetune.errors import UserError
+from finetune.model import vision
 from finetune.model.loading import DTYPES
 from finetune.run.directory import finished_run
 from finetune.run.trained import has_adapter, load_adapted_model
@@ -41,6 +45,7 @@ def merge_run(run_dir: str, out: str | None = None) -> Path:
         print(f"note: the run trained a QLoRA adapter on a 4-bit NF4 base; merging into the base loaded "
               f"unquantized in {recipe.model.dtype} (the original weights), as is usual for QLoRA.")
     tokenizer = AutoTokenizer.from_pretrained(str(final))  # saved with the run: the recipe's chat template
+    vision.attach_layout(tokenizer, recipe.model)  # a vision-language run: the image processor training used
     peft_model = load_adapted_model(run_dir, final, recipe, tokenizer)
     merged = peft_model.merge_and_unload().to(DTYPES[recipe.model.dtype])
     _keep_untied_heads(merged)
@@ -48,6 +53,7 @@ def merge_run(run_dir: str, out: str | None = None) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(target), safe_serialization=True)
     tokenizer.save_pretrained(str(target))
+    vision.save_processor(tokenizer, target)  # preprocessor_config.json: the merged model takes images as trained
     return target
 
 
