@@ -155,7 +155,7 @@ def vision_dataset(c: Conversion, where: str, entry: dict[str, Any], out: dict[s
 
 def _masking(c: Conversion, where: str, entry: dict[str, Any]) -> dict[str, Any]:
     first = where == "datasets.0"
-    template = c.text("chat_template")
+    template = c.get("chat_template") if isinstance(c.get("chat_template"), str) else None  # a wrong type: its rule
     if c.boolean("train_on_inputs"):
         return {"train_on_inputs": True}  # the collator then trains every token but padding and images
     if template not in ROLE_MARKED:
