@@ -147,9 +147,10 @@ def vision_dataset(c: Conversion, where: str, entry: dict[str, Any], out: dict[s
     out.update(_masking(c, where, entry))
     path = PurePosixPath(out["path"])
     if path.suffix not in _LOCAL_SUFFIXES and not out["path"].startswith(("/", ".", "~")):
-        c.note(f"{where}: {out['path']} is a hub dataset; finetune reads a row's images only from local files named "
-               "in its messages' image parts, not yet from an `images` or `image` column, an URL or base64 (such rows "
-               "are bad rows, each named). Save the images as files and the rows as .jsonl (docs/vision.md)")
+        c.note(f"{where}: {out['path']} is read as a hub dataset (not a .jsonl, .json, .parquet or .csv file); "
+               "finetune reads a row's images only from local files named in its messages' image parts, not yet "
+               "from an `images` or `image` column, an URL or base64 (such rows are bad rows, each named). Save the "
+               "images as files and the rows as .jsonl (docs/vision.md)")
     return out
 
 
@@ -162,8 +163,8 @@ def _masking(c: Conversion, where: str, entry: dict[str, Any]) -> dict[str, Any]
         if first:
             c.note(f"Axolotl's multimodal collator has no role markers for chat_template {template or '(unset)'}: "
                    "it trains every token but padding and the image token (unless the model is PaddleOCR-VL), as "
-                   "train_on_inputs: true does here (finetune never trains an image's markers either, e.g. Qwen's "
-                   "<|vision_start|>, which Axolotl does)")
+                   "train_on_inputs: true does here (which, unlike Axolotl, leaves an image's marker tokens such as "
+                   "Qwen's <|vision_start|> untrained too)")
         for name in ("roles_to_train", "train_on_eos"):
             if entry.get(name) is not None:
                 c.drop(f"{where}.{name}", f"not read by Axolotl's multimodal collator for chat_template {template}")

@@ -98,7 +98,7 @@ def test_a_qwen2_vl_lora_config_converts_exactly(tmp_path):
     assert "only the images of an `images` or `image` column" in dropped["image_size"]
     assert "image_resize_algorithm" in dropped and "skip_prepare_dataset" in dropped
     notes = " ".join(converted.conversion.notes)
-    assert "HuggingFaceH4/llava-instruct-mix-vsft is a hub dataset" in notes and "an URL or base64" in notes
+    assert "HuggingFaceH4/llava-instruct-mix-vsft is read as a hub dataset" in notes and "an URL or base64" in notes
     assert "processor_type AutoProcessor: a vision-language model" in converted.text  # the header says so too
 
 
