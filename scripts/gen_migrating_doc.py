@@ -29,6 +29,7 @@ from finetune.convert.keys import (  # noqa: E402
     MAPPED,
     REFUSED,
 )
+from finetune.convert.rules_vision import ROLE_MARKED  # noqa: E402
 from finetune.templates import TEMPLATES  # noqa: E402
 
 DOC = ROOT / "docs" / "migrating-from-axolotl.md"
@@ -93,6 +94,41 @@ DIFFERENCES = """\
 - **A `tools` column** is passed to the chat template by Axolotl; finetune does not read it.
 """
 
+_MARKED = ", ".join(f"`{name}`" for name in sorted(ROLE_MARKED))
+VISION = f"""\
+## Vision-language configs
+
+`processor_type` puts a config on Axolotl's multimodal path; the recipe trains what that path trains, on a
+vision-language model (docs/vision.md lists the families finetune trains; the others are refused when the model
+loads).
+
+- **Data.** A `chat_template` dataset is read as Axolotl's multimodal collator reads it: its `field_messages`, each
+  message's role and content as they are (no `system` column; `roles` and `message_property_mappings`, which the
+  collator does not read, are dropped). Images must be local files named in the messages' image parts
+  (`{{"type": "image", "path": ...}}`, relative to the data file): a hub dataset's `images` or `image` column, URLs
+  and base64 images are not read yet (each such row is a bad row), and the recipe's header says so for every hub
+  dataset. ShareGPT rows (`from`/`value`), which the collator also takes, need `role_field`, `content_field` and
+  `role_map` set by hand.
+- **What is trained.** With a chat template whose Axolotl strategy marks the roles, the first dataset's
+  `roles_to_train`, which the collator applies to every dataset; these templates are
+  {_MARKED}.
+  With any other (`llava`, the tokenizer's own, ...) Axolotl trains every token but padding and the image token:
+  `train_on_inputs: true`. finetune never trains an image's tokens, its marker tokens included (Qwen's
+  `<|vision_start|>`, which Axolotl's base strategy trains). A message's `train` flag is honoured here; the
+  collator ignores it.
+- **Length.** `data.max_seq_len: null`: the collator neither truncates nor drops a sample; packing is refused by both.
+- **Full fine-tuning** trains the vision encoder too (`model.freeze_vision: false`), unless `freeze_mm_modules`:
+  then `train.trainable_parameters` matches every name that has none of Axolotl's module names (`visual`,
+  `vision_tower`, `multi_modal_projector`, ...) as a part, so the projector is frozen too, as in Axolotl.
+- **LoRA.** A list of names becomes the expression PEFT matches (the vision encoder's layers of those names too);
+  `lora_target_linear` is approximate (finetune's all-linear leaves the vision side out) unless `freeze_mm_modules`,
+  with which an expression is also kept off the frozen modules. QLoRA becomes LoRA on the unquantized base (an
+  approximation: finetune's QLoRA does not take vision-language models yet).
+- `processor_kwargs` becomes `model.image_processor` (the image processor's own settings only); `image_size` and
+  `image_resize_algorithm` are dropped (Axolotl resizes only a column's images); `role_boundaries` is approximate;
+  audio processors and preference or RL training with images are refused.
+"""
+
 
 def _table(rows: list[tuple[str, str]], head: tuple[str, str]) -> list[str]:
     lines = [f"| {head[0]} | {head[1]} |", "| --- | --- |"]
@@ -120,7 +156,7 @@ def render() -> str:
     out = [INTRO, "## Axolotl's defaults, written out", "",
            "Where Axolotl's default differs from finetune's, the recipe says Axolotl's. For a config setting only "
            "`base_model`, `adapter: lora` (all linear layers), one alpaca dataset and `val_set_size`:", "", *_defaults(), "",
-           DIFFERENCES, "## Chat templates by name", "",
+           DIFFERENCES, VISION, "## Chat templates by name", "",
            f"finetune ships {len(TEMPLATES)} templates, the vendors' own (finetune/templates/README.md: sources and "
            "licences): `tokenizer.chat_template: NAME`. Axolotl's names map onto them where both render training "
            "conversations the same; for the others the recipe keeps the tokenizer's own template, an "

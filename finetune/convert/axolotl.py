@@ -28,6 +28,7 @@ from finetune.convert.rules_model import (
 )
 from finetune.convert.rules_tokens import chat_template_rules, token_rules
 from finetune.convert.rules_train import batch_rules, data_rules, lr_rules, objective_rules, optimizer_rules
+from finetune.convert.rules_vision import vision_rules
 from finetune.convert.schedule import cadence_rules, parallel_rules, run_rules
 from finetune.convert.writing import recipe_text
 from finetune.errors import UserError
@@ -104,6 +105,7 @@ def apply_rules(c: Conversion, base: Path) -> None:
     objective_rules(c)
     adapter_rules(c)
     unfrozen_rules(c)
+    vision_rules(c)
     batch_rules(c)
     lr_rules(c)
     optimizer_rules(c)

@@ -13,6 +13,7 @@ from typing import Any
 
 from finetune.convert.context import Conversion, is_off
 from finetune.convert.keys import DATASET_DROPPED, DATASET_MAPPED, DATASET_REFUSED
+from finetune.convert.rules_vision import is_vision, vision_dataset
 
 _STYLES = {None: "alpaca", "instruct": "alpaca", "chat": "alpaca_chat", "chatml": "alpaca_chatml", "phi": "alpaca_phi"}
 _ROLES = ("system", "user", "assistant")
@@ -83,10 +84,16 @@ def _entry(c: Conversion, where: str, entry: dict[str, Any]) -> tuple[dict[str, 
         what = "a custom prompt type (a mapping)" if isinstance(kind, dict) else "already tokenized rows (no type)"
         c.refuse(f"{where}.type", f"{what} is not supported; use alpaca, chat_template or completion")
         return None, None
+    if is_vision(c) and kind != "chat_template":
+        c.refuse(f"{where}.type", f"{kind}: Axolotl's multimodal collator reads every row as chat messages whatever "
+                                  "its type; finetune converts vision-language datasets of type chat_template")
+        return None, None
     base, _, style = kind.partition(":")
     if base == "alpaca":
         return _alpaca(c, where, entry, out, style or None), None
     template = (entry.get("chat_template"), entry.get("chat_template_jinja"))
+    if kind == "chat_template" and is_vision(c):
+        return vision_dataset(c, where, entry, out), template
     if kind == "chat_template":
         return _chat(c, where, entry, out), template
     if kind == "chat_template.default" and c.peek("train.objective") in ("dpo", "orpo"):

@@ -39,7 +39,8 @@ MAPPED: dict[str, str] = {
     "tokenizer_config": "tokenizer.path",
     "output_dir": "output_dir",
     "seed": "seed (Axolotl's default 42 written when unset)",
-    "sequence_len": "data.max_seq_len (512 when unset)",
+    "sequence_len": "data.max_seq_len (512 when unset; null with processor_type: Axolotl's multimodal collator "
+                    "neither truncates nor drops)",
     "sample_packing": "data.packing (false when unset)",
     "excess_length_strategy": "data.truncation: drop (default) or truncate",
     "curriculum_sampling": "true: data.shuffle: false",
@@ -64,7 +65,8 @@ MAPPED: dict[str, str] = {
     "adam_beta1": "train.adam_betas[0]",
     "adam_beta2": "train.adam_betas[1]",
     "adam_epsilon": "train.adam_eps",
-    "train_on_inputs": "datasets[].train_on_inputs",
+    "train_on_inputs": "alpaca: datasets[].train_on_inputs; chat: roles_to_train: [system, user, assistant]; with "
+                       "processor_type: datasets[].train_on_inputs (every token)",
     "unfrozen_parameters": "train.trainable_parameters (each pattern's dots made literal, as Axolotl does)",
     "bf16": "model.dtype: bfloat16 (auto and unset too: bf16 on the GPUs Axolotl targets)",
     "bfloat16": "model.dtype: bfloat16",
@@ -77,7 +79,8 @@ MAPPED: dict[str, str] = {
     "eager_attention": "model.attn_implementation: eager",
     "gradient_checkpointing": "model.gradient_checkpointing",
     "trust_remote_code": "model.trust_remote_code",
-    "type_of_model": "AutoModelForCausalLM and *ForCausalLM only; other heads refused",
+    "type_of_model": "AutoModelForCausalLM and *ForCausalLM; with processor_type also *ForConditionalGeneration "
+                     "and AutoModelForImageTextToText; other heads refused",
     "model_type": "as type_of_model (its alias)",
     "resize_token_embeddings_to_32x": "model.vocab_multiple_of: 32",
     "mean_resizing_embeddings": "model.mean_resizing (false when unset)",
@@ -89,14 +92,17 @@ MAPPED: dict[str, str] = {
     "chat_template_jinja": "tokenizer.chat_template (the text, or the text of a file in the config's folder; "
                            "elsewhere with --allow-template-path)",
     "chat_template_kwargs": "tokenizer.chat_template_kwargs",
-    "adapter": "adapter.type: lora, qlora (lora with load_in_4bit), none",
+    "adapter": "adapter.type: lora, qlora (lora with load_in_4bit), none; qlora with processor_type: lora, "
+               "approximated",
     "load_in_4bit": "adapter.type: qlora",
     "load_in_8bit": "refused (no 8-bit base); with --allow-approx: LoRA on the unquantized base",
     "lora_r": "adapter.r (8, PEFT's default, when unset)",
     "lora_alpha": "adapter.alpha (8, PEFT's default, when unset)",
     "lora_dropout": "adapter.dropout",
-    "lora_target_modules": "adapter.target_modules (a list; a regex string is refused)",
-    "lora_target_linear": "adapter.target_modules: all-linear",
+    "lora_target_modules": "adapter.target_modules (a list of names, or a regular expression); with processor_type "
+                           "a list becomes the expression PEFT matches (the vision modules too)",
+    "lora_target_linear": "adapter.target_modules: all-linear (with processor_type approximated: the language "
+                          "model's layers only, unless freeze_mm_modules)",
     "lora_modules_to_save": "adapter.modules_to_save",
     "bnb_config_kwargs": "finetune's NF4 with double quantization; other settings refused",
     "deepspeed": "distributed.strategy: ddp (ZeRO 1/2) or fsdp (ZeRO 3), distributed.cpu_offload",
@@ -128,6 +134,16 @@ MAPPED: dict[str, str] = {
     "orpo_alpha": "orpo.beta",
     "dpo_label_smoothing": "dpo.label_smoothing",
     "dpo_loss_type": "dpo.loss (one of sigmoid, ipo, hinge)",
+    "processor_type": "a vision-language model (AutoProcessor or a processor class; audio ones refused): chat "
+                      "datasets with images, data.packing: false, data.max_seq_len: null, model.freeze_vision: false "
+                      "without an adapter (docs/vision.md)",
+    "processor_kwargs": "model.image_processor (the image processor's own settings: min_pixels, max_pixels, size, "
+                        "...; other processor arguments refused)",
+    "freeze_mm_modules": "the vision, audio and projector modules frozen as Axolotl names them: "
+                         "train.trainable_parameters (full fine-tuning) or the adapter.target_modules expression; "
+                         "nothing to do with a text model",
+    "role_boundaries": "approximated: finetune finds each message from the chat template's rendering, not from "
+                       "these markers (the same turns when they are the template's own)",
 }
 
 DROPPED: dict[str, str] = {
@@ -201,7 +217,8 @@ DROPPED: dict[str, str] = {
     **_each("max_prompt_len vllm", _unless("rl: grpo and other online RL")),
     **_each("pretrain_multipack_attn pretrain_multipack_buffer_size pretraining_sample_concatenation "
             "streaming_multipack_buffer_size", _unless("pretraining_dataset or streaming")),
-    **_each("processor_kwargs image_size image_resize_algorithm role_boundaries", _unless("processor_type")),
+    **_each("image_size image_resize_algorithm", "Axolotl resizes only the images of an `images` or `image` column, "
+            "which finetune does not read; images in the messages' parts reach the processor as they are, here too"),
     **_each("metric_for_best_model greater_is_better", _unless("load_best_model_at_end or save_strategy: best")),
     **_each("grokfast_alpha grokfast_lamb", _plugin("Grokfast")),
     **_each("kd_trainer kd_ce_alpha kd_alpha kd_temperature kd_temperature_min kd_beta kd_normalize_topk "
@@ -236,8 +253,6 @@ REFUSED: dict[str, str] = {
     "process_reward_model": "process reward models are not supported",
     "reinit_weights": "random weights come from model.config, not from a model.path: write the model's config "
                       "(its config.json) under model.config with model.init: random, and no model.path",
-    "processor_type": "multimodal (processor) models are not supported; finetune trains text-only causal LMs",
-    "freeze_mm_modules": "multimodal models are not supported",
     "llama4_linearized_experts": "Llama 4 with linearized experts is not supported (Llama 4 is multimodal here)",
     "pretraining_dataset": "streamed pretraining data (overlapping windows) is not supported; use datasets with "
                            "type: completion",
@@ -362,8 +377,9 @@ DATASET_REFUSED: dict[str, str] = {
 CHAT_TEMPLATES: dict[str, str | None] = {
     "chatml": "chatml", "llama3": "llama3", "qwen_25": "qwen2_5", "qwen3": "qwen3", "qwen3_5": "qwen3_5",
     "gemma": "gemma", "gemma3": "gemma3", "gemma3n": "gemma3", "gemma4": "gemma4", "gemma4_unified": "gemma4",
+    "qwen2_vl": "qwen2_vl",
     **dict.fromkeys(("alpaca", "mistral_v1", "mistral_v2v3", "mistral_v3_tekken", "mistral_v7_tekken", "cohere",
                      "llama3_2_vision", "llama4", "phi_3", "phi_35", "phi_4", "deepseek_v2", "deepseek_v3", "jamba",
-                     "falcon_h1", "nemotron_h", "exaone", "exaone4", "metharme", "pixtral", "llava", "qwen2_vl",
+                     "falcon_h1", "nemotron_h", "exaone", "exaone4", "metharme", "pixtral", "llava",
                      "command_a", "command_a_tool_use", "command_a_rag", "aya")),
 }

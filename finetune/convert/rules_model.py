@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from finetune.convert.context import Conversion, is_off
+from finetune.convert.rules_vision import is_vision
 
 
 def model_rules(c: Conversion) -> None:
@@ -46,8 +47,11 @@ def _model_class(c: Conversion, key: str) -> None:
         return
     if name.endswith(("SequenceClassification", "TokenClassification")):
         c.refuse(key, f"{name}: reward and classification models are not supported (finetune trains causal LMs)")
+    elif name.endswith(("ConditionalGeneration", "ImageTextToText", "Vision2Seq")) and not is_vision(c):
+        c.refuse(key, f"{name}: a multimodal model without processor_type, which Axolotl's multimodal path needs "
+                      "(finetune then loads it with AutoModelForImageTextToText)")
     elif name.endswith(("ConditionalGeneration", "ImageTextToText", "Vision2Seq")):
-        c.refuse(key, f"{name}: multimodal models are not supported; finetune trains text-only causal LMs")
+        return  # finetune loads a vision-language model with AutoModelForImageTextToText
     else:
         c.refuse(key, f"{name}: finetune loads AutoModelForCausalLM only")
 

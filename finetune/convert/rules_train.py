@@ -4,6 +4,7 @@ rows become batches (sequence length, packing, held-out data)."""
 from __future__ import annotations
 
 from finetune.convert.context import Conversion
+from finetune.convert.rules_vision import is_vision, vision_data
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "paged_adamw_32bit", "adamw_apex_fused")
 _ADAMW_8BIT = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "bnb_adamw_8bit")
@@ -198,8 +199,7 @@ def _dpo(c: Conversion, rl: str, beta: float | None) -> None:
         c.put("dpo.label_smoothing", smoothing)
 
 
-def data_rules(c: Conversion) -> None:
-    """sequence_len, sample_packing, excess_length_strategy, curriculum_sampling, group_by_length, val_set_size."""
+def _lengths(c: Conversion) -> None:
     c.carry("sequence_len", "data.max_seq_len", c.integer("sequence_len", 512, minimum=1), "Axolotl's default")
     c.carry("sample_packing", "data.packing", bool(c.boolean("sample_packing", False)), "Axolotl's default")
     strategy = c.text("excess_length_strategy", "drop")
@@ -209,6 +209,14 @@ def data_rules(c: Conversion) -> None:
         c.default("data.truncation", "drop", "Axolotl drops samples longer than sequence_len")
     else:
         c.refuse("excess_length_strategy", f"{strategy!r}: finetune drops or truncates over-long samples")
+
+
+def data_rules(c: Conversion) -> None:
+    """sequence_len, sample_packing, excess_length_strategy, curriculum_sampling, group_by_length, val_set_size."""
+    if is_vision(c):
+        vision_data(c)
+    else:
+        _lengths(c)
     if c.boolean("curriculum_sampling"):
         c.put("data.shuffle", False)
     if c.boolean("group_by_length"):
