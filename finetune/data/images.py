@@ -179,8 +179,8 @@ def layout_named(key: str) -> ImageLayout:
 
 @dataclass(frozen=True)
 class Placed:
-    """A rendering with every image's placeholder expanded: its text, each image's (start, end) in it, its size and
-    its number of features."""
+    """A rendering with every image's placeholder expanded: its text, the (start, end) of each image's image tokens
+    in it, its size and its number of features."""
 
     text: str
     spans: tuple[tuple[int, int], ...]
@@ -208,8 +208,8 @@ def place(origin: str, text: str, paths: Sequence[str], layout: ImageLayout) -> 
     for at, n in zip(found, features):
         expanded = layout.family.expansion(n)
         pieces += [text[last:at], expanded]
-        start = at + shift
-        spans.append((start, start + len(expanded)))
+        start = at + shift + len(layout.family.prefix)  # the image tokens' characters
+        spans.append((start, start + n * len(layout.family.image_token)))
         shift += len(expanded) - len(placeholder)
         starts.append(at)
         shifts.append(shift)

@@ -1,7 +1,7 @@
 """Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
 
 A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
-SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA), each checked like the text models (tests/model/test_vision_model.py): the fused
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3), each checked like the text models (tests/model/test_vision_model.py): the fused
 loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
 model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
 image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
@@ -45,6 +45,8 @@ class VisionModel:
     token_ids: tuple[tuple[str, str], ...]
     random_processor: Callable[[Any], dict[str, Any]]
     layout_settings: Callable[[Any], dict[str, Any]] = lambda config: {}
+    head_softcap: bool = True
+    """Whether the model's forward applies its text config's final_logit_softcapping to the logits."""
 
 
 def _qwen_processor(config: Any) -> dict[str, Any]:
@@ -65,6 +67,17 @@ def _llava_settings(config: Any) -> dict[str, Any]:
             "strategy": config.vision_feature_select_strategy}
 
 
+def _gemma3_processor(config: Any) -> dict[str, Any]:
+    side = config.vision_config.image_size
+    return {"size": {"height": side, "width": side}}
+
+
+def _gemma3_settings(config: Any) -> dict[str, Any]:
+    # Each image is mm_tokens_per_image features (the projector pools the tower's patches to that many).
+    vision = config.vision_config
+    return {"tokens": config.mm_tokens_per_image, "image_size": vision.image_size, "patch_size": vision.patch_size}
+
+
 _QWEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
              ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
 SUPPORTED = {
@@ -74,6 +87,11 @@ SUPPORTED = {
                               _QWEN_IDS, _qwen_processor),
     "llava": VisionModel("llava", "LlavaImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
                          (("image_token_id", "<image>"),), _llava_processor, _llava_settings),
+    # Gemma3ForConditionalGeneration applies no final_logit_softcapping (Gemma3ForCausalLM does): head_softcap off.
+    "gemma3": VisionModel("gemma3", "Gemma3ImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
+                          (("image_token_id", "<image_soft_token>"), ("boi_token_id", "<start_of_image>"),
+                           ("eoi_token_id", "<end_of_image>")), _gemma3_processor, _gemma3_settings,
+                          head_softcap=False),
 }
 # Why some are refused, where it is more than "not checked yet".
 _REASONS = {
@@ -108,6 +126,13 @@ def refusal(config: Any) -> str | None:
 def text_config(config: Any) -> Any:
     """The language model's config of a supported VLM (where its head's settings are), else the config itself."""
     return config.text_config if family(config) is not None else config
+
+
+def head_softcapped(config: Any) -> bool:
+    """Whether the model's own head soft-caps its logits by the text config's final_logit_softcapping (a text model:
+    architectures.head_spec decides)."""
+    vlm = family(config)
+    return vlm is None or vlm.head_softcap
 
 
 def model_config(cfg: ModelConfig) -> Any | None:
@@ -179,7 +204,8 @@ def random_config(config: Any, values: dict[str, Any], tokenizer: Any) -> Any:
         setattr(text, name, getattr(tokenizer, name))
     for field, token in vlm.token_ids:
         found = tokenizer.convert_tokens_to_ids(token)
-        if field not in values and found is not None and tokenizer.convert_ids_to_tokens(found) == token:
+        given = field in values or config.attribute_map.get(field) in values  # gemma3: image_token_index
+        if not given and found is not None and tokenizer.convert_ids_to_tokens(found) == token:
             setattr(config, field, found)
     return config
 

@@ -4,8 +4,10 @@ refused, and exact gradient accumulation through the real trainer with images of
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import torch
 from helpers import final_weights, max_rel_diff, rel_diff, run_cli, train_lines
 from vision_fixtures import model_config, recipe_yaml, tokenizer_config, write_data
 
@@ -19,8 +21,9 @@ from finetune.model.loading import load_model, load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, DataConfig, ModelConfig
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
-TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "llava": "model.vision_tower."}
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3")
+TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "llava": "model.vision_tower.",
+         "gemma3": "model.vision_tower."}
 
 
 def _batch(tok, folder, n=6):
@@ -42,6 +45,10 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
     against the largest gradient)."""
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     model = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0)
+    if family == "gemma3":  # its projection starts at zero, which would pass the tower no gradient to compare
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2,
+                                                                                 generator=torch.Generator().manual_seed(0))
     batch = _batch(tok, tmp_path)
     assert batch.vision is not None and batch.vision.images == 7
     net = CausalLMWithLoss(model, impl, chunk_size=16, z_loss=0.0, softcap=None)
@@ -89,10 +96,11 @@ def test_packing_is_refused_with_the_reason():
     assert why and why.startswith("data.packing: qwen2_vl is a vision-language model") and "packing: false" in why
 
 
-PROJECTOR = {"qwen2_vl": "model.visual.merger.", "llava": "model.multi_modal_projector."}
+PROJECTOR = {"qwen2_vl": "model.visual.merger.", "llava": "model.multi_modal_projector.",
+             "gemma3": "model.multi_modal_projector."}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
 def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family):
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     frozen = load_model(model_config(family), AdapterConfig(), tok, seed=0)
@@ -105,7 +113,7 @@ def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family)
     assert all(p.requires_grad for p in full.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
 def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(family):
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     vision_side = (TOWER[family], PROJECTOR[family])
@@ -116,13 +124,17 @@ def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(fam
         assert not any(n.startswith(vision_side) for n in adapted), (target, sorted(adapted)[:3])
         assert any(n.startswith("model.language_model.") for n in adapted), target
     regex = {"qwen2_vl": r".*(visual\.blocks\.\d+\.attn\.qkv|q_proj)$",
-             "llava": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$"}[family]
+             "llava": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
+             "gemma3": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$"}[family]
     model = load_model(model_config(family), AdapterConfig(type="lora", r=4, target_modules=regex), tok, seed=0)
     adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
     assert any(n.startswith(TOWER[family]) for n in adapted) and any(".language_model." in f".{n}" for n in adapted)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+_GEMMA_NORM = re.compile(r"(language_model\..*norm|mm_soft_emb_norm)\.weight$")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
 def test_accumulation_factorizations_give_identical_training_with_images(tmp_path, family):
     """micro x accum = 8x1, 1x8, 2x4 for 2 steps of rows with 0, 1 or 2 images of four sizes, the vision encoder
     training too (model.freeze_vision: false): the same logged losses and grad norms within 1e-5, and the same
@@ -149,16 +161,23 @@ def test_accumulation_factorizations_give_identical_training_with_images(tmp_pat
             assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] <= 1e-5, (key, a["grad_norm"])
         weights = final_weights(out)
         for name, tensor in ref_weights.items():
-            if family == "llava" and name.endswith("k_proj.bias") and tensor.abs().max() < 1e-5:
-                # CLIP's key bias: its gradient is zero but for float noise (no RoPE, the softmax ignores q.b), and
+            if family in ("llava", "gemma3") and name.endswith("k_proj.bias") and tensor.abs().max() < 1e-5:
+                # CLIP's and SigLIP's key bias: its gradient is zero but for float noise (no RoPE, the softmax ignores q.b), and
                 # Adam turns that noise into noise-sized steps (1e-7 after 2 steps of lr 1e-3): it never moved.
                 assert weights[name].abs().max() < 1e-5, (key, name)
                 continue
+            if family == "gemma3" and _GEMMA_NORM.search(name):
+                # Gemma's RMSNorm scales by 1 + weight (stored at zero): compared as that scale, as other models'
+                # norm weights (at one) are. The stored offset is only the update, whose Adam step amplifies float
+                # noise where two steps' gradients nearly cancel (2e-7 absolute here).
+                weights[name], tensor = 1 + weights[name], 1 + tensor
             assert rel_diff(weights[name], tensor) <= 1e-5, (key, name, rel_diff(weights[name], tensor))
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     start = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0).state_dict()
     # The vision encoder trained (saved under the checkpoint's names): the comparison is not of its init.
     saved, loaded = {"qwen2_vl": ("visual.blocks.0.attn.qkv.weight", "model.visual.blocks.0.attn.qkv.weight"),
                      "llava": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
-                               "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight")}[family]
+                               "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"),
+                     "gemma3": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
+                                "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight")}[family]
     assert rel_diff(ref_weights[saved], start[loaded]) > 1e-3
