@@ -36,11 +36,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                 "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
                                 "projection_dim": 32}},
     # SigLIP tower on 32x32 images: 16 patches pooled 2x2 to mm_tokens_per_image 4. A sliding layer narrower than
-    # the rows and a full one; a final soft-cap, which Gemma3ForConditionalGeneration does not apply.
+    # the rows and a full one; a final soft-cap small enough to change a random model's logits (which are near 0),
+    # which Gemma3ForConditionalGeneration does not apply.
     "gemma3": {"model_type": "gemma3", "mm_tokens_per_image": 4,
                "text_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                               "query_pre_attn_scalar": 16, "sliding_window": 24, "final_logit_softcapping": 30.0,
+                               "query_pre_attn_scalar": 16, "sliding_window": 24, "final_logit_softcapping": 0.05,
                                "layer_types": ["sliding_attention", "full_attention"]},
                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                                  "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32,

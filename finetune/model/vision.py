@@ -5,11 +5,12 @@ SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3), each checked like the text mod
 loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
 model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
 image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
-loads, with the reason (`refusal`). docs/vision.md says what is supported.
+loads, with the reason (`refusal`). docs/vision.md says what is supported. A gemma3 config without a vision tower of
+its own (transformers fills in a default one) stays a text model, as before (`family`).
 
 The image processor is the model's own (preprocessor_config.json, through its Pillow/numpy class: torchvision stays
-out of the dependencies), or with init: random the family's class made from model.config's vision_config (patch,
-merge and temporal sizes), with model.image_processor over either. It is attached to the tokenizer as an image
+out of the dependencies), or with init: random the family's class made from model.config's vision_config (Qwen:
+patch, merge and temporal sizes; LLaVA, Gemma 3: the tower's image size), with model.image_processor over either. It is attached to the tokenizer as an image
 layout (finetune/data/images.py), which preprocessing and collate read.
 
 What trains: the language model and the projector that feeds it; the vision encoder too only with
@@ -101,8 +102,30 @@ _REASONS = {
 
 
 def family(config: Any) -> VisionModel | None:
-    """The supported VLM family of this config, None for any other model."""
-    return SUPPORTED.get(getattr(config, "model_type", None))
+    """The supported VLM family of this config, None for any other model (a gemma3 config without a vision tower of
+    its own is a text model, as before)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3" and not _own_tower(config):
+        return None
+    return SUPPORTED.get(model_type)
+
+
+# What a SigLIP tower's shape is made of: a gemma3 vision_config equal to transformers' default in all of them is one
+# nobody wrote (Gemma3Config fills it in when none is given, and saves it so).
+_TOWER_SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+                "patch_size", "num_channels")
+
+
+def _own_tower(config: Any) -> bool:
+    """Whether a gemma3 config names its vision tower: with none (a text-only recipe's model.config, or a config.json
+    without vision_config) transformers builds its default SigLIP, and finetune keeps training the model as text."""
+    from transformers import SiglipVisionConfig
+
+    vision = getattr(config, "vision_config", None)
+    if vision is None or getattr(vision, "model_type", None) != "siglip_vision_model":
+        return vision is not None
+    default = SiglipVisionConfig()
+    return any(getattr(vision, key, None) != getattr(default, key) for key in _TOWER_SHAPE)
 
 
 def refusal(config: Any) -> str | None:

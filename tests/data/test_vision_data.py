@@ -101,6 +101,79 @@ def test_llava_layout_is_llava_processors_own(folder):
         assert not any(t == image_id for t, label in zip(sample["input_ids"], sample["labels"]) if label != -100)
 
 
+@pytest.fixture(scope="module")
+def gemma3_tok():
+    return load_tokenizer(tokenizer_config("gemma3"), model_config("gemma3"))
+
+
+def _gemma3_processor(tok, tmp_path):
+    """transformers' own Gemma3Processor around the same tokenizer (reloaded with the boi/eoi/image token attributes
+    the processor reads; the same ids) and image processor."""
+    from transformers import AutoTokenizer, Gemma3Processor
+
+    from finetune.data.images import layout_for
+
+    tok.save_pretrained(tmp_path / "tok")
+    named = AutoTokenizer.from_pretrained(tmp_path / "tok", extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    return Gemma3Processor(image_processor=layout_for(tok).processor, tokenizer=named, image_seq_length=4)
+
+
+def test_gemma3_layout_is_gemma3_processors_own(gemma3_tok, folder):
+    """Gemma 3: the whole token sequence equals Gemma3Processor's ("\n\n<start_of_image>", mm_tokens_per_image
+    <image_soft_token>, "<end_of_image>\n\n" per image), for images of different sizes, with the shipped gemma3
+    template; the token_type_ids collate gives the model (its bidirectional image blocks) are the processor's; an
+    image's extent is <start_of_image> to <end_of_image>; no image or vision token is trained, even in a trained
+    message or with train_on_inputs."""
+    tok = gemma3_tok
+    processor = _gemma3_processor(tok, folder)
+    vision_ids = set(tok.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>"]))
+    for names in (["red.png"], ["blue.png", "green.png", "yellow.png"]):
+        row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
+        example = _example(row, folder)
+        sample = tokenize_example(example, tok)
+        rendered = tok.apply_chat_template(example.messages, tokenize=False)
+        expected = processor(text=[rendered], images=[[Image.open(folder / "images" / n) for n in names]],
+                             return_tensors="pt")
+        assert sample["input_ids"] == expected["input_ids"][0].tolist()
+        batch = collate([sample], DataConfig(packing=False), tok.pad_token_id)
+        assert torch.equal(batch.vision.inputs["token_type_ids"], expected["token_type_ids"])
+        assert torch.equal(batch.vision.inputs["pixel_values"], expected["pixel_values"])
+        for item in sample["images"]["items"]:
+            span = sample["input_ids"][item["start"]:item["start"] + item["length"]]
+            assert tok.convert_ids_to_tokens(span) == ["<start_of_image>", *["<image_soft_token>"] * 4,
+                                                       "<end_of_image>"] and item["features"] == 4
+    row = _row(_text("Draw it."), answer=[_text("Here:"), _image("red.png"), _text("done")])
+    for train_on_inputs in (False, True):
+        sample = tokenize_example(_example(row, folder, train_on_inputs=train_on_inputs), tok)
+        trained = [t for t, label in zip(sample["input_ids"], sample["labels"]) if label != IGNORE_INDEX]
+        assert not vision_ids & set(trained) and "done" in tok.decode(trained)
+        assert sum(t in vision_ids for t in sample["input_ids"]) == 6
+
+
+def test_gemma3_cut_inside_an_image_drops_the_sample(gemma3_tok, folder):
+    row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
+    full = tokenize_example(_example(row, folder), gemma3_tok)
+    item = full["images"]["items"][0]
+    for length, kept in ((item["start"] + 1, False), (item["start"] + item["length"] - 1, False),
+                         (item["start"], True), (item["start"] + item["length"], True)):
+        stats = DataStats()
+        samples = tokenize_examples([_example(row, folder)], gemma3_tok, DataConfig(max_seq_len=length), stats)
+        assert bool(samples) == kept, length
+        if not kept:
+            assert "inside the tokens of image 0" in stats.dropped_examples[0]
+
+
+def test_gemma3_processor_settings_it_cannot_lay_out_are_refused(folder):
+    row = _row(_image("red.png"), _text("color?"))
+    for overrides, message in (({"do_pan_and_scan": True}, "do_pan_and_scan is not supported for gemma3"),
+                               ({"size": {"height": 64, "width": 64}}, "takes 32x32 images")):
+        tok = load_tokenizer(tokenizer_config("gemma3"), model_config("gemma3").model_copy(
+            update={"image_processor": overrides}))
+        with pytest.raises(UserError, match=message):
+            tokenize_example(_example(row, folder), tok)
+
+
 def test_only_the_trained_messages_text_is_trained(tok, folder):
     vision_ids = set(tok.convert_tokens_to_ids(VISION_TOKENS))
     row = _row(_image("green.png"), _text("What color?"), answer=[_text("It is green.")])

@@ -77,12 +77,60 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
         assert max_rel_diff(ours[name], p.grad) <= 1e-5, (name, max_rel_diff(ours[name], p.grad))
 
 
+def test_gemma3_reads_each_image_both_ways_and_its_head_is_not_soft_capped(tmp_path):
+    """Gemma 3 attends bidirectionally within an image's tokens: the token_type_ids collate gives change the model's
+    own loss (so the fused loss, equal to it above, reads them too); and its head applies no final soft-cap (the tiny
+    config sets final_logit_softcapping 0.05, which Gemma3ForConditionalGeneration ignores): the fused loss with the
+    soft-cap put back differs from the model's own."""
+    tok = load_tokenizer(tokenizer_config("gemma3"), model_config("gemma3"))
+    model = load_model(model_config("gemma3"), AdapterConfig(), tok, seed=0)
+    with torch.no_grad():  # the projection starts at zero: images would add nothing to compare
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2,
+                                                                             generator=torch.Generator().manual_seed(0))
+    batch = _batch(tok, tmp_path)
+    inputs = dict(batch.vision.inputs)
+    with torch.no_grad():
+        own = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
+                    **inputs).loss
+        causal = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
+                       pixel_values=inputs["pixel_values"]).loss
+        net = CausalLMWithLoss(model, "torch", chunk_size=16, z_loss=0.0, softcap=None)
+        loss_sum, count = net(**batch.model_inputs())
+        capped_sum, _ = CausalLMWithLoss(model, "torch", chunk_size=16, z_loss=0.0, softcap=0.05)(
+            **batch.model_inputs())
+    assert net.softcap is None and model.config.text_config.final_logit_softcapping == 0.05
+    assert abs(loss_sum.item() / count - own.item()) <= 1e-5 * own.item()
+    assert abs(own.item() - causal.item()) > 1e-4 * own.item(), (own.item(), causal.item())
+    assert abs(capped_sum.item() / count - own.item()) > 1e-4 * own.item()
+
+
+def test_gemma3_without_a_vision_tower_of_its_own_stays_a_text_model():
+    """A gemma3 model.config without vision_config (transformers fills in its default SigLIP, and saves it so) is
+    trained as text, as before: no image layout, no vision tokens needed, packing not refused for being a VLM; one
+    that names its tower is a VLM, and the decision survives a save (the config's dict read back)."""
+    from transformers import AutoConfig, Gemma3Config
+
+    from finetune.data.images import layout_for
+    from finetune.model.vision import family
+
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16}
+    plain = AutoConfig.for_model("gemma3", text_config=text)
+    named = AutoConfig.for_model("gemma3", text_config=text, vision_config=model_config("gemma3").config[
+        "vision_config"])
+    assert family(plain) is None and family(Gemma3Config.from_dict(plain.to_dict())) is None
+    assert family(named).layout == "gemma3" and family(Gemma3Config.from_dict(named.to_dict())).layout == "gemma3"
+    tok = load_tokenizer(tokenizer_config(), ModelConfig(init="random", config={"model_type": "gemma3",
+                                                                                "text_config": text}))
+    assert layout_for(tok) is None  # the quickstart tokenizer has no Gemma 3 vision token, and needs none
+
+
 def test_other_vision_language_models_are_refused_with_the_reason():
     for config, why in (({"model_type": "smolvlm"}, "its image layout, its loss through the fused head"),
                         ({"model_type": "mistral3"}, "not checked yet"),
                         ({"model_type": "idefics"}, "cross-attention layers")):
         with pytest.raises(UserError, match=f"model_type '{config['model_type']}' is an image-text-to-text model "
-                                            f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava"):
+                                            f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava, gemma3"):
             load_tokenizer(tokenizer_config(), ModelConfig(init="random", config=config))
     tok = load_tokenizer(tokenizer_config(), model_config())
     with pytest.raises(UserError, match="adapter.type: qlora is not supported for vision-language models"):
