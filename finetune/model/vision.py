@@ -1,7 +1,7 @@
 """Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
 
 A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
-SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3), each checked like the text models (tests/model/test_vision_model.py): the fused
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3, SmolVLM), each checked like the text models (tests/model/test_vision_model.py): the fused
 loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
 model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
 image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
@@ -10,7 +10,7 @@ its own (transformers fills in a default one) stays a text model, as before (`fa
 
 The image processor is the model's own (preprocessor_config.json, through its Pillow/numpy class: torchvision stays
 out of the dependencies), or with init: random the family's class made from model.config's vision_config (Qwen:
-patch, merge and temporal sizes; LLaVA, Gemma 3: the tower's image size), with model.image_processor over either. It is attached to the tokenizer as an image
+patch, merge and temporal sizes; LLaVA, Gemma 3, SmolVLM: the tower's image size), with model.image_processor over either. It is attached to the tokenizer as an image
 layout (finetune/data/images.py), which preprocessing and collate read.
 
 What trains: the language model and the projector that feeds it; the vision encoder too only with
@@ -48,6 +48,8 @@ class VisionModel:
     layout_settings: Callable[[Any], dict[str, Any]] = lambda config: {}
     head_softcap: bool = True
     """Whether the model's forward applies its text config's final_logit_softcapping to the logits."""
+    processor_fixed: tuple[tuple[str, Any], ...] = ()
+    """Image processor settings the layout needs, over the model's and the recipe's (SmolVLM: the tile grid)."""
 
 
 def _qwen_processor(config: Any) -> dict[str, Any]:
@@ -79,6 +81,18 @@ def _gemma3_settings(config: Any) -> dict[str, Any]:
     return {"tokens": config.mm_tokens_per_image, "image_size": vision.image_size, "patch_size": vision.patch_size}
 
 
+def _smolvlm_processor(config: Any) -> dict[str, Any]:
+    side = config.vision_config.image_size  # tiles of the tower's size, images up to 4 x 4 of them (the default)
+    return {"size": {"longest_edge": 4 * side}, "max_image_size": {"longest_edge": side}}
+
+
+def _smolvlm_settings(config: Any) -> dict[str, Any]:
+    # image_seq_len: a tile's patches, pixel-shuffled by scale_factor**2 into fewer, wider features (SmolVLMConnector).
+    vision = config.vision_config
+    tokens = int((vision.image_size // vision.patch_size) ** 2 / config.scale_factor ** 2)
+    return {"tokens": tokens, "image_size": vision.image_size}
+
+
 _QWEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
              ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
 SUPPORTED = {
@@ -93,6 +107,9 @@ SUPPORTED = {
                           (("image_token_id", "<image_soft_token>"), ("boi_token_id", "<start_of_image>"),
                            ("eoi_token_id", "<end_of_image>")), _gemma3_processor, _gemma3_settings,
                           head_softcap=False),
+    "smolvlm": VisionModel("smolvlm", "SmolVLMImageProcessorPil", "model.vision_model", "model.connector",
+                           (("image_token_id", "<image>"),), _smolvlm_processor, _smolvlm_settings,
+                           processor_fixed=(("return_row_col_info", True),)),
 }
 # Why some are refused, where it is more than "not checked yet".
 _REASONS = {
@@ -201,7 +218,7 @@ def attach_layout(tokenizer: Any, cfg: ModelConfig) -> None:
 def _image_processor(cfg: ModelConfig, config: Any, vlm: VisionModel) -> Any:
     import transformers
 
-    overrides = dict(cfg.image_processor)
+    overrides = {**dict(cfg.image_processor), **dict(vlm.processor_fixed)}
     try:
         if cfg.init == "random" or not cfg.path:
             return getattr(transformers, vlm.processor_class)(**{**vlm.random_processor(config), **overrides})

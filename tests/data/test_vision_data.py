@@ -174,6 +174,85 @@ def test_gemma3_processor_settings_it_cannot_lay_out_are_refused(folder):
             tokenize_example(_example(row, folder), tok)
 
 
+@pytest.fixture(scope="module")
+def smolvlm_tok():
+    return load_tokenizer(tokenizer_config("smolvlm"), model_config("smolvlm"))
+
+
+# (width, height): portrait, landscape, one tile, just over one, odd sizes, far over the longest edge.
+_SMOL_SIZES = [(1, 1), (32, 32), (33, 32), (31, 33), (40, 30), (64, 20), (20, 64), (100, 90), (17, 300), (300, 17),
+               (129, 65), (1000, 700)]
+
+
+def test_smolvlm_grid_is_the_image_processors_own():
+    """Each image's tile grid (rows x cols), computed from its size alone, is the one SmolVLMImageProcessorPil makes
+    of its pixels, for sizes around and far over the tiles, with splitting on (the test's longest edge 64, and 4 x
+    the tile, the default) and off."""
+    from finetune.data.images import layout_for
+
+    for overrides in ({"size": {"longest_edge": 64}}, {}, {"do_image_splitting": False}):
+        tok = load_tokenizer(tokenizer_config("smolvlm"), model_config("smolvlm").model_copy(
+            update={"image_processor": overrides}))
+        layout = layout_for(tok)
+        for width, height in _SMOL_SIZES:
+            out = layout.processor(images=[Image.new("RGB", (width, height), "red")])
+            grid = layout.grid(height, width)
+            assert [out["rows"][0][0], out["cols"][0][0]] == grid, (overrides, width, height)
+            assert layout.tokens(height, width) == 4 * (grid[0] * grid[1] + 1)
+
+
+def test_smolvlm_layout_is_smolvlm_processors_own(smolvlm_tok, folder):
+    """SmolVLM: the whole token sequence equals what SmolVLMProcessor writes: each <image> replaced by
+    get_image_prompt_string of the grid the image processor returns for the pixels (its replace_image_token; the
+    processor class itself needs num2words, not installed here), tokenized; the tile markers and newlines between
+    them are the image's and never trained; the pixel values are the processor's."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    from finetune.data.images import layout_for
+
+    tok, processor = smolvlm_tok, layout_for(smolvlm_tok).processor
+    for names in (["red.png"], ["blue.png", "green.png", "yellow.png"]):
+        row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
+        example = _example(row, folder)
+        sample = tokenize_example(example, tok)
+        rendered = tok.apply_chat_template(example.messages, tokenize=False)
+        out = processor(images=[Image.open(folder / "images" / n).convert("RGB") for n in names], return_tensors="pt")
+        for rows, cols in zip(out["rows"][0], out["cols"][0]):
+            rendered = rendered.replace("<image>", "\0" + get_image_prompt_string(
+                rows, cols, 4, "<fake_token_around_image>", "<image>", "<global-img>").replace("<image>", "\1"), 1)
+        expected = tok(rendered.replace("\0", "").replace("\1", "<image>"), add_special_tokens=False)["input_ids"]
+        assert sample["input_ids"] == expected
+        batch = collate([sample], DataConfig(packing=False), tok.pad_token_id)
+        assert torch.equal(batch.vision.inputs["pixel_values"], out["pixel_values"])
+        for item, rows, cols in zip(sample["images"]["items"], out["rows"][0], out["cols"][0]):
+            span = sample["input_ids"][item["start"]:item["start"] + item["length"]]
+            assert item["grid"] == [rows, cols] and span.count(layout_for(tok).image_id) == item["features"]
+            assert tok.convert_ids_to_tokens([span[0], span[-1]]) == ["<fake_token_around_image>"] * 2
+            assert all(label == IGNORE_INDEX for label in
+                       sample["labels"][item["start"]:item["start"] + item["length"]])
+
+
+def test_smolvlm_cuts_changed_images_and_settings_it_cannot_lay_out(smolvlm_tok, folder):
+    row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
+    full = tokenize_example(_example(row, folder), smolvlm_tok)
+    item = full["images"]["items"][0]
+    for length, kept in ((item["start"] + 1, False), (item["start"] + item["length"] - 1, False),
+                         (item["start"], True), (item["start"] + item["length"], True)):
+        samples = tokenize_examples([_example(row, folder)], smolvlm_tok, DataConfig(max_seq_len=length), DataStats())
+        assert bool(samples) == kept, length
+    # yellow.png (16 x 48: 2 x 1 tiles) replaced by a 48 x 16 image: as many features, tiles the other way
+    sample = tokenize_example(_example(_row(_image("yellow.png")), folder), smolvlm_tok)
+    Image.new("RGB", (48, 16), "yellow").save(folder / "images" / "yellow.png")
+    with pytest.raises(UserError, match="yellow.png is split into 1x2 tiles and its sample was laid out for 2x1"):
+        collate([sample], DataConfig(packing=False), smolvlm_tok.pad_token_id)
+    for overrides, message in (({"max_image_size": {"longest_edge": 64}}, "takes 32x32 tiles"),
+                               ({"size": {"height": 64, "width": 64}}, "size must be {longest_edge: N}")):
+        tok = load_tokenizer(tokenizer_config("smolvlm"), model_config("smolvlm").model_copy(
+            update={"image_processor": overrides}))
+        with pytest.raises(UserError, match=message):
+            tokenize_example(_example(_row(_image("red.png")), folder), tok)
+
+
 def test_only_the_trained_messages_text_is_trained(tok, folder):
     vision_ids = set(tok.convert_tokens_to_ids(VISION_TOKENS))
     row = _row(_image("green.png"), _text("What color?"), answer=[_text("It is green.")])

@@ -21,9 +21,10 @@ from finetune.model.loading import load_model, load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, DataConfig, ModelConfig
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "smolvlm")
 TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "llava": "model.vision_tower.",
-         "gemma3": "model.vision_tower."}
+         "gemma3": "model.vision_tower.", "smolvlm": "model.vision_model."}
+LANGUAGE = {"smolvlm": "model.text_model."}  # the others: model.language_model.
 
 
 def _batch(tok, folder, n=6):
@@ -51,6 +52,8 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
                                                                                  generator=torch.Generator().manual_seed(0))
     batch = _batch(tok, tmp_path)
     assert batch.vision is not None and batch.vision.images == 7
+    if family == "smolvlm":  # images split into 1x2, 2x1 and 2x2 tiles, each with its global image
+        assert batch.vision.inputs["pixel_values"].shape[1] > 7
     net = CausalLMWithLoss(model, impl, chunk_size=16, z_loss=0.0, softcap=None)
     loss_sum, count = net(**batch.model_inputs())
     fused = loss_sum / count
@@ -126,11 +129,11 @@ def test_gemma3_without_a_vision_tower_of_its_own_stays_a_text_model():
 
 
 def test_other_vision_language_models_are_refused_with_the_reason():
-    for config, why in (({"model_type": "smolvlm"}, "its image layout, its loss through the fused head"),
+    for config, why in (({"model_type": "idefics3"}, "its image layout, its loss through the fused head"),
                         ({"model_type": "mistral3"}, "not checked yet"),
                         ({"model_type": "idefics"}, "cross-attention layers")):
         with pytest.raises(UserError, match=f"model_type '{config['model_type']}' is an image-text-to-text model "
-                                            f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava, gemma3"):
+                                            f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava, gemma3, smolvlm"):
             load_tokenizer(tokenizer_config(), ModelConfig(init="random", config=config))
     tok = load_tokenizer(tokenizer_config(), model_config())
     with pytest.raises(UserError, match="adapter.type: qlora is not supported for vision-language models"):
@@ -145,10 +148,10 @@ def test_packing_is_refused_with_the_reason():
 
 
 PROJECTOR = {"qwen2_vl": "model.visual.merger.", "llava": "model.multi_modal_projector.",
-             "gemma3": "model.multi_modal_projector."}
+             "gemma3": "model.multi_modal_projector.", "smolvlm": "model.connector."}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
 def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family):
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     frozen = load_model(model_config(family), AdapterConfig(), tok, seed=0)
@@ -156,12 +159,12 @@ def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family)
     tower, projector = TOWER[family], PROJECTOR[family]
     assert not any(n.startswith(tower) and not n.startswith(projector) for n in training)
     assert any(n.startswith(projector) for n in training)
-    assert any(n.startswith("model.language_model.layers.") for n in training)
+    assert any(n.startswith(LANGUAGE.get(family, "model.language_model.") + "layers.") for n in training)
     full = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0)
     assert all(p.requires_grad for p in full.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
 def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(family):
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     vision_side = (TOWER[family], PROJECTOR[family])
@@ -170,19 +173,21 @@ def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(fam
         adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
         assert adapted and all("lora_" in n for n in adapted)
         assert not any(n.startswith(vision_side) for n in adapted), (target, sorted(adapted)[:3])
-        assert any(n.startswith("model.language_model.") for n in adapted), target
+        assert any(n.startswith(LANGUAGE.get(family, "model.language_model.")) for n in adapted), target
     regex = {"qwen2_vl": r".*(visual\.blocks\.\d+\.attn\.qkv|q_proj)$",
              "llava": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
-             "gemma3": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$"}[family]
+             "gemma3": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
+             "smolvlm": r".*(vision_model\..*q_proj|text_model\..*q_proj)$"}[family]
     model = load_model(model_config(family), AdapterConfig(type="lora", r=4, target_modules=regex), tok, seed=0)
     adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
-    assert any(n.startswith(TOWER[family]) for n in adapted) and any(".language_model." in f".{n}" for n in adapted)
+    language = LANGUAGE.get(family, "model.language_model.").removeprefix("model")
+    assert any(n.startswith(TOWER[family]) for n in adapted) and any(language in f".{n}" for n in adapted)
 
 
 _GEMMA_NORM = re.compile(r"(language_model\..*norm|mm_soft_emb_norm)\.weight$")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
 def test_accumulation_factorizations_give_identical_training_with_images(tmp_path, family):
     """micro x accum = 8x1, 1x8, 2x4 for 2 steps of rows with 0, 1 or 2 images of four sizes, the vision encoder
     training too (model.freeze_vision: false): the same logged losses and grad norms within 1e-5, and the same
@@ -209,7 +214,7 @@ def test_accumulation_factorizations_give_identical_training_with_images(tmp_pat
             assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] <= 1e-5, (key, a["grad_norm"])
         weights = final_weights(out)
         for name, tensor in ref_weights.items():
-            if family in ("llava", "gemma3") and name.endswith("k_proj.bias") and tensor.abs().max() < 1e-5:
+            if family in ("llava", "gemma3", "smolvlm") and name.endswith("k_proj.bias") and tensor.abs().max() < 1e-5:
                 # CLIP's and SigLIP's key bias: its gradient is zero but for float noise (no RoPE, the softmax ignores q.b), and
                 # Adam turns that noise into noise-sized steps (1e-7 after 2 steps of lr 1e-3): it never moved.
                 assert weights[name].abs().max() < 1e-5, (key, name)
@@ -227,5 +232,7 @@ def test_accumulation_factorizations_give_identical_training_with_images(tmp_pat
                      "llava": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
                                "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"),
                      "gemma3": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
-                                "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight")}[family]
+                                "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"),
+                     "smolvlm": ("model.vision_model.encoder.layers.0.self_attn.q_proj.weight",
+                                 "model.vision_model.encoder.layers.0.self_attn.q_proj.weight")}[family]
     assert rel_diff(ref_weights[saved], start[loaded]) > 1e-3
