@@ -1,8 +1,8 @@
 """Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
 
 A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
-SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3, SmolVLM), each checked like the text models (tests/model/test_vision_model.py): the fused
-loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3, SmolVLM), each checked like the text models
+(tests/model/test_vision_model.py): the fused loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
 model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
 image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
 loads, with the reason (`refusal`). docs/vision.md says what is supported. A gemma3 config without a vision tower of
@@ -10,7 +10,8 @@ its own (transformers fills in a default one) stays a text model, as before (`fa
 
 The image processor is the model's own (preprocessor_config.json, through its Pillow/numpy class: torchvision stays
 out of the dependencies), or with init: random the family's class made from model.config's vision_config (Qwen:
-patch, merge and temporal sizes; LLaVA, Gemma 3, SmolVLM: the tower's image size), with model.image_processor over either. It is attached to the tokenizer as an image
+patch, merge and temporal sizes; LLaVA, Gemma 3, SmolVLM: the tower's image size), with model.image_processor over
+either. It is attached to the tokenizer as an image
 layout (finetune/data/images.py), which preprocessing and collate read.
 
 What trains: the language model and the projector that feeds it; the vision encoder too only with
