@@ -85,6 +85,8 @@ def test_gemma3_reads_each_image_both_ways_and_its_head_is_not_soft_capped(tmp_p
     own loss (so the fused loss, equal to it above, reads them too); and its head applies no final soft-cap (the tiny
     config sets final_logit_softcapping 0.05, which Gemma3ForConditionalGeneration ignores): the fused loss with the
     soft-cap put back differs from the model's own."""
+    from finetune.data.images import layout_for
+
     tok = load_tokenizer(tokenizer_config("gemma3"), model_config("gemma3"))
     model = load_model(model_config("gemma3"), AdapterConfig(), tok, seed=0)
     with torch.no_grad():  # the projection starts at zero: images would add nothing to compare
@@ -102,6 +104,10 @@ def test_gemma3_reads_each_image_both_ways_and_its_head_is_not_soft_capped(tmp_p
         capped_sum, _ = CausalLMWithLoss(model, "torch", chunk_size=16, z_loss=0.0, softcap=0.05)(
             **batch.model_inputs())
     assert net.softcap is None and model.config.text_config.final_logit_softcapping == 0.05
+    # random init: the vision token ids are the tokenizer's added tokens, the image processor the tower's size
+    ids = tok.convert_tokens_to_ids(["<image_soft_token>", "<start_of_image>", "<end_of_image>"])
+    assert [model.config.image_token_id, model.config.boi_token_id, model.config.eoi_token_id] == ids
+    assert layout_for(tok).processor.size.height == layout_for(tok).processor.size.width == 32
     assert abs(loss_sum.item() / count - own.item()) <= 1e-5 * own.item()
     assert abs(own.item() - causal.item()) > 1e-4 * own.item(), (own.item(), causal.item())
     assert abs(capped_sum.item() / count - own.item()) > 1e-4 * own.item()
