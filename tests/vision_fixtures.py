@@ -1,5 +1,5 @@
-"""Tiny vision-language models and image rows for the tests: random Qwen2-VL / Qwen2.5-VL configs over the
-quickstart tokenizer (with the Qwen vision tokens added), small generated images of different sizes."""
+"""Tiny vision-language models and image rows for the tests: random Qwen2-VL / Qwen2.5-VL / LLaVA / Gemma 3 configs
+over the quickstart tokenizer (with each family's vision tokens added), small generated images of different sizes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,17 @@ LLAVA_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['
                   "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}"
                   "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SMOLVLM_TOKENS = ["<fake_token_around_image>", "<global-img>", "<image>", "<end_of_utterance>",
+                  *[f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]]
+# SmolVLMProcessor's own template (DEFAULT_CHAT_TEMPLATE, its video part left out), which writes <image> for an
+# image, with string contents written too (the original iterates a string's characters and writes nothing).
+SMOLVLM_TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'] "
+                    "is not string and message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+                    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for line in "
+                    "message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == "
+                    "'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+                    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_vl": {"model_type": "qwen2_vl", "text_config": TEXT,
                  "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 8,
@@ -34,7 +45,27 @@ CONFIGS: dict[str, dict[str, Any]] = {
               "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                                 "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
                                 "projection_dim": 32}},
+    # SigLIP tower on 32x32 images: 16 patches pooled 2x2 to mm_tokens_per_image 4. A sliding layer narrower than
+    # the rows and a full one; a final soft-cap small enough to change a random model's logits (which are near 0),
+    # which Gemma3ForConditionalGeneration does not apply.
+    "gemma3": {"model_type": "gemma3", "mm_tokens_per_image": 4,
+               "text_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                               "query_pre_attn_scalar": 16, "sliding_window": 24, "final_logit_softcapping": 0.05,
+                               "layer_types": ["sliding_attention", "full_attention"]},
+               "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                 "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32,
+                                 "patch_size": 8}},
+    # SmolVLM tower on 32x32 tiles: 16 patches, pixel-shuffled by scale_factor 2 into 4 features per tile; images up
+    # to 64 pixels on their longest edge (image_processor below), so 2 x 2 tiles at most, plus the global image.
+    "smolvlm": {"model_type": "smolvlm", "scale_factor": 2,
+                "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+                "vision_config": {"model_type": "smolvlm_vision", "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32,
+                                  "patch_size": 8}},
 }
+SMOLVLM_PROCESSOR = {"size": {"longest_edge": 64}}
 # 16 x 16 pixels make one image token (patch 8, merge 2); at most 64 x 64 pixels (16 tokens) per image.
 IMAGE_PROCESSOR = {"min_pixels": 256, "max_pixels": 4096}
 # (file, size, color): four sizes, so rows of a micro-batch have images of different token counts.
@@ -86,7 +117,7 @@ def write_data(folder: Path, n: int = 8) -> Path:
 
 
 def _processor(family: str) -> dict[str, Any]:
-    return {} if family == "llava" else IMAGE_PROCESSOR
+    return IMAGE_PROCESSOR if family.startswith("qwen") else SMOLVLM_PROCESSOR if family == "smolvlm" else {}
 
 
 def model_config(family: str = "qwen2_vl", **overrides: Any) -> Any:
@@ -99,6 +130,12 @@ def model_config(family: str = "qwen2_vl", **overrides: Any) -> Any:
 def _tokenizer_keys(family: str) -> dict[str, Any]:
     if family == "llava":
         return {"path": str(TOKENIZER), "chat_template": LLAVA_TEMPLATE, "added_special_tokens": LLAVA_TOKENS}
+    if family == "smolvlm":
+        return {"path": str(TOKENIZER), "chat_template": SMOLVLM_TEMPLATE,
+                "special_tokens": {"eos_token": "<end_of_utterance>"}, "added_special_tokens": SMOLVLM_TOKENS}
+    if family == "gemma3":  # Gemma 3's own template (shipped), which writes <start_of_image> for an image
+        return {"path": str(TOKENIZER), "chat_template": "gemma3", "special_tokens": {"bos_token": "<bos>"},
+                "added_special_tokens": GEMMA3_TOKENS}
     return {"path": str(TOKENIZER), "chat_template": "qwen2_vl", "added_special_tokens": VISION_TOKENS}
 
 

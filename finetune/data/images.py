@@ -125,6 +125,10 @@ class ImageLayout:
     def tokens(self, height: int, width: int) -> int:
         return self.family.count(self.processor, self.settings, height, width)
 
+    def grid(self, height: int, width: int) -> list[int] | None:
+        grid = self.family.grid
+        return grid(self.processor, self.settings, height, width) if grid is not None else None
+
 
 _LAYOUTS: dict[str, ImageLayout] = {}
 _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ImageLayout] = weakref.WeakKeyDictionary()
@@ -179,13 +183,15 @@ def layout_named(key: str) -> ImageLayout:
 
 @dataclass(frozen=True)
 class Placed:
-    """A rendering with every image's placeholder expanded: its text, each image's (start, end) in it, its size and
-    its number of features."""
+    """A rendering with every image's placeholder expanded: its text, each image's (start, end) in it (from its first
+    vision token to the end of its last: what the processor wrote around them is text), its size, its number of
+    features and its tile grid (None but for SmolVLM)."""
 
     text: str
     spans: tuple[tuple[int, int], ...]
     sizes: tuple[tuple[int, int], ...]
     features: tuple[int, ...]
+    grids: tuple[list[int] | None, ...]
     moved: Callable[[int], int]
     """A character position of the rendering -> the same place in the expanded text."""
 
@@ -204,12 +210,15 @@ def place(origin: str, text: str, paths: Sequence[str], layout: ImageLayout) -> 
                      f"tokenizer.chat_template: qwen2_vl), or message text that spells {placeholder}")
     sizes = tuple(image_size(origin, p) for p in paths)
     features = tuple(layout.tokens(h, w) for h, w in sizes)
+    grids = tuple(layout.grid(h, w) for h, w in sizes)
+    marks = (*layout.family.specials, layout.family.image_token)
     pieces, spans, starts, shifts, last, shift = [], [], [], [], 0, 0
-    for at, n in zip(found, features):
-        expanded = layout.family.expansion(n)
+    for at, n, grid in zip(found, features, grids):
+        expanded = layout.family.expansion(n, layout.settings, grid)
         pieces += [text[last:at], expanded]
-        start = at + shift
-        spans.append((start, start + len(expanded)))
+        lo = min(i for i in (expanded.find(m) for m in marks) if i >= 0)
+        hi = max(expanded.rfind(m) + len(m) for m in marks if m in expanded)
+        spans.append((at + shift + lo, at + shift + hi))
         shift += len(expanded) - len(placeholder)
         starts.append(at)
         shifts.append(shift)
@@ -220,7 +229,7 @@ def place(origin: str, text: str, paths: Sequence[str], layout: ImageLayout) -> 
         k = bisect.bisect_left(starts, p)
         return p + (shifts[k - 1] if k else 0)
 
-    return Placed("".join(pieces), tuple(spans), sizes, features, moved)
+    return Placed("".join(pieces), tuple(spans), sizes, features, grids, moved)
 
 
 def moved_turns(turns: Sequence[Any], placed: Placed) -> tuple[Any, ...]:
@@ -232,8 +241,9 @@ def moved_turns(turns: Sequence[Any], placed: Placed) -> tuple[Any, ...]:
 
 def finish(origin: str, ids: list[int], labels: list[int], offsets: Sequence[tuple[int, int]], paths: Sequence[str],
            placed: Placed | None, layout: ImageLayout) -> dict[str, Any] | None:
-    """Take the labels off every image and vision token (in place), and say where each image's tokens are: the
-    sample's `images` entry (None without images). A BadRow when an image did not become its number of tokens."""
+    """Take the labels off every image and vision token and everything between an image's first and last (in place),
+    and say where each image's tokens are: the sample's `images` entry (None without images). A BadRow when an image
+    did not become its number of image tokens."""
     for t, token in enumerate(ids):
         if token in layout.never_trained:
             labels[t] = IGNORE_INDEX
@@ -241,17 +251,19 @@ def finish(origin: str, ids: list[int], labels: list[int], offsets: Sequence[tup
         return None
     starts = [a for a, _ in offsets]
     items = []
-    for path, (a, b), size, n in zip(paths, placed.spans, placed.sizes, placed.features):
+    for path, (a, b), size, n, grid in zip(paths, placed.spans, placed.sizes, placed.features, placed.grids):
         first, end = bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)
-        if end - first != n or any(ids[t] != layout.image_id for t in range(first, end)):
+        made = sum(ids[t] == layout.image_id for t in range(first, end))
+        if made != n:
             raise BadRow(f"{origin}: image {path} should be {n} tokens {layout.family.image_token}, and the tokenizer "
-                         f"made {end - first} tokens of them: its tokenizer does not keep {layout.family.image_token} "
-                         "whole")
+                         f"made {made} tokens of them: its tokenizer does not keep {layout.family.image_token} whole")
+        labels[first:end] = [IGNORE_INDEX] * (end - first)  # SmolVLM's tile markers and newlines too
         if layout.before_id is not None and first and ids[first - 1] == layout.before_id:
             first -= 1
         if layout.after_id is not None and end < len(ids) and ids[end] == layout.after_id:
             end += 1
-        items.append({"path": path, "size": list(size), "start": first, "length": end - first, "features": n})
+        items.append({"path": path, "size": list(size), "start": first, "length": end - first, "features": n,
+                      **({"grid": grid} if grid is not None else {})})
     return {"layout": layout.key, "items": items}
 
 

@@ -1,15 +1,17 @@
 """Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
 
 A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
-SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA), each checked like the text models (tests/model/test_vision_model.py): the fused
-loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3, SmolVLM), each checked like the text models
+(tests/model/test_vision_model.py): the fused loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
 model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
 image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
-loads, with the reason (`refusal`). docs/vision.md says what is supported.
+loads, with the reason (`refusal`). docs/vision.md says what is supported. A gemma3 config without a vision tower of
+its own (transformers fills in a default one) stays a text model, as before (`family`).
 
 The image processor is the model's own (preprocessor_config.json, through its Pillow/numpy class: torchvision stays
-out of the dependencies), or with init: random the family's class made from model.config's vision_config (patch,
-merge and temporal sizes), with model.image_processor over either. It is attached to the tokenizer as an image
+out of the dependencies), or with init: random the family's class made from model.config's vision_config (Qwen:
+patch, merge and temporal sizes; LLaVA, Gemma 3, SmolVLM: the tower's image size), with model.image_processor over
+either. It is attached to the tokenizer as an image
 layout (finetune/data/images.py), which preprocessing and collate read.
 
 What trains: the language model and the projector that feeds it; the vision encoder too only with
@@ -45,6 +47,10 @@ class VisionModel:
     token_ids: tuple[tuple[str, str], ...]
     random_processor: Callable[[Any], dict[str, Any]]
     layout_settings: Callable[[Any], dict[str, Any]] = lambda config: {}
+    head_softcap: bool = True
+    """Whether the model's forward applies its text config's final_logit_softcapping to the logits."""
+    processor_fixed: tuple[tuple[str, Any], ...] = ()
+    """Image processor settings the layout needs, over the model's and the recipe's (SmolVLM: the tile grid)."""
 
 
 def _qwen_processor(config: Any) -> dict[str, Any]:
@@ -65,6 +71,29 @@ def _llava_settings(config: Any) -> dict[str, Any]:
             "strategy": config.vision_feature_select_strategy}
 
 
+def _gemma3_processor(config: Any) -> dict[str, Any]:
+    side = config.vision_config.image_size
+    return {"size": {"height": side, "width": side}}
+
+
+def _gemma3_settings(config: Any) -> dict[str, Any]:
+    # Each image is mm_tokens_per_image features (the projector pools the tower's patches to that many).
+    vision = config.vision_config
+    return {"tokens": config.mm_tokens_per_image, "image_size": vision.image_size, "patch_size": vision.patch_size}
+
+
+def _smolvlm_processor(config: Any) -> dict[str, Any]:
+    side = config.vision_config.image_size  # tiles of the tower's size, images up to 4 x 4 of them (the default)
+    return {"size": {"longest_edge": 4 * side}, "max_image_size": {"longest_edge": side}}
+
+
+def _smolvlm_settings(config: Any) -> dict[str, Any]:
+    # image_seq_len: a tile's patches, pixel-shuffled by scale_factor**2 into fewer, wider features (SmolVLMConnector).
+    vision = config.vision_config
+    tokens = int((vision.image_size // vision.patch_size) ** 2 / config.scale_factor ** 2)
+    return {"tokens": tokens, "image_size": vision.image_size}
+
+
 _QWEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
              ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
 SUPPORTED = {
@@ -74,6 +103,14 @@ SUPPORTED = {
                               _QWEN_IDS, _qwen_processor),
     "llava": VisionModel("llava", "LlavaImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
                          (("image_token_id", "<image>"),), _llava_processor, _llava_settings),
+    # Gemma3ForConditionalGeneration applies no final_logit_softcapping (Gemma3ForCausalLM does): head_softcap off.
+    "gemma3": VisionModel("gemma3", "Gemma3ImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
+                          (("image_token_id", "<image_soft_token>"), ("boi_token_id", "<start_of_image>"),
+                           ("eoi_token_id", "<end_of_image>")), _gemma3_processor, _gemma3_settings,
+                          head_softcap=False),
+    "smolvlm": VisionModel("smolvlm", "SmolVLMImageProcessorPil", "model.vision_model", "model.connector",
+                           (("image_token_id", "<image>"),), _smolvlm_processor, _smolvlm_settings,
+                           processor_fixed=(("return_row_col_info", True),)),
 }
 # Why some are refused, where it is more than "not checked yet".
 _REASONS = {
@@ -83,8 +120,30 @@ _REASONS = {
 
 
 def family(config: Any) -> VisionModel | None:
-    """The supported VLM family of this config, None for any other model."""
-    return SUPPORTED.get(getattr(config, "model_type", None))
+    """The supported VLM family of this config, None for any other model (a gemma3 config without a vision tower of
+    its own is a text model, as before)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3" and not _own_tower(config):
+        return None
+    return SUPPORTED.get(model_type)
+
+
+# What a SigLIP tower's shape is made of: a gemma3 vision_config equal to transformers' default in all of them is one
+# nobody wrote (Gemma3Config fills it in when none is given, and saves it so).
+_TOWER_SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+                "patch_size", "num_channels")
+
+
+def _own_tower(config: Any) -> bool:
+    """Whether a gemma3 config names its vision tower: with none (a text-only recipe's model.config, or a config.json
+    without vision_config) transformers builds its default SigLIP, and finetune keeps training the model as text."""
+    from transformers import SiglipVisionConfig
+
+    vision = getattr(config, "vision_config", None)
+    if vision is None or getattr(vision, "model_type", None) != "siglip_vision_model":
+        return vision is not None
+    default = SiglipVisionConfig()
+    return any(getattr(vision, key, None) != getattr(default, key) for key in _TOWER_SHAPE)
 
 
 def refusal(config: Any) -> str | None:
@@ -108,6 +167,13 @@ def refusal(config: Any) -> str | None:
 def text_config(config: Any) -> Any:
     """The language model's config of a supported VLM (where its head's settings are), else the config itself."""
     return config.text_config if family(config) is not None else config
+
+
+def head_softcapped(config: Any) -> bool:
+    """Whether the model's own head soft-caps its logits by the text config's final_logit_softcapping (a text model:
+    architectures.head_spec decides)."""
+    vlm = family(config)
+    return vlm is None or vlm.head_softcap
 
 
 def model_config(cfg: ModelConfig) -> Any | None:
@@ -153,7 +219,7 @@ def attach_layout(tokenizer: Any, cfg: ModelConfig) -> None:
 def _image_processor(cfg: ModelConfig, config: Any, vlm: VisionModel) -> Any:
     import transformers
 
-    overrides = dict(cfg.image_processor)
+    overrides = {**dict(cfg.image_processor), **dict(vlm.processor_fixed)}
     try:
         if cfg.init == "random" or not cfg.path:
             return getattr(transformers, vlm.processor_class)(**{**vlm.random_processor(config), **overrides})
@@ -179,7 +245,8 @@ def random_config(config: Any, values: dict[str, Any], tokenizer: Any) -> Any:
         setattr(text, name, getattr(tokenizer, name))
     for field, token in vlm.token_ids:
         found = tokenizer.convert_tokens_to_ids(token)
-        if field not in values and found is not None and tokenizer.convert_ids_to_tokens(found) == token:
+        given = field in values or config.attribute_map.get(field) in values  # gemma3: image_token_index
+        if not given and found is not None and tokenizer.convert_ids_to_tokens(found) == token:
             setattr(config, field, found)
     return config
 

@@ -6,6 +6,8 @@ backbone's hidden states and the output layer's weight, so a micro-batch costs o
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from finetune.attention import dispatch as attention
@@ -36,6 +38,8 @@ class CausalLMWithLoss(torch.nn.Module):
         # two are not registered again as submodules of this one.
         self._layers = output_layer(lm)
         self.head = head_spec(vision_models.text_config(lm.config), self._layers[1].weight.shape[0])
+        if not vision_models.head_softcapped(lm.config):
+            self.head = dataclasses.replace(self.head, softcap=None)
         self.softcap = softcap or self.head.softcap
         self.takes_boundaries = takes_boundaries(lm)
         # The run's packed-attention kernel setting, resolved once (the environment override read once per process);

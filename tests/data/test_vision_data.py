@@ -101,6 +101,158 @@ def test_llava_layout_is_llava_processors_own(folder):
         assert not any(t == image_id for t, label in zip(sample["input_ids"], sample["labels"]) if label != -100)
 
 
+@pytest.fixture(scope="module")
+def gemma3_tok():
+    return load_tokenizer(tokenizer_config("gemma3"), model_config("gemma3"))
+
+
+def _gemma3_processor(tok, tmp_path):
+    """transformers' own Gemma3Processor around the same tokenizer (reloaded with the boi/eoi/image token attributes
+    the processor reads; the same ids) and image processor."""
+    from transformers import AutoTokenizer, Gemma3Processor
+
+    from finetune.data.images import layout_for
+
+    tok.save_pretrained(tmp_path / "tok")
+    named = AutoTokenizer.from_pretrained(tmp_path / "tok", extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    return Gemma3Processor(image_processor=layout_for(tok).processor, tokenizer=named, image_seq_length=4)
+
+
+def test_gemma3_layout_is_gemma3_processors_own(gemma3_tok, folder):
+    """Gemma 3: the whole token sequence equals Gemma3Processor's ("\n\n<start_of_image>", mm_tokens_per_image
+    <image_soft_token>, "<end_of_image>\n\n" per image), for images of different sizes, with the shipped gemma3
+    template; the token_type_ids collate gives the model (its bidirectional image blocks) are the processor's; an
+    image's extent is <start_of_image> to <end_of_image>; no image or vision token is trained, even in a trained
+    message or with train_on_inputs."""
+    tok = gemma3_tok
+    processor = _gemma3_processor(tok, folder)
+    vision_ids = set(tok.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>"]))
+    for names in (["red.png"], ["blue.png", "green.png", "yellow.png"]):
+        row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
+        example = _example(row, folder)
+        sample = tokenize_example(example, tok)
+        rendered = tok.apply_chat_template(example.messages, tokenize=False)
+        expected = processor(text=[rendered], images=[[Image.open(folder / "images" / n) for n in names]],
+                             return_tensors="pt")
+        assert sample["input_ids"] == expected["input_ids"][0].tolist()
+        batch = collate([sample], DataConfig(packing=False), tok.pad_token_id)
+        assert torch.equal(batch.vision.inputs["token_type_ids"], expected["token_type_ids"])
+        assert torch.equal(batch.vision.inputs["pixel_values"], expected["pixel_values"])
+        for item in sample["images"]["items"]:
+            span = sample["input_ids"][item["start"]:item["start"] + item["length"]]
+            assert tok.convert_ids_to_tokens(span) == ["<start_of_image>", *["<image_soft_token>"] * 4,
+                                                       "<end_of_image>"] and item["features"] == 4
+    row = _row(_text("Draw it."), answer=[_text("Here:"), _image("red.png"), _text("done")])
+    for train_on_inputs in (False, True):
+        sample = tokenize_example(_example(row, folder, train_on_inputs=train_on_inputs), tok)
+        trained = [t for t, label in zip(sample["input_ids"], sample["labels"]) if label != IGNORE_INDEX]
+        assert not vision_ids & set(trained) and "done" in tok.decode(trained)
+        assert sum(t in vision_ids for t in sample["input_ids"]) == 6
+
+
+def test_gemma3_cut_inside_an_image_drops_the_sample(gemma3_tok, folder):
+    row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
+    full = tokenize_example(_example(row, folder), gemma3_tok)
+    item = full["images"]["items"][0]
+    for length, kept in ((item["start"] + 1, False), (item["start"] + item["length"] - 1, False),
+                         (item["start"], True), (item["start"] + item["length"], True)):
+        stats = DataStats()
+        samples = tokenize_examples([_example(row, folder)], gemma3_tok, DataConfig(max_seq_len=length), stats)
+        assert bool(samples) == kept, length
+        if not kept:
+            assert "inside the tokens of image 0" in stats.dropped_examples[0]
+
+
+def test_gemma3_processor_settings_it_cannot_lay_out_are_refused(folder):
+    row = _row(_image("red.png"), _text("color?"))
+    for overrides, message in (({"do_pan_and_scan": True}, "do_pan_and_scan is not supported for gemma3"),
+                               ({"size": {"height": 64, "width": 64}}, "takes 32x32 images")):
+        tok = load_tokenizer(tokenizer_config("gemma3"), model_config("gemma3").model_copy(
+            update={"image_processor": overrides}))
+        with pytest.raises(UserError, match=message):
+            tokenize_example(_example(row, folder), tok)
+
+
+@pytest.fixture(scope="module")
+def smolvlm_tok():
+    return load_tokenizer(tokenizer_config("smolvlm"), model_config("smolvlm"))
+
+
+# (width, height): portrait, landscape, one tile, just over one, odd sizes, far over the longest edge.
+_SMOL_SIZES = [(1, 1), (32, 32), (33, 32), (31, 33), (40, 30), (64, 20), (20, 64), (100, 90), (17, 300), (300, 17),
+               (129, 65), (1000, 700)]
+
+
+def test_smolvlm_grid_is_the_image_processors_own():
+    """Each image's tile grid (rows x cols), computed from its size alone, is the one SmolVLMImageProcessorPil makes
+    of its pixels, for sizes around and far over the tiles, with splitting on (the test's longest edge 64, and 4 x
+    the tile, the default) and off."""
+    from finetune.data.images import layout_for
+
+    for overrides in ({"size": {"longest_edge": 64}}, {}, {"do_image_splitting": False}):
+        tok = load_tokenizer(tokenizer_config("smolvlm"), model_config("smolvlm").model_copy(
+            update={"image_processor": overrides}))
+        layout = layout_for(tok)
+        for width, height in _SMOL_SIZES:
+            out = layout.processor(images=[Image.new("RGB", (width, height), "red")])
+            grid = layout.grid(height, width)
+            assert [out["rows"][0][0], out["cols"][0][0]] == grid, (overrides, width, height)
+            assert layout.tokens(height, width) == 4 * (grid[0] * grid[1] + 1)
+
+
+def test_smolvlm_layout_is_smolvlm_processors_own(smolvlm_tok, folder):
+    """SmolVLM: the whole token sequence equals what SmolVLMProcessor writes: each <image> replaced by
+    get_image_prompt_string of the grid the image processor returns for the pixels (its replace_image_token; the
+    processor class itself needs num2words, not installed here), tokenized; the tile markers and newlines between
+    them are the image's and never trained; the pixel values are the processor's."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    from finetune.data.images import layout_for
+
+    tok, processor = smolvlm_tok, layout_for(smolvlm_tok).processor
+    for names in (["red.png"], ["blue.png", "green.png", "yellow.png"]):
+        row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
+        example = _example(row, folder)
+        sample = tokenize_example(example, tok)
+        rendered = tok.apply_chat_template(example.messages, tokenize=False)
+        out = processor(images=[Image.open(folder / "images" / n).convert("RGB") for n in names], return_tensors="pt")
+        for rows, cols in zip(out["rows"][0], out["cols"][0]):
+            rendered = rendered.replace("<image>", "\0" + get_image_prompt_string(
+                rows, cols, 4, "<fake_token_around_image>", "<image>", "<global-img>").replace("<image>", "\1"), 1)
+        expected = tok(rendered.replace("\0", "").replace("\1", "<image>"), add_special_tokens=False)["input_ids"]
+        assert sample["input_ids"] == expected
+        batch = collate([sample], DataConfig(packing=False), tok.pad_token_id)
+        assert torch.equal(batch.vision.inputs["pixel_values"], out["pixel_values"])
+        for item, rows, cols in zip(sample["images"]["items"], out["rows"][0], out["cols"][0]):
+            span = sample["input_ids"][item["start"]:item["start"] + item["length"]]
+            assert item["grid"] == [rows, cols] and span.count(layout_for(tok).image_id) == item["features"]
+            assert tok.convert_ids_to_tokens([span[0], span[-1]]) == ["<fake_token_around_image>"] * 2
+            assert all(label == IGNORE_INDEX for label in
+                       sample["labels"][item["start"]:item["start"] + item["length"]])
+
+
+def test_smolvlm_cuts_changed_images_and_settings_it_cannot_lay_out(smolvlm_tok, folder):
+    row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
+    full = tokenize_example(_example(row, folder), smolvlm_tok)
+    item = full["images"]["items"][0]
+    for length, kept in ((item["start"] + 1, False), (item["start"] + item["length"] - 1, False),
+                         (item["start"], True), (item["start"] + item["length"], True)):
+        samples = tokenize_examples([_example(row, folder)], smolvlm_tok, DataConfig(max_seq_len=length), DataStats())
+        assert bool(samples) == kept, length
+    # yellow.png (16 x 48: 2 x 1 tiles) replaced by a 48 x 16 image: as many features, tiles the other way
+    sample = tokenize_example(_example(_row(_image("yellow.png")), folder), smolvlm_tok)
+    Image.new("RGB", (48, 16), "yellow").save(folder / "images" / "yellow.png")
+    with pytest.raises(UserError, match="yellow.png is split into 1x2 tiles and its sample was laid out for 2x1"):
+        collate([sample], DataConfig(packing=False), smolvlm_tok.pad_token_id)
+    for overrides, message in (({"max_image_size": {"longest_edge": 64}}, "takes 32x32 tiles"),
+                               ({"size": {"height": 64, "width": 64}}, "size must be {longest_edge: N}")):
+        tok = load_tokenizer(tokenizer_config("smolvlm"), model_config("smolvlm").model_copy(
+            update={"image_processor": overrides}))
+        with pytest.raises(UserError, match=message):
+            tokenize_example(_example(_row(_image("red.png")), folder), tok)
+
+
 def test_only_the_trained_messages_text_is_trained(tok, folder):
     vision_ids = set(tok.convert_tokens_to_ids(VISION_TOKENS))
     row = _row(_image("green.png"), _text("What color?"), answer=[_text("It is green.")])

@@ -4,8 +4,10 @@ refused, and exact gradient accumulation through the real trainer with images of
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import torch
 from helpers import final_weights, max_rel_diff, rel_diff, run_cli, train_lines
 from vision_fixtures import model_config, recipe_yaml, tokenizer_config, write_data
 
@@ -19,8 +21,10 @@ from finetune.model.loading import load_model, load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, DataConfig, ModelConfig
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
-TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "llava": "model.vision_tower."}
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "smolvlm")
+TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "llava": "model.vision_tower.",
+         "gemma3": "model.vision_tower.", "smolvlm": "model.vision_model."}
+LANGUAGE = {"smolvlm": "model.text_model."}  # the others: model.language_model.
 
 
 def _batch(tok, folder, n=6):
@@ -42,8 +46,14 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
     against the largest gradient)."""
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     model = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0)
+    if family == "gemma3":  # its projection starts at zero, which would pass the tower no gradient to compare
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2,
+                                                                                 generator=torch.Generator().manual_seed(0))
     batch = _batch(tok, tmp_path)
     assert batch.vision is not None and batch.vision.images == 7
+    if family == "smolvlm":  # images split into 1x2, 2x1 and 2x2 tiles, each with its global image
+        assert batch.vision.inputs["pixel_values"].shape[1] > 7
     net = CausalLMWithLoss(model, impl, chunk_size=16, z_loss=0.0, softcap=None)
     loss_sum, count = net(**batch.model_inputs())
     fused = loss_sum / count
@@ -70,12 +80,66 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
         assert max_rel_diff(ours[name], p.grad) <= 1e-5, (name, max_rel_diff(ours[name], p.grad))
 
 
+def test_gemma3_reads_each_image_both_ways_and_its_head_is_not_soft_capped(tmp_path):
+    """Gemma 3 attends bidirectionally within an image's tokens: the token_type_ids collate gives change the model's
+    own loss (so the fused loss, equal to it above, reads them too); and its head applies no final soft-cap (the tiny
+    config sets final_logit_softcapping 0.05, which Gemma3ForConditionalGeneration ignores): the fused loss with the
+    soft-cap put back differs from the model's own."""
+    from finetune.data.images import layout_for
+
+    tok = load_tokenizer(tokenizer_config("gemma3"), model_config("gemma3"))
+    model = load_model(model_config("gemma3"), AdapterConfig(), tok, seed=0)
+    with torch.no_grad():  # the projection starts at zero: images would add nothing to compare
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2,
+                                                                             generator=torch.Generator().manual_seed(0))
+    batch = _batch(tok, tmp_path)
+    inputs = dict(batch.vision.inputs)
+    with torch.no_grad():
+        own = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
+                    **inputs).loss
+        causal = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
+                       pixel_values=inputs["pixel_values"]).loss
+        net = CausalLMWithLoss(model, "torch", chunk_size=16, z_loss=0.0, softcap=None)
+        loss_sum, count = net(**batch.model_inputs())
+        capped_sum, _ = CausalLMWithLoss(model, "torch", chunk_size=16, z_loss=0.0, softcap=0.05)(
+            **batch.model_inputs())
+    assert net.softcap is None and model.config.text_config.final_logit_softcapping == 0.05
+    # random init: the vision token ids are the tokenizer's added tokens, the image processor the tower's size
+    ids = tok.convert_tokens_to_ids(["<image_soft_token>", "<start_of_image>", "<end_of_image>"])
+    assert [model.config.image_token_id, model.config.boi_token_id, model.config.eoi_token_id] == ids
+    assert layout_for(tok).processor.size.height == layout_for(tok).processor.size.width == 32
+    assert abs(loss_sum.item() / count - own.item()) <= 1e-5 * own.item()
+    assert abs(own.item() - causal.item()) > 1e-4 * own.item(), (own.item(), causal.item())
+    assert abs(capped_sum.item() / count - own.item()) > 1e-4 * own.item()
+
+
+def test_gemma3_without_a_vision_tower_of_its_own_stays_a_text_model():
+    """A gemma3 model.config without vision_config (transformers fills in its default SigLIP, and saves it so) is
+    trained as text, as before: no image layout, no vision tokens needed, packing not refused for being a VLM; one
+    that names its tower is a VLM, and the decision survives a save (the config's dict read back)."""
+    from transformers import AutoConfig, Gemma3Config
+
+    from finetune.data.images import layout_for
+    from finetune.model.vision import family
+
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16}
+    plain = AutoConfig.for_model("gemma3", text_config=text)
+    named = AutoConfig.for_model("gemma3", text_config=text, vision_config=model_config("gemma3").config[
+        "vision_config"])
+    assert family(plain) is None and family(Gemma3Config.from_dict(plain.to_dict())) is None
+    assert family(named).layout == "gemma3" and family(Gemma3Config.from_dict(named.to_dict())).layout == "gemma3"
+    tok = load_tokenizer(tokenizer_config(), ModelConfig(init="random", config={"model_type": "gemma3",
+                                                                                "text_config": text}))
+    assert layout_for(tok) is None  # the quickstart tokenizer has no Gemma 3 vision token, and needs none
+
+
 def test_other_vision_language_models_are_refused_with_the_reason():
-    for config, why in (({"model_type": "smolvlm"}, "its image layout, its loss through the fused head"),
+    for config, why in (({"model_type": "idefics3"}, "its image layout, its loss through the fused head"),
                         ({"model_type": "mistral3"}, "not checked yet"),
                         ({"model_type": "idefics"}, "cross-attention layers")):
         with pytest.raises(UserError, match=f"model_type '{config['model_type']}' is an image-text-to-text model "
-                                            f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava"):
+                                            f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava, gemma3, smolvlm"):
             load_tokenizer(tokenizer_config(), ModelConfig(init="random", config=config))
     tok = load_tokenizer(tokenizer_config(), model_config())
     with pytest.raises(UserError, match="adapter.type: qlora is not supported for vision-language models"):
@@ -89,10 +153,11 @@ def test_packing_is_refused_with_the_reason():
     assert why and why.startswith("data.packing: qwen2_vl is a vision-language model") and "packing: false" in why
 
 
-PROJECTOR = {"qwen2_vl": "model.visual.merger.", "llava": "model.multi_modal_projector."}
+PROJECTOR = {"qwen2_vl": "model.visual.merger.", "llava": "model.multi_modal_projector.",
+             "gemma3": "model.multi_modal_projector.", "smolvlm": "model.connector."}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
 def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family):
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     frozen = load_model(model_config(family), AdapterConfig(), tok, seed=0)
@@ -100,12 +165,12 @@ def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family)
     tower, projector = TOWER[family], PROJECTOR[family]
     assert not any(n.startswith(tower) and not n.startswith(projector) for n in training)
     assert any(n.startswith(projector) for n in training)
-    assert any(n.startswith("model.language_model.layers.") for n in training)
+    assert any(n.startswith(LANGUAGE.get(family, "model.language_model.") + "layers.") for n in training)
     full = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0)
     assert all(p.requires_grad for p in full.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
 def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(family):
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     vision_side = (TOWER[family], PROJECTOR[family])
@@ -114,15 +179,21 @@ def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(fam
         adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
         assert adapted and all("lora_" in n for n in adapted)
         assert not any(n.startswith(vision_side) for n in adapted), (target, sorted(adapted)[:3])
-        assert any(n.startswith("model.language_model.") for n in adapted), target
+        assert any(n.startswith(LANGUAGE.get(family, "model.language_model.")) for n in adapted), target
     regex = {"qwen2_vl": r".*(visual\.blocks\.\d+\.attn\.qkv|q_proj)$",
-             "llava": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$"}[family]
+             "llava": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
+             "gemma3": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
+             "smolvlm": r".*(vision_model\..*q_proj|text_model\..*q_proj)$"}[family]
     model = load_model(model_config(family), AdapterConfig(type="lora", r=4, target_modules=regex), tok, seed=0)
     adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
-    assert any(n.startswith(TOWER[family]) for n in adapted) and any(".language_model." in f".{n}" for n in adapted)
+    language = LANGUAGE.get(family, "model.language_model.").removeprefix("model")
+    assert any(n.startswith(TOWER[family]) for n in adapted) and any(language in f".{n}" for n in adapted)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+_GEMMA_NORM = re.compile(r"(language_model\..*norm|mm_soft_emb_norm)\.weight$")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
 def test_accumulation_factorizations_give_identical_training_with_images(tmp_path, family):
     """micro x accum = 8x1, 1x8, 2x4 for 2 steps of rows with 0, 1 or 2 images of four sizes, the vision encoder
     training too (model.freeze_vision: false): the same logged losses and grad norms within 1e-5, and the same
@@ -149,16 +220,25 @@ def test_accumulation_factorizations_give_identical_training_with_images(tmp_pat
             assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] <= 1e-5, (key, a["grad_norm"])
         weights = final_weights(out)
         for name, tensor in ref_weights.items():
-            if family == "llava" and name.endswith("k_proj.bias") and tensor.abs().max() < 1e-5:
-                # CLIP's key bias: its gradient is zero but for float noise (no RoPE, the softmax ignores q.b), and
+            if family in ("llava", "gemma3", "smolvlm") and name.endswith("k_proj.bias") and tensor.abs().max() < 1e-5:
+                # CLIP's and SigLIP's key bias: its gradient is zero but for float noise (no RoPE, the softmax ignores q.b), and
                 # Adam turns that noise into noise-sized steps (1e-7 after 2 steps of lr 1e-3): it never moved.
                 assert weights[name].abs().max() < 1e-5, (key, name)
                 continue
+            if family == "gemma3" and _GEMMA_NORM.search(name):
+                # Gemma's RMSNorm scales by 1 + weight (stored at zero): compared as that scale, as other models'
+                # norm weights (at one) are. The stored offset is only the update, whose Adam step amplifies float
+                # noise where two steps' gradients nearly cancel (2e-7 absolute here).
+                weights[name], tensor = 1 + weights[name], 1 + tensor
             assert rel_diff(weights[name], tensor) <= 1e-5, (key, name, rel_diff(weights[name], tensor))
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     start = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0).state_dict()
     # The vision encoder trained (saved under the checkpoint's names): the comparison is not of its init.
     saved, loaded = {"qwen2_vl": ("visual.blocks.0.attn.qkv.weight", "model.visual.blocks.0.attn.qkv.weight"),
                      "llava": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
-                               "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight")}[family]
+                               "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"),
+                     "gemma3": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
+                                "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"),
+                     "smolvlm": ("model.vision_model.encoder.layers.0.self_attn.q_proj.weight",
+                                 "model.vision_model.encoder.layers.0.self_attn.q_proj.weight")}[family]
     assert rel_diff(ref_weights[saved], start[loaded]) > 1e-3
