@@ -47,7 +47,7 @@ def check_images_allowed(tokenizer: Any, images: Sequence[str]) -> None:
     """A UserError for images given to a text-only model (checked before its chat template sees image parts)."""
     if images and layout_for(tokenizer) is None:
         raise UserError("--image: this model is text-only (no image processor was loaded with it); images need a "
-                        "vision-language model run: qwen2_vl, qwen2_5_vl or llava (docs/vision.md)")
+                        "vision-language model run (docs/vision.md lists the supported families)")
 
 
 def prompt_inputs(tokenizer: Any, rendered: str, images: Sequence[str]) -> dict[str, torch.Tensor]:
