@@ -102,8 +102,7 @@ def describe_impl(impl: str, device: torch.device | str) -> str:
 
 @functools.cache
 def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """torch.promote_types, remembered: each call is a dispatched op (host time), asked several times a micro-batch
-    about the same two or three dtypes."""
+    """torch.promote_types, remembered: each call is a dispatched op, asked several times a micro-batch."""
     return torch.promote_types(a, b)
 
 
@@ -254,15 +253,9 @@ def _chunked_forward(
     return total.to(acc), grads
 
 
-def _one_chunk(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    z_loss: float,
-    softcap: float | None,
-    grad_flags: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def _one_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+               z_loss: float, softcap: float | None,
+               grad_flags: tuple[bool, bool, bool]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """_chunked_forward of rows that fit one chunk (short rows, small micro-batches: where the host's time per
     micro-batch shows): the same operations without the accumulators, slices and final casts the chunk loop needs,
     so the same numbers (a sum of one term in float64 cast back is the term) in about ten fewer ops."""
@@ -274,14 +267,9 @@ def _one_chunk(
     grad_h = torch.mm(g_lp, weight) if need_h else None
     grad_b = g.sum(dim=0).to(bias.dtype) if need_b and bias is not None else None
     grad_w = None
-    if need_w:
-        if g.dtype == hidden.dtype:
-            grad_w = torch.mm(g.t(), hidden)
-        elif has_mm_out_dtype(hidden.device):
-            grad_w = torch.mm(g_lp.t(), hidden, out_dtype=g.dtype)
-        else:  # as in the chunk loop: no 16-bit GEMM with fp32 output here (CPU)
-            grad_w = torch.mm(g.t(), hidden.to(g.dtype))
-        grad_w = grad_w.to(weight.dtype)
+    if need_w:  # as in the chunk loop; the last: no 16-bit GEMM with fp32 output here (CPU)
+        grad_w = (torch.mm(g.t(), hidden) if g.dtype == hidden.dtype else torch.mm(g_lp.t(), hidden, out_dtype=g.dtype)
+                  if has_mm_out_dtype(hidden.device) else torch.mm(g.t(), hidden.to(g.dtype))).to(weight.dtype)
     return loss, [grad_h, grad_w, grad_b]
 
 
