@@ -161,9 +161,10 @@ class WeightSamples:
         import torch
 
         after = self.take()
-        # Both norms in one op, in float64 (after - before in place: `after` is this call's own copy): about eight
-        # ops a step in all, on the device, after the step's read.
-        norms = torch.linalg.vector_norm(torch.stack([after.sub_(before), before]), dim=1, dtype=torch.float64)
+        # Both norms in one op (after - before in place: `after` is this call's own copy): about nine ops a step in
+        # all, on the device, after the step's read. In float32 as before, then float64: a change below float32's
+        # range (lr 1e-30 on a weight of 0) stays a ratio of 0, "did not move".
+        norms = torch.linalg.vector_norm(torch.stack([after.sub_(before), before]), dim=1).double()
         if reduce is not None:  # each rank holds a shard: the sums of squares are summed over ranks
             sums = norms.square()
             reduce(sums)
