@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from finetune.errors import UserError
@@ -39,24 +40,32 @@ def to_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.
 @dataclass(frozen=True, eq=False)
 class Targets:
     """The flat positions in [B*T] whose next token is a target (ascending, on the device: what the loss
-    index_selects), how many there are, and the smallest and largest target id (0, 0 when there are none)."""
+    index_selects), how many there are, the smallest and largest target id (0, 0 when there are none) and, when
+    found by find_targets, the target ids themselves in the same order (`ids`, on the device: the shifted labels'
+    gather, done on the CPU)."""
 
     index: torch.Tensor
     count: int
     low: int
     high: int
+    ids: torch.Tensor | None = None
 
 
 def find_targets(labels: torch.Tensor, device: torch.device | str | None = None) -> Targets:
     """The Targets of UNSHIFTED labels [B, T] (or [T]) on the CPU: position t scores labels[..., t + 1]. Finding
-    them on the device would be a dynamic shape (`nonzero`) and a read: two host syncs per micro-batch."""
-    rows = labels.reshape(-1, labels.shape[-1]).cpu()
-    scored = rows[:, 1:] != IGNORE_INDEX
-    where = scored.nonzero()
-    index = where[:, 0] * rows.shape[1] + where[:, 1]
-    ids = rows[:, 1:][scored]
-    low, high = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
-    return Targets(to_device(index, device), int(index.numel()), low, high)
+    them on the device would be a dynamic shape (`nonzero`) and a read: two host syncs per micro-batch. In numpy
+    (a few microseconds, where each small torch op costs several), and the positions and the ids go to the device
+    as one tensor, one copy."""
+    host = labels.reshape(-1, labels.shape[-1]).cpu()
+    rows = host.numpy()
+    scored = np.zeros(rows.shape, dtype=bool)
+    scored[:, :-1] = rows[:, 1:] != IGNORE_INDEX
+    index = np.flatnonzero(scored)  # r * T + t: position t of row r scores labels[r, t + 1], flat r * T + t + 1
+    ids = rows.reshape(-1)[index + 1]
+    low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    # new_tensor: a tensor of the labels' own type (a subclass stays one, as the torch ops here kept it before).
+    both = to_device(host.new_tensor(np.stack([index, ids]), dtype=torch.int64), device)
+    return Targets(both[0], int(index.size), low, high, both[1])
 
 
 # --- packed documents --------------------------------------------------------------------------------------------
@@ -69,6 +78,17 @@ def document_spans(position_ids: torch.Tensor, batch_size: int) -> list[list[tup
     restarts = (position_ids[:, 1:] != position_ids[:, :-1] + 1).nonzero().tolist()
     starts: list[list[int]] = [[0] for _ in range(batch_size)]
     for row, col in restarts:
+        starts[row].append(col + 1)
+    return [list(zip(s, [*s[1:], length])) for s in starts]
+
+
+def _spans(pos: np.ndarray) -> list[list[tuple[int, int]]]:
+    """document_spans of host position_ids [b, S], in numpy (the same rule; each small torch op would cost several
+    microseconds of host time per micro-batch)."""
+    length = pos.shape[1]
+    restarts = np.nonzero(pos[:, 1:] != pos[:, :-1] + 1)
+    starts: list[list[int]] = [[0] for _ in range(pos.shape[0])]
+    for row, col in zip(restarts[0].tolist(), restarts[1].tolist()):
         starts[row].append(col + 1)
     return [list(zip(s, [*s[1:], length])) for s in starts]
 
@@ -99,11 +119,11 @@ class Documents:
         cu_seqlens copied to `device` (without blocking, from pinned memory, on CUDA)."""
         pos = position_ids if position_ids.ndim == 2 else position_ids[None]
         batch, length = pos.shape
-        spans = document_spans(pos.cpu(), batch)
-        lengths = torch.tensor([end - start for row in spans for start, end in row], dtype=torch.int32)
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        torch.cumsum(lengths, 0, out=cu[1:])
-        return Documents(spans, to_device(cu, device), int(lengths.max()), batch, length)
+        spans = _spans(pos.cpu().numpy())
+        lengths = [end - start for row in spans for start, end in row]
+        cu = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=cu[1:])
+        return Documents(spans, to_device(torch.from_numpy(cu), device), max(lengths), batch, length)
 
     def model_kwargs(self, kernel: str = "auto") -> dict[str, Any]:
         """The model-call keyword arguments: transformers' own names for precomputed variable-length boundaries

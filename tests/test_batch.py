@@ -125,7 +125,7 @@ def test_to_moves_every_tensor_and_keeps_counts_on_the_host(packed):
     assert {path: t.device.type for path, t in tensors.items() if t.device.type != "meta"} == {}
     expected = {"batch.input_ids", "batch.labels", "batch.pairs.doc_index", "batch.pairs.ref_logps",
                 "batch.rollouts.seq_index", "batch.rollouts.advantages", "batch.rollouts.old_logps",
-                "batch.target_positions.index"}
+                "batch.target_positions.index", "batch.target_positions.ids"}
     expected |= {"batch.position_ids", "batch.documents.cu_seqlens"} if packed else {"batch.attention_mask"}
     assert set(tensors) == expected
     assert isinstance(moved.target_positions, Targets) and (moved.documents is not None) == packed

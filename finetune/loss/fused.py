@@ -100,9 +100,15 @@ def describe_impl(impl: str, device: torch.device | str) -> str:
 # helpers shared by the implementations
 
 
+@functools.cache
+def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """torch.promote_types, remembered: each call is a dispatched op, asked several times a micro-batch."""
+    return torch.promote_types(a, b)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float32, or float64 when the inputs are float64 (keeps the gradcheck exact)."""
-    return torch.promote_types(dtype, torch.float32)
+    return promote(dtype, torch.float32)
 
 
 @functools.lru_cache(maxsize=8)
@@ -132,7 +138,7 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Te
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the projection runs in: what nn.Linear would use. Under autocast that is the autocast dtype;
     otherwise the promoted dtype of hidden and weight (they normally match)."""
-    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    dtype = promote(hidden.dtype, weight.dtype)
     dev = hidden.device.type
     # autocast leaves float64 alone, and so do we
     if dev in ("cuda", "cpu") and dtype != torch.float64 and torch.is_autocast_enabled(dev):
@@ -168,7 +174,8 @@ def _chunk_loss_and_grad(
         t = None
         x = logits
     del logits
-    x_y = x.gather(1, y.unsqueeze(1)).squeeze(1)  # target logit, read before x is overwritten
+    y1 = y.unsqueeze(1)
+    x_y = x.gather(1, y1).squeeze(1)  # target logit, read before x is overwritten
     m = x.amax(dim=1, keepdim=True)
     e = x.sub_(m).exp_()  # x is consumed: e = exp(x - max), in place
     s = e.sum(dim=1, keepdim=True)
@@ -183,7 +190,7 @@ def _chunk_loss_and_grad(
     if z_loss:
         # d(z * lse^2)/dx_i = 2 z lse softmax_i, so the softmax is scaled by (1 + 2 z lse)
         grad.mul_((1.0 + 2.0 * z_loss * lse).unsqueeze(1))
-    grad.scatter_add_(1, y.unsqueeze(1), grad.new_full((y.numel(), 1), -1.0))  # - onehot(y)
+    grad.scatter_add_(1, y1, grad.new_full((y.numel(), 1), -1.0))  # - onehot(y)
     if t is not None:
         grad.mul_(t.square_().neg_().add_(1.0))  # chain rule through softcap: 1 - tanh^2, in t's buffer
     return loss, grad
@@ -206,6 +213,8 @@ def _chunked_forward(
     need_h, need_w, need_b = grad_flags
     need_grad = need_h or need_w or need_b
     n = hidden.shape[0]
+    if n <= chunk_size:
+        return _one_chunk(hidden, weight, bias, targets, z_loss, softcap, grad_flags)
     acc = acc_dtype(hidden.dtype)
     grad_h = torch.empty_like(hidden) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -242,6 +251,26 @@ def _chunked_forward(
         grad_b.to(bias.dtype) if grad_b is not None and bias is not None else None,
     ]
     return total.to(acc), grads
+
+
+def _one_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+               z_loss: float, softcap: float | None,
+               grad_flags: tuple[bool, bool, bool]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """_chunked_forward of rows that fit one chunk (short rows, small micro-batches: where the host's time per
+    micro-batch shows): the same operations without the accumulators, slices and final casts the chunk loop needs,
+    so the same numbers (a sum of one term in float64 cast back is the term) in about ten fewer ops."""
+    need_h, need_w, need_b = grad_flags
+    loss, g = _chunk_loss_and_grad(hidden, weight, bias, targets, z_loss, softcap, need_h or need_w or need_b)
+    if g is None:
+        return loss, [None, None, None]
+    g_lp = g if g.dtype == hidden.dtype else g.to(hidden.dtype)
+    grad_h = torch.mm(g_lp, weight) if need_h else None
+    grad_b = g.sum(dim=0).to(bias.dtype) if need_b and bias is not None else None
+    grad_w = None
+    if need_w:  # as in the chunk loop; the last: no 16-bit GEMM with fp32 output here (CPU)
+        grad_w = (torch.mm(g.t(), hidden) if g.dtype == hidden.dtype else torch.mm(g_lp.t(), hidden, out_dtype=g.dtype)
+                  if has_mm_out_dtype(hidden.device) else torch.mm(g.t(), hidden.to(g.dtype))).to(weight.dtype)
+    return loss, [grad_h, grad_w, grad_b]
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -337,14 +366,11 @@ def linear_cross_entropy(
     _check_arguments(hidden, weight, labels, bias, impl, chunk_size, softcap)
     vocab, hsize = weight.shape
 
-    shifted = shift_labels(labels).reshape(-1)
-    if targets is None:
-        keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: the row count is a dynamic shape
-        count = keep.numel()
-    else:  # found on the CPU (finetune/batch.py): no host sync
-        keep, count = targets.index, targets.count
+    keep, y = target_rows(labels, targets)
+    count = targets.count if targets is not None else keep.numel()
     n_targets = torch.full((), count, dtype=torch.int64, device=hidden.device)
-    out_dtype = acc_dtype(compute_dtype(hidden, weight))
+    dtype = compute_dtype(hidden, weight)
+    out_dtype = acc_dtype(dtype)
 
     if count == 0:
         # 0.0 that still reaches every parameter: backward runs and DDP/FSDP hooks fire. Empty slices instead of
@@ -354,7 +380,6 @@ def linear_cross_entropy(
             zero = zero + bias[:0].sum()
         return zero.to(out_dtype), n_targets
 
-    y = shifted.index_select(0, keep)
     # On CUDA a bad id is an opaque device assert: checked on the host range, else by a second (tiny) sync.
     bad_id = _bad_id(y, vocab) if targets is None else next((t for t in (targets.low, targets.high)
                                                              if not 0 <= t < vocab), None)
@@ -368,12 +393,23 @@ def linear_cross_entropy(
 
     # Cast explicitly (differentiably) to the dtype nn.Linear would use, then compute with autocast off, so the
     # three implementations see the same operands and autocast cannot silently downcast the fp32 work.
-    dtype = compute_dtype(hidden, weight)
     b = bias.to(dtype) if bias is not None else None
     dev = hidden.device.type
-    with torch.autocast(device_type=dev, enabled=False) if dev in ("cuda", "cpu") else contextlib.nullcontext():
+    autocast = dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)  # entering it costs host time per call
+    with torch.autocast(device_type=dev, enabled=False) if autocast else contextlib.nullcontext():
         loss = _summed_loss(impl, h.to(dtype), weight.to(dtype), b, y, chunk_size, z_loss, softcap)
     return loss.to(out_dtype), n_targets
+
+
+def target_rows(labels: torch.Tensor, targets: Targets | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the flat positions in [B*T] that have a target, their target ids) of UNSHIFTED labels: from `targets` when
+    it carries both (finetune/batch.py found them on the CPU: no host sync, no device op), else from the labels
+    shifted here (without `targets`: a host sync, the row count being a dynamic shape)."""
+    if targets is not None and targets.ids is not None:
+        return targets.index, targets.ids
+    shifted = shift_labels(labels).reshape(-1)
+    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1) if targets is None else targets.index
+    return keep, shifted.index_select(0, keep)
 
 
 def _bad_id(y: torch.Tensor, vocab: int) -> int | None:

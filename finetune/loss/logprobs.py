@@ -26,8 +26,7 @@ import torch.nn.functional as F
 
 from finetune.batch import Targets
 from finetune.errors import UserError
-from finetune.labels import IGNORE_INDEX
-from finetune.loss.fused import acc_dtype, compute_dtype, mm_f32, resolve_impl, shift_labels
+from finetune.loss.fused import acc_dtype, compute_dtype, mm_f32, resolve_impl, target_rows
 from finetune.loss.liger import liger_token_losses
 
 
@@ -84,11 +83,9 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     scores labels[t + 1]. The log-probs carry gradients to hidden, weight and bias, in the accumulation dtype
     (float32; float64 for float64 inputs). `impl` is resolved ('chunked' | 'torch' | 'liger'). `targets`
     (finetune/batch.py, found on the CPU) spares the host syncs of finding and checking them."""
-    shifted = shift_labels(labels).reshape(-1)
-    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1) if targets is None else targets.index
+    keep, y = target_rows(labels, targets)
     dtype = compute_dtype(hidden, weight)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep).to(dtype)
-    y = shifted.index_select(0, keep)
     low, high = (targets.low, targets.high) if targets is not None else (
         (int(y.min()), int(y.max())) if y.numel() else (0, 0))
     if (targets.count if targets is not None else y.numel()) and (low < 0 or high >= weight.shape[0]):

@@ -57,25 +57,56 @@ def forward_backward(net: torch.nn.Module, objective: Objective, micro: list[Mic
     average gradients over ranks), reducing gradients only after the last one (parallel.gradient_sync). The model
     runs in the mode the caller set (the loop: training; verify: eval, without dropout). Returns
     [the step's summed loss terms..., its summed metrics...] (float64, on the device, summed over ranks)."""
-    units = objective.units
-    totals = torch.zeros(len(units), device=device, dtype=torch.float32)
-    metric_sums = torch.zeros(len(objective.metrics), device=device, dtype=torch.float64)
+    units, names = objective.units, list(objective.metrics)
+    # Each micro-batch's terms and metrics (0-dim, on the device) are kept and summed once after the last, in
+    # float64: two ops a step rather than a stack and an add per micro-batch (host time on a GPU's critical path).
+    terms: list[torch.Tensor] = []
+    metrics: list[torch.Tensor] = []
     for i, batch in enumerate(micro):
         with gradient_sync(net, last=i == len(micro) - 1):
             result = objective.forward(net, batch, device)
             scaled = [result.terms[u] * (world.size / max(counts[u], 1)) for u in units]
             sum(scaled[1:], scaled[0]).backward()
-        totals += torch.stack([result.terms[u].detach() for u in units])
-        if objective.metrics:
-            metric_sums += torch.stack([result.metrics[m] for m in objective.metrics])
-    return dist.all_reduce_sum(torch.cat([totals.double(), metric_sums]))
+        terms.extend(result.terms[u].detach() for u in units)
+        metrics.extend(result.metrics[m] for m in names)
+    sums = _summed(terms, len(units), device)
+    if names:
+        sums = torch.cat([sums, _summed(metrics, len(names), device)])
+    return dist.all_reduce_sum(sums)
+
+
+def _summed(values: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """[width] float64 sums of 0-dim tensors listed `width` at a time (one micro-batch's), in their order."""
+    if not values:
+        return torch.zeros(width, device=device, dtype=torch.float64)
+    return torch.stack(values).reshape(-1, width).sum(0, dtype=torch.float64)
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip the gradients in place; returns their pre-clip norm as a 0-dim tensor on the device (not read)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    # FSDP2 returns the norm as a DTensor: its full value (a collective on the device, no read).
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """Clip the gradients in place; returns their pre-clip norm as a 0-dim tensor on the device (not read).
+
+    Gradients of one device and dtype (one process, DDP): torch's clip_grad_norm_ op for op (the same foreach
+    norms, total, coefficient and scaling, so the same numbers), without its per-call grouping and checks (host
+    time each step), and without the scaling by 1 where nothing clips (max_norm inf). Anything else (FSDP2's
+    DTensors, mixed dtypes or devices): clip_grad_norm_ itself."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not _one_kind(grads):
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # FSDP2 returns the norm as a DTensor: its full value (a collective on the device, no read).
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    with torch.no_grad():
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if max_norm < math.inf:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def _one_kind(grads: list[torch.Tensor]) -> bool:
+    """Whether the gradients are plain tensors of one dtype on one CPU or CUDA device."""
+    if not grads or type(grads[0]) is not torch.Tensor or grads[0].device.type not in ("cpu", "cuda"):
+        return False
+    dtype, device = grads[0].dtype, grads[0].device
+    return all(type(g) is torch.Tensor and g.dtype == dtype and g.device == device for g in grads)
 
 
 @dataclass

@@ -499,3 +499,18 @@ def test_chunked_on_cuda_matches_torch(dtype, no_tf32):
     for name, g, rg in zip(("hidden", "weight", "bias"), grads, ref_grads):
         assert g.dtype == dtype
         assert_close(g, rg, rel, f"grad {name}", floors[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extras", [{}, {"z_loss": 1e-3, "softcap": 5.0}])
+def test_rows_that_fit_one_chunk_take_the_short_path_to_the_same_numbers(dtype, extras):
+    """Rows that fit one chunk skip the chunk loop's accumulators (host time per micro-batch): the same loss and
+    gradients as the loop over smaller chunks (the sums in another order: to float32 rounding)."""
+    hidden, weight, bias, labels = make_inputs(3, 2, 24, 16, 40, dtype, bias=True)
+    one = loss_and_grads("chunked", hidden, weight, bias, labels, chunk_size=1024, **extras)
+    loop = loss_and_grads("chunked", hidden, weight, bias, labels, chunk_size=7, **extras)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert one[1] == loop[1] and one[0].dtype == loop[0].dtype == torch.float32
+    assert abs(float(one[0]) - float(loop[0])) <= tol * abs(float(loop[0]))
+    for a, b in zip(one[2], loop[2]):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)

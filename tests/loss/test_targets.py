@@ -92,3 +92,16 @@ def test_a_batch_prepared_ahead_is_the_same_batch():
     assert inputs["documents"].cu_seqlens.tolist() == [0, 3, 5, 7, 10]  # the padding is one more document
     with pytest.raises(AssertionError, match="to\\(device\\)"):
         batch.model_inputs()
+
+
+def test_found_targets_carry_their_ids_and_the_loss_takes_them():
+    """find_targets also gathers the target ids on the CPU (the loss then shifts and gathers nothing on the device):
+    the shifted labels at the target positions, one tensor with the positions."""
+    hidden, weight, labels = _case()
+    found = find_targets(labels)
+    shifted = shift_labels(labels).reshape(-1)
+    assert torch.equal(found.ids, shifted[found.index]) and found.ids.dtype == torch.int64
+    without_ids = type(found)(found.index, found.count, found.low, found.high)
+    a, _ = linear_cross_entropy(hidden, weight, labels, targets=found)
+    b, _ = linear_cross_entropy(hidden, weight, labels, targets=without_ids)
+    assert torch.equal(a, b)

@@ -312,3 +312,26 @@ def test_eval_moves_each_micro_batch_once_without_blocking_and_puts_counts_on_th
         assert sum(1 for shape in moved if len(shape) == 2 and shape[0] <= micro) >= 2 * -(-rows // micro)
     assert results[2].counts == results[4].counts and results[2].counts["tokens"] > 0
     assert results[2].loss == pytest.approx(results[4].loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9, math.inf])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_clip_gradients_is_torch_clip_grad_norm_bit_for_bit(max_norm, mixed):
+    """clip_gradients' own path (one device and dtype: fewer host steps) gives torch's clip_grad_norm_ numbers
+    exactly: the pre-clip norm and the clipped gradients; mixed dtypes take clip_grad_norm_ itself."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (300,), (2, 3, 4), (1,)]
+
+    def params():
+        gen.manual_seed(0)
+        dtypes = [torch.float32, torch.float64 if mixed else torch.float32, torch.float32, torch.float32]
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=d)) for s, d in zip(shapes, dtypes)]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 3
+        return ps + [torch.nn.Parameter(torch.zeros(3))]  # one without a gradient
+
+    ours, theirs = params(), params()
+    norm = clip_gradients(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert torch.equal(norm, expected) and norm.dtype == expected.dtype
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs) if a.grad is not None)
