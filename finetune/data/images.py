@@ -1,9 +1,11 @@
 """Images in chat rows: a message's parts, and where each image's tokens go in a sample (docs/vision.md).
 
 A message's content may be a list of parts, transformers' chat-template convention: `{"type": "text", "text": ...}`
-and `{"type": "image", "path": ...}` (a local image file; a relative path is relative to the data file). The chat
-template gets `{"type": "text", "text"}` and `{"type": "image"}` and writes each image as its placeholder (Qwen2-VL:
-`<|vision_start|><|image_pad|><|vision_end|>`); the example keeps the images' paths, in the order they appear.
+and `{"type": "image", "path": ...}` (a local image file; a relative path is relative to the data file), or
+`{"type": "image"}`, which takes the next image of the row's images column (RowImages; image_files.py turns an image
+given as bytes into a file). The chat template gets `{"type": "text", "text"}` and `{"type": "image"}` and writes
+each image as its placeholder (Qwen2-VL: `<|vision_start|><|image_pad|><|vision_end|>`); the example keeps the
+images' paths, in the order they appear.
 
 The layout (preprocessing): each placeholder becomes the text the model's processor would make of it (Qwen2-VL: one
 `<|image_pad|>` per feature the vision encoder gives the language model), their number computed from the image's
@@ -81,8 +83,8 @@ class RowImages:
         if self.taken < len(self.entries):
             parts = self.taken or "no"
             raise BadRow(f"{self.origin}: the row's {self.column!r} holds {len(self.entries)} images and its "
-                         f"messages have {parts} image parts without a path to take them; an image nothing shows "
-                         "would be dropped: give each its {\"type\": \"image\"} part, or remove it")
+                         f"messages have {parts} image parts without a path to take them: the images left over "
+                         "would never be trained on; give each its {\"type\": \"image\"} part, or remove it")
 
 
 def message_parts(origin: str, i: int, content: list[Any], images: RowImages) -> list[dict[str, Any]]:

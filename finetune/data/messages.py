@@ -175,15 +175,11 @@ def row_tools(origin: str, data: dict[str, Any]) -> tuple[dict[str, Any], ...] |
 
 
 def row_images(origin: str, data: dict[str, Any], fields: MessageFields, fmt: str = "chat") -> RowImages:
-    """The row's images column (fields.images) for its image parts to take; a BadRow when it is not a list, or
-    holds images in a row of a format other than chat (they would be dropped)."""
+    """The row's images column (fields.images: a list, or one image as datasets with an `image` column hold it) for
+    its image parts to take; a BadRow when a row of a format other than chat has images (they would be dropped)."""
     value = data.get(fields.images)
-    if value is None or (isinstance(value, list) and not value):
-        value = []
-    elif not isinstance(value, list):
-        raise BadRow(f"{origin}: {fields.images!r} must be a list of images (paths, {{\"bytes\", \"path\"}} objects), "
-                     f"got {type(value).__name__}")
-    elif fmt != "chat":
-        raise BadRow(f"{origin}: the row has {len(value)} images in {fields.images!r}; images are read in chat rows "
+    entries = [] if value is None else value if isinstance(value, list) else [value]
+    if entries and fmt != "chat":
+        raise BadRow(f"{origin}: the row has {len(entries)} images in {fields.images!r}; images are read in chat rows "
                      f"(format: chat) only, and this dataset's format is {fmt}")
-    return RowImages(origin, fields.images, value, fields.image_root, store_dir(fields.cache_dir))
+    return RowImages(origin, fields.images, entries, fields.image_root, store_dir(fields.cache_dir))

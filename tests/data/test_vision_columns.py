@@ -146,7 +146,6 @@ def test_bad_image_columns_are_bad_rows_naming_the_row(tmp_path, png):
         (_row(IMAGE, images=["https://example.com/cat.png"]), "remote images are not supported; download them"),
         (_row(IMAGE, images=[{"bytes": None, "path": None}]), "images[0] has neither image bytes nor a path"),
         (_row(IMAGE, images=[3]), "images[0] is a int, not an image"),
-        (_row(IMAGE, images=png), "'images' must be a list of images"),
         (_row({"type": "image", "index": 1}, images=[png, png]), "has index 1, but it is the row's image 0"),
         (_row({"type": "image", "url": "https://example.com/a.png"}), "remote images are not supported"),
         (_row({"type": "image", "image": {"bytes": b"GIF89a", "path": None}}), "6 bytes that are not an image"),
@@ -160,6 +159,8 @@ def test_bad_image_columns_are_bad_rows_naming_the_row(tmp_path, png):
         with pytest.raises(BadRow, match=f"images are read in chat rows .* this dataset's format is {fmt}"):
             _example(row, tmp_path, fmt)
     assert _example({"instruction": "i", "output": "o", "images": []}, tmp_path, "alpaca").images == ()
+    (one,) = _example(_row(IMAGE, images=png), tmp_path).images  # one image, not in a list: an `image` column
+    assert Path(one).read_bytes() == png["bytes"]
 
 
 def test_parts_take_their_own_images_or_the_columns_in_order(tmp_path, png):
