@@ -174,6 +174,18 @@ def test_parts_take_their_own_images_or_the_columns_in_order(tmp_path, png):
         (tmp_path / "images" / "green.png").read_bytes(), png["bytes"], blue["bytes"],
         (tmp_path / "images" / "yellow.png").read_bytes()]
     assert paths[1].startswith(str(tmp_path / "cache" / STORE_FOLDER))
+    with Image.open(tmp_path / "images" / "red.png") as opened:  # decoded from a file: that file, not a copy
+        (own,) = _example(_row(IMAGE, images=[opened]), tmp_path).images
+    assert own == str((tmp_path / "images" / "red.png").resolve())
+
+
+def test_preference_rows_with_images_are_bad_rows(png):
+    from finetune.data.pairs import to_pair
+
+    row = {"prompt": "p", "chosen": "a", "rejected": "b", "images": [png]}
+    with pytest.raises(BadRow, match=r"^d:4: the row has 1 images in 'images'; .* format is preference"):
+        to_pair(RawRow(row, "d:4"))
+    assert to_pair(RawRow({**row, "images": None}, "d:4")).chosen[0]["content"] == "a"
 
 
 def test_the_store_is_under_the_data_cache_root(tmp_path, monkeypatch):
