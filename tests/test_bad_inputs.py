@@ -82,6 +82,22 @@ IMAGE_ROW = {"messages": [{"role": "user", "content": [{"type": "image", "path":
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415478"
                     "9c63f8cfc0000003010100c9fe92ef0000000049454e44ae426082")
 
+# Rows whose images are in their `images` column (TRL's convention): image parts without a path take them in order.
+COLUMN_ROW = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+                           {"role": "assistant", "content": "A cat."}], "images": ["cat.png"]}
+
+
+def parquet(*rows: dict) -> bytes:
+    """A parquet file of `rows` (an image column's bytes, as parquet and hub datasets keep them)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(list(rows)), out)
+    return out.getvalue()
+
 # The billion laughs under model.config: nine levels of ten aliases each, 10^9 values in under 1 KB.
 ALIAS_BOMB = "model:\n  config:\n    l0: &l0 [" + ", ".join(["lol"] * 10) + "]\n" + "".join(
     f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9))
@@ -263,6 +279,30 @@ CASES = [
          ("{d}/train.jsonl:1: this row has images, and the model is not a vision-language model finetune trains",
           "docs/vision.md"),
          files={"train.jsonl": jsonl(IMAGE_ROW, *GOOD_ROWS), "cat.png": PNG}),
+    Case("image_column_count", "more image parts than images in the row's `images` column", "data",
+         ("{d}/train.jsonl:1: message 0, part 1 (image) has no path and the row's 'images' holds 1 images: more "
+          "image parts than images",),
+         files={"train.jsonl": jsonl({**COLUMN_ROW, "messages": [
+             {"role": "user", "content": [{"type": "image"}, {"type": "image"}]}, COLUMN_ROW["messages"][1]]},
+             *GOOD_ROWS), "cat.png": PNG}),
+    Case("image_column_unused", "an `images` column on a row without image parts", "data",
+         ("{d}/train.jsonl:2: the row's 'images' holds 1 images and its messages have no image parts",),
+         files={"train.jsonl": jsonl(GOOD_ROWS[0], {**GOOD_ROWS[1], "images": ["cat.png"]}), "cat.png": PNG}),
+    Case("image_column_url", "an image URL in the `images` column", "data",
+         ("{d}/train.jsonl:1: images[0] is 'https://example.com/cat.png': remote images are not supported; "
+          "download them",),
+         files={"train.jsonl": jsonl({**COLUMN_ROW, "images": ["https://example.com/cat.png"]}, *GOOD_ROWS)}),
+    Case("image_column_not_image", "an `images` entry whose bytes are not an image (parquet)", "data",
+         ("{d}/train.parquet[row 0]: images[0]: 9 bytes that are not an image PIL can read",),
+         patch={"datasets": [{"path": "train.parquet", "format": "chat"}]},
+         files={"train.parquet": parquet({"messages": [COLUMN_ROW["messages"][0], {"role": "assistant", "content": [
+             {"type": "text", "text": "A cat."}]}], "images": [{"bytes": b"not a png", "path": "cat.png"}]})}),
+    Case("images_on_alpaca", "an `images` column on an alpaca row", "data",
+         ("{d}/train.jsonl:1: the row has 1 images in 'images'; images are read in chat rows (format: chat) only, "
+          "and this dataset's format is alpaca",),
+         patch={"datasets": [{"path": "train.jsonl", "format": "alpaca"}]},
+         files={"train.jsonl": jsonl({"instruction": "Say hi", "output": "hi", "images": ["cat.png"]}),
+                "cat.png": PNG}),
     Case("alpaca_missing_output", "an alpaca row without `output`", "data",
          ("{d}/train.jsonl:2: alpaca rows need a string 'output' (fields present: input, instruction)",),
          patch={"datasets": [{"path": "train.jsonl", "format": "alpaca"}]},

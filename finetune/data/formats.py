@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.images import part_texts
-from finetune.data.messages import REASONING_FIELDS, ROLES, MessageFields, chat_message, row_tools
+from finetune.data.images import RowImages, part_texts
+from finetune.data.messages import REASONING_FIELDS, ROLES, MessageFields, chat_message, row_images, row_tools
 from finetune.data.prompts import alpaca_prompt
 from finetune.data.sources import BadRow, RawRow
 
@@ -51,9 +51,10 @@ def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_
         raise BadRow(f"{row.origin}: {row.error}")
     flags: tuple[bool | None, ...]
     tools = None
-    images: list[str] = []
+    images = row_images(row.origin, row.data, fields, fmt)  # images of a non-chat row: a bad row
     if fmt == "chat":
         messages, flags = _chat_messages(row, messages_field, fields, images)
+        images.check_used()
         tools = row_tools(row.origin, row.data)
     elif fmt == "alpaca" and prompt_template != "chat":
         return _prompted_alpaca(row, prompt_template, train_on_inputs)
@@ -70,7 +71,7 @@ def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_
         raise ValueError(f"unknown format {fmt!r}")  # the schema only admits the three above
     trained = _trained(row.origin, messages, flags, train_on_inputs, roles_to_train)
     return Example(row.origin, messages=messages, train_on_inputs=train_on_inputs, trained=trained, tools=tools,
-                   images=tuple(images))
+                   images=tuple(images.paths))
 
 
 def _trained(origin: str, messages: tuple[dict[str, Any], ...], flags: tuple[bool | None, ...],
@@ -98,7 +99,7 @@ def _is_empty(message: dict[str, Any]) -> bool:
 
 
 def _chat_messages(row: RawRow, field: str, fields: MessageFields,
-                   images: list[str]) -> tuple[tuple[dict[str, Any], ...], tuple[bool | None, ...]]:
+                   images: RowImages) -> tuple[tuple[dict[str, Any], ...], tuple[bool | None, ...]]:
     raw = row.data.get(field)
     if raw is None:
         raise BadRow(f"{row.origin}: missing field {field!r}{_fields_hint(row.data)}")

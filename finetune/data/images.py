@@ -1,9 +1,11 @@
 """Images in chat rows: a message's parts, and where each image's tokens go in a sample (docs/vision.md).
 
 A message's content may be a list of parts, transformers' chat-template convention: `{"type": "text", "text": ...}`
-and `{"type": "image", "path": ...}` (a local image file; a relative path is relative to the data file). The chat
-template gets `{"type": "text", "text"}` and `{"type": "image"}` and writes each image as its placeholder (Qwen2-VL:
-`<|vision_start|><|image_pad|><|vision_end|>`); the example keeps the images' paths, in the order they appear.
+and `{"type": "image", "path": ...}` (a local image file; a relative path is relative to the data file), or
+`{"type": "image"}`, which takes the next image of the row's images column (RowImages; image_files.py turns an image
+given as bytes into a file). The chat template gets `{"type": "text", "text"}` and `{"type": "image"}` and writes
+each image as its placeholder (Qwen2-VL: `<|vision_start|><|image_pad|><|vision_end|>`); the example keeps the
+images' paths, in the order they appear.
 
 The layout (preprocessing): each placeholder becomes the text the model's processor would make of it (Qwen2-VL: one
 `<|image_pad|>` per feature the vision encoder gives the language model), their number computed from the image's
@@ -30,12 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from finetune.data.image_families import FAMILIES, Family
+from finetune.data.image_files import image_file
 from finetune.data.sources import BadRow
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
 PART_TYPES = ("text", "image")
-_PART_KEYS = {"text": ("type", "text"), "image": ("type", "path", "image")}
+# A part's keys besides its type. `index`: an image part's place in the row's images column, which hub datasets write
+# (llava-instruct-mix-vsft); images are taken in order, and an index that says otherwise is a bad row.
+_PART_KEYS = {"text": ("type", "text"), "image": ("type", "path", "image", "index")}
 # EXIF orientations that turn the picture by 90 degrees: transformers' load_image applies them (exif_transpose),
 # so the image the processor sees has height and width swapped.
 _TRANSPOSED = {5, 6, 7, 8}
@@ -43,42 +48,70 @@ _TRANSPOSED = {5, 6, 7, 8}
 
 # --- the parts of a message ------------------------------------------------------------------------------------
 
-def message_parts(origin: str, i: int, content: list[Any], root: str | None) -> tuple[list[dict[str, Any]], list[str]]:
-    """(the parts as the chat template gets them, the images' absolute paths in order) of message i's content
-    list; a BadRow naming `origin` and the part when one does not fit."""
+class RowImages:
+    """A row's images as its messages' image parts take them, in order: a part's own `path` or `image`, else the
+    next entry of the row's images column (TRL's convention). Relative paths start at `root` (the data file's
+    folder); images given as bytes are written into `store` (image_files.py). `paths` are the images' files."""
+
+    def __init__(self, origin: str, column: str, entries: list[Any], root: str | None, store: Path) -> None:
+        self.origin, self.column, self.entries, self.root, self.store = origin, column, entries, root, store
+        self.taken = 0
+        self.paths: list[str] = []
+
+    def take(self, where: str, part: dict[str, Any]) -> None:
+        """The image of one image part (its keys checked, None values left out), appended to `paths`."""
+        own = part.get("path", part.get("image"))
+        if own is not None:
+            self.paths.append(image_file(f"{where} (image)", own, self.root, self.store))
+            return
+        index = part.get("index")
+        if index is not None and index != self.taken:
+            raise BadRow(f"{where} (image) has index {index!r}, but it is the row's image {self.taken} in order; "
+                         f"finetune gives image parts the {self.column!r} entries in the order they appear")
+        if not self.entries:
+            raise BadRow(f"{where} (image) needs a 'path' (a local image file, relative to the data file), or an "
+                         f"image in the row's {self.column!r}, which has none")
+        if self.taken >= len(self.entries):
+            raise BadRow(f"{where} (image) has no path and the row's {self.column!r} holds {len(self.entries)} "
+                         "images: more image parts than images")
+        entry = self.entries[self.taken]
+        self.paths.append(image_file(f"{self.origin}: {self.column}[{self.taken}]", entry, self.root, self.store))
+        self.taken += 1
+
+    def check_used(self) -> None:
+        """A BadRow when the images column holds images no image part took: they would never be trained on."""
+        if self.taken < len(self.entries):
+            parts = self.taken or "no"
+            raise BadRow(f"{self.origin}: the row's {self.column!r} holds {len(self.entries)} images and its "
+                         f"messages have {parts} image parts without a path to take them: the images left over "
+                         "would never be trained on; give each its {\"type\": \"image\"} part, or remove it")
+
+
+def message_parts(origin: str, i: int, content: list[Any], images: RowImages) -> list[dict[str, Any]]:
+    """Message i's content list as the chat template gets it, each image part's image taken by `images`; a BadRow
+    naming `origin` and the part when one does not fit. Keys whose value is None are absent: a parquet or hub
+    dataset gives every part every key of all of them."""
     parts: list[dict[str, Any]] = []
-    paths: list[str] = []
     for k, part in enumerate(content):
         where = f"{origin}: message {i}, part {k}"
+        if isinstance(part, dict):
+            part = {key: value for key, value in part.items() if value is not None}
         if not isinstance(part, dict) or part.get("type") not in PART_TYPES:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise BadRow(f"{where} is {kind!r}; a part is {{\"type\": \"text\", \"text\": ...}} or {{\"type\": "
-                         "\"image\", \"path\": ...}} (video, audio and image URLs are not supported yet)")
+                         "\"image\"[, \"path\": ...]}} (video, audio and image URLs are not supported)")
         extra = sorted(set(part) - set(_PART_KEYS[part["type"]]))
         if extra:
-            raise BadRow(f"{where} ({part['type']}) has {', '.join(map(repr, extra))}, which finetune does not read")
+            raise BadRow(f"{where} ({part['type']}) has {', '.join(map(repr, extra))}, which finetune does not read"
+                         + ("; remote images are not supported: download them" if "url" in extra else ""))
         if part["type"] == "text":
             if not isinstance(part.get("text"), str):
                 raise BadRow(f"{where} (text) needs a string 'text'")
             parts.append({"type": "text", "text": part["text"]})
             continue
-        paths.append(_image_path(where, part, root))
+        images.take(where, part)
         parts.append({"type": "image"})
-    return parts, paths
-
-
-def _image_path(where: str, part: dict[str, Any], root: str | None) -> str:
-    value = part.get("path", part.get("image"))
-    if not isinstance(value, str) or not value:
-        raise BadRow(f"{where} (image) needs a 'path': a local image file, relative to the data file")
-    if "://" in value:
-        raise BadRow(f"{where} (image) is {value!r}: only local files are read so far; download it and give its path")
-    path = Path(value).expanduser()
-    if not path.is_absolute() and root is not None:
-        path = Path(root) / path
-    if not path.is_file():
-        raise BadRow(f"{where} (image): {value!r} is not a file ({path})")
-    return str(path.resolve())
+    return parts
 
 
 def part_texts(content: Any) -> list[str]:

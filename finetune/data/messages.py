@@ -21,7 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.images import message_parts
+from finetune.data.image_files import store_dir
+from finetune.data.images import RowImages, message_parts
 from finetune.data.sources import BadRow
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -49,16 +50,20 @@ class MessageFields:
     ignore: tuple[str, ...] = ()
     image_root: str | None = None
     """The folder that relative image paths start from: the data file's."""
+    images: str = "images"
+    """The row field holding the images that image parts without a path take in order (datasets[].images_field)."""
+    cache_dir: str | None = None
+    """data.cache_dir (None: the default cache root): images given as bytes are written under it (image_files.py)."""
 
     def role_of(self, name: Any) -> Any:
         return dict(self.role_map).get(name, name) if isinstance(name, str) else name
 
 
 def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFields,
-                 images: list[str] | None = None) -> dict[str, Any]:
+                 images: RowImages | None = None) -> dict[str, Any]:
     """Message i as {role, content[, reasoning][, tool_calls][, tool_call_id, name]}; a BadRow naming `origin` and
     the message when it does not fit. A content that is a list of text and image parts (data/images.py) stays a
-    list, its images' paths appended to `images` (None: rows of a format that takes no images)."""
+    list, its images taken by `images` (None: rows of a format that takes no images)."""
     role, content = fields.role_of(message.get(fields.role)), message.get(fields.content)
     if role is None and "from" in message and "value" in message:
         # The most common mix-up: ShareGPT rows ({from: human|gpt, value}) read as chat.
@@ -72,12 +77,12 @@ def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFi
     message = {k: v for k, v in message.items() if k not in fields.ignore}
     calls = tool_calls(f"{origin}: message {i} (assistant)", message.get("tool_calls"))
     if isinstance(content, list):
-        content, paths = message_parts(origin, i, content, fields.image_root)
-        if paths and images is None:
+        taker = images if images is not None else RowImages(origin, fields.images, [], fields.image_root,
+                                                             store_dir(fields.cache_dir))
+        content = message_parts(origin, i, content, taker)
+        if taker.paths and images is None:
             raise BadRow(f"{origin}: message {i} has image parts; images are read in chat rows (format: chat) only "
                          "so far")
-        if paths:
-            images.extend(paths)
     elif not isinstance(content, str) and not (content is None and calls):
         raise BadRow(f"{origin}: message {i} ({role}) needs a string {fields.content!r}")
     out: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
@@ -167,3 +172,14 @@ def row_tools(origin: str, data: dict[str, Any]) -> tuple[dict[str, Any], ...] |
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise BadRow(f"{origin}: 'tools' must be a list of function schemas (objects)")
     return tuple(value)
+
+
+def row_images(origin: str, data: dict[str, Any], fields: MessageFields, fmt: str = "chat") -> RowImages:
+    """The row's images column (fields.images: a list, or one image as datasets with an `image` column hold it) for
+    its image parts to take; a BadRow when a row of a format other than chat has images (they would be dropped)."""
+    value = data.get(fields.images)
+    entries = [] if value is None else value if isinstance(value, list) else [value]
+    if entries and fmt != "chat":
+        raise BadRow(f"{origin}: the row has {len(entries)} images in {fields.images!r}; images are read in chat rows "
+                     f"(format: chat) only, and this dataset's format is {fmt}")
+    return RowImages(origin, fields.images, entries, fields.image_root, store_dir(fields.cache_dir))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.data.formats import ROLES, Example, MessageFields
-from finetune.data.messages import chat_message, row_tools
+from finetune.data.messages import chat_message, row_images, row_tools
 from finetune.data.sources import BadRow, RawRow
 from finetune.data.tokenize import tokenize_example
 from finetune.labels import IGNORE_INDEX
@@ -69,6 +69,7 @@ def to_pair(row: RawRow, fields: PairFields = PairFields()) -> PairExample:
     if row.error:
         raise BadRow(f"{row.origin}: {row.error}")
     data, f = row.data, fields
+    row_images(row.origin, data, f.messages, "preference")  # images in the row: a bad row, never dropped unseen
     for key in (f.chosen, f.rejected):
         if key not in data:
             raise BadRow(f"{row.origin}: preference rows need {f.chosen!r} and {f.rejected!r} (fields present: "

@@ -53,7 +53,7 @@ def iter_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
                     break
                 stats.rows_read += 1
                 try:
-                    example = row_example(row, cfg, tuple(data.ignore_message_fields))
+                    example = row_example(row, cfg, tuple(data.ignore_message_fields), data.cache_dir)
                 except BadRow as e:
                     stats.bad_row(e, on_bad_row)
                     continue
@@ -65,12 +65,13 @@ def iter_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
             raise UserError(f"{key}.{index}.path: {e}") from None
 
 
-def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = ()) -> Example | PairExample:
+def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = (),
+                cache_dir: str | None = None) -> Example | PairExample:
     """One row of a dataset as its format reads it, through the dataset's field and role mappings (message fields
-    in `ignore` left out)."""
+    in `ignore` left out; images given as bytes written under `cache_dir`, data.cache_dir)."""
     local = local_data_path(cfg.path)  # image paths are relative to the data file
     fields = MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore,
-                           str(local.parent) if local is not None else None)
+                           str(local.parent) if local is not None else None, cfg.images_field, cache_dir)
     if cfg.format == "preference":
         return to_pair(row, PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, fields))
     return to_example(row, cfg.format, messages_field=cfg.messages_field, text_field=cfg.text_field,

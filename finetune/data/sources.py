@@ -237,8 +237,21 @@ def _read_hub(name: str, *, split: str, subset: str | None) -> Iterator[RawRow]:
             f"  If it is a local file, check the path (relative to the recipe file). If it is a hub dataset, "
             f"this machine needs network access or a populated HF cache."
         ) from None
-    for index, row in enumerate(dataset):
+    for index, row in enumerate(_undecoded(dataset)):
         yield RawRow(dict(row), f"{name}[{split}][{index}]")
+
+
+def _undecoded(dataset: Any) -> Any:
+    """Image columns (an Image or a list of them) as stored, {bytes, path}, not decoded: the image's own bytes are
+    kept (data/image_files.py writes them once as a file), never pixels re-encoded."""
+    import datasets
+
+    for column, feature in dataset.features.items():
+        inner = feature.feature if isinstance(feature, datasets.List) else feature
+        if isinstance(inner, datasets.Image) and inner.decode:
+            image = datasets.Image(decode=False)
+            dataset = dataset.cast_column(column, image if inner is feature else datasets.List(image))
+    return dataset
 
 
 def _bad(origin: str, why: str) -> RawRow:

@@ -159,6 +159,10 @@ class DatasetConfig(Section):
     """Configuration name of a hub dataset."""
     messages_field: str = "messages"
     """chat: the field holding the list of {role, content}."""
+    images_field: str = Field("images", min_length=1)
+    """chat: the field holding the row's images (a list, or one image: paths, {bytes, path} objects as parquet and hub
+    datasets keep them), taken in order by the image parts that name no image of their own (docs/vision.md). Images
+    in a row of another format are a bad row."""
     text_field: str = "text"
     """completion: the field holding the text."""
     role_field: str = "role"

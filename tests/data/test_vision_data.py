@@ -295,7 +295,7 @@ def test_bad_image_parts_are_bad_rows_naming_the_row(tok, folder):
         ({"type": "video", "path": "v.mp4"}, "part 0 is 'video'"),
         ({"type": "image"}, "part 0 (image) needs a 'path'"),
         ({"type": "image", "path": "images/missing.png"}, "'images/missing.png' is not a file"),
-        ({"type": "image", "path": "https://example.com/a.png"}, "only local files"),
+        ({"type": "image", "path": "https://example.com/a.png"}, "remote images are not supported"),
         ({"type": "image", "path": "images/red.png", "detail": "high"}, "has 'detail'"),
         ({"type": "text", "text": 3}, "needs a string 'text'"),
     ]
