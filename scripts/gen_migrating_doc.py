@@ -104,10 +104,11 @@ loads).
 
 - **Data.** A `chat_template` dataset is read as Axolotl's multimodal collator reads it: its `field_messages`, each
   message's role and content as they are (no `system` column; `roles` and `message_property_mappings`, which the
-  collator does not read, are dropped). Images must be local files named in the messages' image parts
-  (`{{"type": "image", "path": ...}}`, relative to the data file): a hub dataset's `images` or `image` column, URLs
-  and base64 images are not read yet (each such row is a bad row), and the recipe's header says so for every hub
-  dataset. ShareGPT rows (`from`/`value`), which the collator also takes, need `role_field`, `content_field` and
+  collator does not read, are dropped). Images are local files named in the messages' image parts
+  (`{{"type": "image", "path": ...}}`, relative to the data file), or a row's `images` column, taken by the bare
+  `{{"type": "image"}}` parts in order (`datasets[].images_field: image` for an `image` column; Axolotl takes the
+  column's first image only, finetune all of them, refusing a row whose parts and images differ in number). URLs
+  and base64 images are not read (each such row is a bad row); the recipe's header says so for every hub dataset. ShareGPT rows (`from`/`value`), which the collator also takes, need `role_field`, `content_field` and
   `role_map` set by hand.
 - **What is trained.** With a chat template whose Axolotl strategy marks the roles, the first dataset's
   `roles_to_train`, which the collator applies to every dataset; these templates are
@@ -125,7 +126,8 @@ loads).
   with which an expression is also kept off the frozen modules. QLoRA becomes LoRA on the unquantized base (an
   approximation: finetune's QLoRA does not take vision-language models yet).
 - `processor_kwargs` becomes `model.image_processor` (the image processor's own settings only); `image_size` and
-  `image_resize_algorithm` are dropped (Axolotl resizes only a column's images); `role_boundaries` is approximate;
+  `image_resize_algorithm` are approximate (finetune leaves an image's size to the image processor; Axolotl first
+  resizes a column's images); `role_boundaries` is approximate;
   audio processors and preference or RL training with images are refused.
 """
 

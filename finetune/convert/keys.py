@@ -217,8 +217,6 @@ DROPPED: dict[str, str] = {
     **_each("max_prompt_len vllm", _unless("rl: grpo and other online RL")),
     **_each("pretrain_multipack_attn pretrain_multipack_buffer_size pretraining_sample_concatenation "
             "streaming_multipack_buffer_size", _unless("pretraining_dataset or streaming")),
-    **_each("image_size image_resize_algorithm", "Axolotl resizes only the images of an `images` or `image` column, "
-            "which finetune does not read; images in the messages' parts reach the processor as they are, here too"),
     **_each("metric_for_best_model greater_is_better", _unless("load_best_model_at_end or save_strategy: best")),
     **_each("grokfast_alpha grokfast_lamb", _plugin("Grokfast")),
     **_each("kd_trainer kd_ce_alpha kd_alpha kd_temperature kd_temperature_min kd_beta kd_normalize_topk "
@@ -245,6 +243,8 @@ APPROXIMATED: dict[str, str] = {
     "dataloader_drop_last": "data.drop_last: true drops an epoch's incomplete last optimizer step, not micro-batch",
     "peft_autocast_adapter_dtype": "the adapter's weights are float32 (PEFT's default)",
     "sage_attention": "attention is exact (SageAttention quantizes it)",
+    **_each("image_size image_resize_algorithm", "an image reaches the model's image processor at its own size "
+            "(Axolotl first resizes an `images`/`image` column's images to image_size, padding to a square)"),
 }
 
 REFUSED: dict[str, str] = {

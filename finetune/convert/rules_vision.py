@@ -4,8 +4,9 @@ documents them; docs/vision.md says what finetune trains).
 Axolotl's multimodal collator (MultiModalChatDataCollator with a ProcessingStrategy) reads every row as chat
 messages, neither truncates nor drops a sample (sequence_len is not read), refuses packing, and masks by role only
 for the chat templates whose strategy declares role markers; every other strategy trains every token but padding
-and the image token. Images in the messages' parts go to the processor as they are; only an `images`/`image`
-column's images are resized (image_size), and finetune does not read such columns. Its full fine-tuning trains the
+and the image token. Images in the messages' parts go to the processor as they are; an `images`/`image`
+column's first image is resized (image_size) and put in the first bare image part; finetune reads the column
+(datasets[].images_field) and refuses a row whose image parts and images differ in number. Its full fine-tuning trains the
 vision encoder unless freeze_mm_modules, which freezes every module whose name has one of _MM_MODULES as a part.
 """
 
@@ -148,9 +149,9 @@ def vision_dataset(c: Conversion, where: str, entry: dict[str, Any], out: dict[s
     path = PurePosixPath(out["path"])
     if path.suffix not in _LOCAL_SUFFIXES and not out["path"].startswith(("/", ".", "~")):
         c.note(f"{where}: {out['path']} is read as a hub dataset (not a .jsonl, .json, .parquet or .csv file); "
-               "finetune reads a row's images only from local files named in its messages' image parts, not yet "
-               "from an `images` or `image` column, an URL or base64 (such rows are bad rows, each named). Save the "
-               "images as files and the rows as .jsonl (docs/vision.md)")
+               "finetune takes a row's images from its `images` column (set datasets[].images_field: image for an "
+               "`image` column), one per bare image part, all of them (Axolotl uses the first only); URLs and "
+               "base64 images are not read (such rows are bad rows, each named) (docs/vision.md)")
     return out
 
 

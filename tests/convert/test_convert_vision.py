@@ -37,8 +37,6 @@ gradient_accumulation_steps: 4
 num_epochs: 1
 learning_rate: 0.0002
 bf16: true
-image_size: 512
-image_resize_algorithm: bilinear
 """
 
 LLAVA = """base_model: llava-hf/llava-1.5-7b-hf
@@ -94,11 +92,9 @@ def test_a_qwen2_vl_lora_config_converts_exactly(tmp_path):
     assert recipe["adapter"]["target_modules"] == \
         r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
     assert converted.conversion.approximations == []
-    dropped = dict(converted.conversion.dropped)
-    assert "only the images of an `images` or `image` column" in dropped["image_size"]
-    assert "image_resize_algorithm" in dropped and "skip_prepare_dataset" in dropped
+    assert "skip_prepare_dataset" in dict(converted.conversion.dropped)
     notes = " ".join(converted.conversion.notes)
-    assert "HuggingFaceH4/llava-instruct-mix-vsft is read as a hub dataset" in notes and "an URL or base64" in notes
+    assert "HuggingFaceH4/llava-instruct-mix-vsft is read as a hub dataset" in notes and "`images` column" in notes
     assert "processor_type AutoProcessor: a vision-language model" in converted.text  # the header says so too
 
 
@@ -170,6 +166,14 @@ def test_lora_targets_under_freeze_mm_modules(tmp_path):
     assert "target_modules" not in recipe["adapter"] and converted.conversion.approximations == []
     message = _error(tmp_path, FULL + "adapter: lora\nlora_target_linear: true\n")
     assert "lora_target_linear: only approximately: LoRA on the language model's linear layers only" in message
+
+
+def test_image_size_is_an_approximation(tmp_path):
+    """Axolotl resizes a column's images to image_size before the processor; finetune leaves them to the processor."""
+    text = QWEN + "image_size: 512\nimage_resize_algorithm: bilinear\n"
+    assert "image_size: only approximately: an image reaches the model's image processor" in _error(tmp_path, text)
+    _, converted = _convert(tmp_path, text, allow_approx=True)
+    assert [a.split(":")[0] for a in converted.conversion.approximations] == ["image_size", "image_resize_algorithm"]
 
 
 def test_qlora_becomes_lora_only_with_allow_approx(tmp_path):
