@@ -65,12 +65,30 @@ These model types are in transformers' causal-LM mapping but are not decoder-onl
 """
 
 
+VISION = """
+## Vision-language models
+
+Every image-text-to-text model type of transformers {version} (its `AutoModelForImageTextToText` mapping), and what
+finetune does with it. The trained ones are checked in tests/model/test_vision_model.py and tests/data/test_vision_data.py
+(fused loss and gradients equal the model's own, layout equal to the model's processor, exact accumulation with
+images); docs/vision.md says how.
+
+| architecture | class | finetune |
+|---|---|---|
+"""
+
+
 def render_doc(rows: list) -> str:
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLMS
+
+    from finetune.model.vision import support
 
     text = INTRO.format(version=transformers.__version__, summary=model_matrix.summary(rows))
     text += "".join(model_matrix.table_row(row) + "\n" for row in rows)
     text += OUT_OF_SCOPE + "".join(f"| `{mt}` | {why} |\n" for mt, why in sorted(model_matrix.OUT_OF_SCOPE.items()))
+    text += VISION.format(version=transformers.__version__)
+    text += "".join(f"| `{mt}` | {VLMS[mt]} | {support(mt)} |\n" for mt in sorted(VLMS))
     return text
 
 

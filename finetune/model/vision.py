@@ -146,6 +146,21 @@ def _own_tower(config: Any) -> bool:
     return any(getattr(vision, key, None) != getattr(default, key) for key in _TOWER_SHAPE)
 
 
+def support(model_type: str) -> str:
+    """How finetune takes an image-text-to-text model_type, in a sentence (docs/models.md): trained as a
+    vision-language model, loaded as a text model (transformers maps it to a causal LM too), or refused, and why."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in SUPPORTED:
+        return "trained with images (docs/vision.md)"
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return ("loaded as a causal LM, as transformers maps it too (not checked: out of the matrix above); rows with "
+                "images are refused")
+    return "refused when it loads: " + _REASONS.get(model_type, "its image layout, its loss through the fused head "
+                                                               "and its image processor without torchvision are not "
+                                                               "checked yet")
+
+
 def refusal(config: Any) -> str | None:
     """Why this image-text-to-text model is not trained (a message), None when it is supported or not one."""
     from transformers.models.auto.modeling_auto import (
@@ -158,8 +173,7 @@ def refusal(config: Any) -> str | None:
         return None
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return None  # loaded as a causal LM, as before; rows with images are refused when they are tokenized
-    why = _REASONS.get(model_type, "its image layout, its loss through the fused head and its image processor "
-                                   "without torchvision are not checked yet")
+    why = support(model_type).removeprefix("refused when it loads: ")
     return (f"model_type {model_type!r} is an image-text-to-text model finetune does not train yet: {why}. "
             f"Supported: {', '.join(SUPPORTED)} (docs/vision.md)")
 
