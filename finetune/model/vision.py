@@ -296,10 +296,11 @@ def lora_exclusions(model: torch.nn.Module, adapter: AdapterConfig) -> list[str]
 
 
 def quantization_skips(config: Any) -> list[str]:
-    """The modules a QLoRA base keeps unquantized in a supported VLM: its vision encoder and projector (TRL's,
-    Axolotl's and Unsloth's practice: they are small, and 4-bit rounding there would blur every image feature), and
-    its output layer `lm_head` (every family's), which the fused loss reads: naming any skip replaces transformers'
-    defaults, which keep it. Only the language model's linear layers are 4-bit. None for any other model."""
+    """The modules a QLoRA base keeps unquantized in a supported VLM: its vision encoder and projector (small next to
+    the language model, and 4-bit rounding there would blur every image feature; Unsloth too keeps projectors and
+    vision towers unquantized, Axolotl passes no skips and rounds them), and its output layer `lm_head` (every
+    family's), which the fused loss reads: naming any skip replaces transformers' defaults, which keep it. Only the
+    language model's linear layers are 4-bit. None for any other model."""
     vlm = family(config) if config is not None else None
     return [vlm.tower, vlm.projector, "lm_head"] if vlm is not None else []
 
