@@ -266,9 +266,9 @@ def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, An
 
 
 def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.device) -> torch.nn.Module:
-    """The base with its linear layers in 4-bit NF4. Embeddings, norms and the output layer stay in the recipe's
-    dtype (bitsandbytes keeps the output layer unquantized), which the fused loss needs: it multiplies by the
-    output layer's weight itself."""
+    """The base with its linear layers in 4-bit NF4 (a VLM's language model only). Embeddings, norms and the output
+    layer stay in the recipe's dtype (transformers keeps the output layer unquantized; a VLM names it among its
+    skips), which the fused loss needs: it multiplies by the output layer's weight itself."""
     dtype = DTYPES[cfg.dtype]
     auto = _auto_class(cfg)  # a supported VLM loads as image-text-to-text, quantized like a text model's decoder
     skips = vision.quantization_skips(vision.model_config(cfg))
