@@ -123,8 +123,9 @@ loads).
   `vision_tower`, `multi_modal_projector`, ...) as a part, so the projector is frozen too, as in Axolotl.
 - **LoRA.** A list of names becomes the expression PEFT matches (the vision encoder's layers of those names too);
   `lora_target_linear` is approximate (finetune's all-linear leaves the vision side out) unless `freeze_mm_modules`,
-  with which an expression is also kept off the frozen modules. QLoRA becomes LoRA on the unquantized base (an
-  approximation: finetune's QLoRA does not take vision-language models yet).
+  with which an expression is also kept off the frozen modules. QLoRA stays QLoRA, the language model's linear
+  layers in 4-bit NF4 in both, with finetune's vision encoder and projector unquantized (an approximation: Axolotl
+  passes transformers no modules to skip, so it rounds the vision side's linear layers to 4 bits too).
 - `processor_kwargs` becomes `model.image_processor` (the image processor's own settings only); `image_size` and
   `image_resize_algorithm` are approximate (finetune leaves an image's size to the image processor; Axolotl first
   resizes a column's images); `role_boundaries` is approximate;

@@ -92,8 +92,8 @@ MAPPED: dict[str, str] = {
     "chat_template_jinja": "tokenizer.chat_template (the text, or the text of a file in the config's folder; "
                            "elsewhere with --allow-template-path)",
     "chat_template_kwargs": "tokenizer.chat_template_kwargs",
-    "adapter": "adapter.type: lora, qlora (lora with load_in_4bit), none; qlora with processor_type: lora, "
-               "approximated",
+    "adapter": "adapter.type: lora, qlora (lora with load_in_4bit), none; qlora with processor_type: qlora "
+               "with the vision side unquantized, approximated",
     "load_in_4bit": "adapter.type: qlora",
     "load_in_8bit": "refused (no 8-bit base); with --allow-approx: LoRA on the unquantized base",
     "lora_r": "adapter.r (8, PEFT's default, when unset)",

@@ -101,13 +101,15 @@ def _full_finetuning(c: Conversion) -> None:
 
 
 def _adapter(c: Conversion) -> None:
-    """QLoRA becomes LoRA (approximated); the targets reach what PEFT reaches under Axolotl: names match in the
-    vision modules too, unless freeze_mm_modules freezes whatever lands there."""
+    """QLoRA stays QLoRA, its vision side unquantized (approximated); the targets reach what PEFT reaches under
+    Axolotl: names match in the vision modules too, unless freeze_mm_modules freezes whatever lands there."""
     if c.peek("adapter.type") == "qlora":
+        # Axolotl's BitsAndBytesConfig names no llm_int8_skip_modules for a VLM (loaders/model.py), so transformers'
+        # default quantizes every linear layer but the output layer, the vision encoder's and projector's included.
         c.approximate("adapter" if c.text("adapter") == "qlora" else "load_in_4bit",
-                      "LoRA on the unquantized base: finetune's QLoRA does not take vision-language models yet "
-                      "(more memory; the base's weights are not rounded to 4 bits)")
-        c.put("adapter.type", "lora")
+                      "QLoRA with the vision encoder and projector unquantized: finetune rounds only the language "
+                      "model's linear layers to 4-bit NF4; Axolotl's (transformers' default) rounds the vision "
+                      "side's too")
     freeze = bool(c.boolean("freeze_mm_modules"))
     targets = c.peek("adapter.target_modules")
     if targets is None and not freeze and c.boolean("lora_target_linear"):

@@ -17,7 +17,8 @@ Where the model comes from (`model.path`):
 
 QLoRA loads the base in 4-bit NF4 through bitsandbytes (on CPU too with bitsandbytes >= 0.49). A base that
 does not come from a plain HF directory (random init, GGUF) is written to a temporary directory first and
-loaded back quantized: transformers quantizes only inside `from_pretrained`.
+loaded back quantized: transformers quantizes only inside `from_pretrained`. A vision-language model's language
+model is quantized, its vision encoder and projector are not (vision.quantization_skips).
 """
 
 from __future__ import annotations
@@ -117,8 +118,6 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
     """The causal LM in the recipe's dtype, with its adapter applied (if any). On the CPU (the caller moves it
     to `device`), except a QLoRA base, quantized straight onto `device` when that is a GPU. With `trainable`
     (train.trainable_parameters), only the parameters whose name matches one of those patterns train."""
-    if adapter.type == "qlora" and vision.family(vision.model_config(cfg)) is not None:
-        raise UserError("adapter.type: qlora is not supported for vision-language models yet; use lora")
     if adapter.type == "qlora":
         model = _load_quantized(cfg, tokenizer, seed, device or torch.device("cpu"))
         _keep_4bit_trainable(model)
@@ -267,13 +266,14 @@ def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, An
 
 
 def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.device) -> torch.nn.Module:
-    """The base with its linear layers in 4-bit NF4. Embeddings, norms and the output layer stay in the recipe's
-    dtype (bitsandbytes keeps the output layer unquantized), which the fused loss needs: it multiplies by the
-    output layer's weight itself."""
-    from transformers import AutoModelForCausalLM
-
+    """The base with its linear layers in 4-bit NF4 (a VLM's language model only). Embeddings, norms and the output
+    layer stay in the recipe's dtype (transformers keeps the output layer unquantized; a VLM names it among its
+    skips), which the fused loss needs: it multiplies by the output layer's weight itself."""
     dtype = DTYPES[cfg.dtype]
-    kwargs: dict[str, Any] = {"dtype": dtype, "quantization_config": _nf4_config(dtype), **_common_kwargs(cfg)}
+    auto = _auto_class(cfg)  # a supported VLM loads as image-text-to-text, quantized like a text model's decoder
+    skips = vision.quantization_skips(vision.model_config(cfg))
+    kwargs: dict[str, Any] = {"dtype": dtype, "quantization_config": _nf4_config(dtype, skips),
+                              **_common_kwargs(cfg)}
     if device.type == "cuda":
         # Quantize straight onto the GPU that trains: fast, and the whole 16-bit model never has to sit there.
         # On the CPU (no GPU, or FINETUNE_DEVICE=cpu), bitsandbytes (>= 0.49) quantizes and computes there.
@@ -281,14 +281,14 @@ def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.d
     path, gguf = _gguf_location(cfg)
     if cfg.init == "pretrained" and not gguf:
         try:
-            return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            return auto.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as e:
             raise UserError(f"model.path {path!r} could not be loaded in 4-bit ({type(e).__name__}: "
                             f"{first_line(e)}).") from None
     # Random init and GGUF bases exist only in memory; transformers quantizes only inside from_pretrained.
     with tempfile.TemporaryDirectory(prefix="finetune-qlora-") as tmp:
         _plain_model(cfg, tokenizer, seed).save_pretrained(tmp, safe_serialization=True)
-        quantized = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+        quantized = auto.from_pretrained(tmp, **kwargs)
         # Unquantized tensors may still be memory-mapped from the temporary files: own them before cleanup.
         for param in quantized.parameters():
             if param.__class__.__name__ != "Params4bit":
@@ -341,12 +341,14 @@ def _set_token_ids(config: Any, tokenizer: Any) -> None:
                 raise UserError(f"model.config: the tokenizer's {name} {value}: {first_line(e)}") from None
 
 
-def _nf4_config(dtype: torch.dtype) -> Any:
+def _nf4_config(dtype: torch.dtype, skips: list[str]) -> Any:
+    """NF4, double quantization; `skips` (modules kept unquantized) replace transformers' default ones when given."""
     from transformers import BitsAndBytesConfig
 
     compute = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute)
+                              bnb_4bit_compute_dtype=compute,
+                              llm_int8_skip_modules=skips or None)
 
 
 def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.Module:

@@ -17,6 +17,8 @@ layout (finetune/data/images.py), which preprocessing and collate read.
 What trains: the language model and the projector that feeds it; the vision encoder too only with
 model.freeze_vision: false (full fine-tuning). A LoRA goes on the language model only, unless
 adapter.target_modules is a regular expression (it then reaches whatever it matches, vision modules included).
+QLoRA quantizes the language model's linear layers to 4-bit NF4 and keeps the vision encoder and projector as they
+are (quantization_skips); its LoRA goes where a LoRA goes.
 Packing is refused (architectures.packing_refusal): the isolation of packed documents is not proven for the
 image tokens (nor for Qwen's 3D positions).
 """
@@ -305,6 +307,16 @@ def lora_exclusions(model: torch.nn.Module, adapter: AdapterConfig) -> list[str]
         return []
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
             and any(name == side or name.startswith(side + ".") for side in (vlm.tower, vlm.projector))]
+
+
+def quantization_skips(config: Any) -> list[str]:
+    """The modules a QLoRA base keeps unquantized in a supported VLM: its vision encoder and projector (small next to
+    the language model, and 4-bit rounding there would blur every image feature; Unsloth too keeps projectors and
+    vision towers unquantized, Axolotl passes no skips and rounds them), and its output layer `lm_head` (every
+    family's), which the fused loss reads: naming any skip replaces transformers' defaults, which keep it. Only the
+    language model's linear layers are 4-bit. None for any other model."""
+    vlm = family(config) if config is not None else None
+    return [vlm.tower, vlm.projector, "lm_head"] if vlm is not None else []
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -176,11 +176,14 @@ def test_image_size_is_an_approximation(tmp_path):
     assert [a.split(":")[0] for a in converted.conversion.approximations] == ["image_size", "image_resize_algorithm"]
 
 
-def test_qlora_becomes_lora_only_with_allow_approx(tmp_path):
+def test_qlora_stays_qlora_its_vision_side_unquantized_only_with_allow_approx(tmp_path):
+    """finetune's VLM QLoRA keeps the vision encoder and projector unquantized; Axolotl's rounds them to 4 bits too."""
     text = QWEN.replace("adapter: lora", "adapter: qlora\nload_in_4bit: true")
-    assert "adapter: only approximately: LoRA on the unquantized base" in _error(tmp_path, text)
+    assert "adapter: only approximately: QLoRA with the vision encoder and projector unquantized" in _error(tmp_path,
+                                                                                                            text)
     recipe, converted = _convert(tmp_path, text, allow_approx=True)
-    assert recipe["adapter"]["type"] == "lora"
+    assert recipe["adapter"]["type"] == "qlora"
+    assert recipe["adapter"]["target_modules"] == r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
     assert [a.split(":")[0] for a in converted.conversion.approximations] == ["adapter"]
 
 

@@ -141,9 +141,6 @@ def test_other_vision_language_models_are_refused_with_the_reason():
         with pytest.raises(UserError, match=f"model_type '{config['model_type']}' is an image-text-to-text model "
                                             f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava, gemma3, smolvlm"):
             load_tokenizer(tokenizer_config(), ModelConfig(init="random", config=config))
-    tok = load_tokenizer(tokenizer_config(), model_config())
-    with pytest.raises(UserError, match="adapter.type: qlora is not supported for vision-language models"):
-        load_model(model_config(), AdapterConfig(type="qlora"), tok, seed=0)
 
 
 def test_packing_is_refused_with_the_reason():
