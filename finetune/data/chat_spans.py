@@ -130,13 +130,21 @@ def added_tokens(tokenizer: Any) -> tuple[frozenset[str], tuple[str, ...]]:
     return cached[1], cached[2]
 
 
+_MARKERS: dict[tuple[frozenset[str], str | None], tuple[str, ...]] = {}
+
+
 def end_of_turn_markers(tokenizer: Any) -> tuple[str, ...]:
-    """The known end-of-turn markers that are added tokens of this tokenizer, and its eos; longest first."""
+    """The known end-of-turn markers that are added tokens of this tokenizer, and its eos; longest first (kept
+    per added tokens and eos: asked once a conversation)."""
     added, _ = added_tokens(tokenizer)
-    found = {m for m in END_OF_TURN_MARKERS if m in added}
-    if tokenizer.eos_token and tokenizer.eos_token in added:
-        found.add(tokenizer.eos_token)
-    return tuple(sorted(found, key=lambda m: (-len(m), m)))
+    eos = tokenizer.eos_token
+    markers = _MARKERS.get((added, eos))
+    if markers is None:
+        found = {m for m in END_OF_TURN_MARKERS if m in added}
+        if eos and eos in added:
+            found.add(eos)
+        markers = _MARKERS[(added, eos)] = tuple(sorted(found, key=lambda m: (-len(m), m)))
+    return markers
 
 
 def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
