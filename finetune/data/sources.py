@@ -208,12 +208,14 @@ def _item_lines(text: str) -> list[int]:
     decoder, lines = json.JSONDecoder(), []
     ws = " \t\r\n"
     i = text.index("[") + 1
+    line, counted = 1, 0  # counted on from the item before: counting from the start each time was quadratic
     while True:
         while text[i] in ws:
             i += 1
         if text[i] == "]":
             return lines
-        lines.append(text.count("\n", 0, i) + 1)
+        line, counted = line + text.count("\n", counted, i), i
+        lines.append(line)
         _, i = decoder.raw_decode(text, i)
         while text[i] in ws:
             i += 1
