@@ -112,12 +112,14 @@ def convert_rows(jsonl: Path, fmt: str) -> Path:
     return out
 
 
-def write_recipe(work: Path, rows: Path, cache: Path, num_proc: int | None) -> Path:
+def write_recipe(work: Path, rows: Path, cache: Path, num_proc: int | None, val_fraction: float = 0.0) -> Path:
     import yaml
 
     data: dict[str, Any] = {"max_seq_len": 512, "packing": True, "cache_dir": str(cache)}
     if num_proc is not None:
         data["num_proc"] = num_proc
+    if val_fraction:
+        data["val_fraction"] = val_fraction
     recipe = {"output_dir": str(work / "run"), "seed": 0, "model": MODEL, "tokenizer": {"path": str(TOKENIZER)},
               "datasets": [{"path": str(rows), "format": "chat"}], "data": data}
     path = work / "recipe.yaml"
@@ -192,9 +194,9 @@ def fresh(path: Path) -> Path:
     return path
 
 
-def run_ours(work: Path, rows: Path, num_proc: int | None) -> dict[str, Any]:
+def run_ours(work: Path, rows: Path, num_proc: int | None, val_fraction: float = 0.0) -> dict[str, Any]:
     cache = fresh(work / "ours-cache")
-    recipe = write_recipe(work, rows, cache, num_proc)
+    recipe = write_recipe(work, rows, cache, num_proc, val_fraction)
     result = run_measured([sys.executable, "-m", "finetune", "preprocess", str(recipe), "--rebuild"])
     if result["rc"] != 0:
         raise SystemExit(f"finetune preprocess failed:\n{result['output'][-4000:]}")
@@ -243,6 +245,8 @@ def main() -> None:
                         help="HF's num_proc (default: the cores this process may use)")
     parser.add_argument("--num-proc", type=int, default=None,
                         help="our data.num_proc (default: the recipe default)")
+    parser.add_argument("--val-fraction", type=float, default=0.0,
+                        help="our data.val_fraction (rows, tokens: the training split's)")
     parser.add_argument("--only", choices=["ours", "hf"], default=None)
     parser.add_argument("--format", choices=["jsonl", "json", "parquet"], default="jsonl",
                         help="the rows as JSONL (default), one .json array, or parquet: the same rows")
@@ -260,7 +264,7 @@ def main() -> None:
         results: dict[str, Any] = {}
         load = os.getloadavg()[0]
         if args.only in (None, "ours"):
-            results["ours"] = run_ours(work, rows, args.num_proc)
+            results["ours"] = run_ours(work, rows, args.num_proc, args.val_fraction)
         if args.only in (None, "hf"):
             results["hf datasets"] = run_hf(work, rows, args.cores)
         for line in table(args.rows, args.format, args.cores, load, results):

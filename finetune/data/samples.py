@@ -128,9 +128,9 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     writers); returns their stats. Eval comes from eval_datasets, else a seeded val_fraction split.
 
     Rows are read as a stream and tokenized in chunks as they come (by worker processes: data.num_proc), so
-    neither the rows nor the examples are ever all in memory (a val_fraction split reads the rows three times:
-    to count them, for the training examples, for the held-out ones). A row that cannot be read or converted is reported
-    at once; a failure while tokenizing after the whole input has been read, so that the first of the first
+    neither the rows nor the examples are ever all in memory (a val_fraction split reads the rows three times: to
+    count them, for the training examples, for the held-out ones). A row that cannot be read or converted is
+    reported at once; a failure while tokenizing after the whole input has been read, so that the first of the first
     kind is the error raised, as when every row was read before any was tokenized.
     """
     train_stats, eval_stats = DataStats(), DataStats()
@@ -173,9 +173,14 @@ def _split(recipe: Recipe, stats: DataStats) -> tuple[Iterator[Example], Iterato
 
     def part(kept: int) -> Iterator[Example]:
         again = DataStats()  # the rows were counted by the first pass
-        for i, example in enumerate(iter_examples(recipe.datasets, data.on_bad_row, again, "datasets", data)):
-            if held[i] == kept:
+        seen = 0
+        for example in iter_examples(recipe.datasets, data.on_bad_row, again, "datasets", data):
+            if seen < n and held[seen] == kept:
                 yield example
+            seen += 1
+        if seen != n:  # the indices would pick other rows than the ones counted
+            raise UserError(f"datasets: {n} training examples were read, then {seen}: a data file changed while it "
+                            "was read; run again once it no longer changes")
 
     return part(0), part(1)
 

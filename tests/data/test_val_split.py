@@ -87,3 +87,13 @@ def test_the_split_streams_hold_one_example_at_a_time(tmp_path):
         tracemalloc.stop()
     assert counts == [1350, 150] and len(every) == 1500
     assert peak < held_whole / 5  # the examples held in a list take more than 5x what the streams ever held
+
+
+def test_a_data_file_that_changes_between_the_passes_is_named(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(10)])
+    raw = tiny_recipe(tmp_path / "out", path)
+    raw["data"]["val_fraction"] = 0.2
+    train, _ = _split(validate(raw), DataStats())
+    write_jsonl(path, [chat_row(i) for i in range(12)])  # rows appended after they were counted
+    with pytest.raises(UserError, match="10 training examples were read, then 12: a data file changed"):
+        list(train)
