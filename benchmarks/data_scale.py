@@ -3,9 +3,12 @@
     .venv/bin/python benchmarks/data_scale.py                  # 300,000 rows (a few minutes on 2 cores)
     .venv/bin/python benchmarks/data_scale.py --rows 30000     # a quick look
     .venv/bin/python benchmarks/data_scale.py --rows 1000000 --only ours
+    .venv/bin/python benchmarks/data_scale.py --rows 300000 --only ours --format parquet   # or --format json
 
 The rows: examples/data/quickstart_train.jsonl repeated, each copy's first message given a distinct suffix
 (" [row 12345]"), so no two rows are equal (and no cache of either pipeline can reuse one row for another).
+`--format json|parquet` gives both pipelines the same rows as one .json array or a parquet file (row groups of
+10,000 rows): the peak memory then says whether those files are streamed.
 
 Two pipelines, each in its own subprocess, one after the other, on the same rows file:
 
@@ -57,6 +60,7 @@ from datasets import load_dataset
 from transformers import AutoTokenizer
 
 rows, tokenizer_dir, cache, cores = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+builder = "parquet" if rows.endswith(".parquet") else "json"
 tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
 
 def tokenize(batch):
@@ -64,7 +68,7 @@ def tokenize(batch):
     out = tokenizer(texts, add_special_tokens=False)
     return {"input_ids": out["input_ids"], "length": [len(ids) for ids in out["input_ids"]]}
 
-dataset = load_dataset("json", data_files=rows, split="train", cache_dir=cache)
+dataset = load_dataset(builder, data_files=rows, split="train", cache_dir=cache)
 mapped = dataset.map(tokenize, batched=True, num_proc=cores, remove_columns=dataset.column_names)
 print(json.dumps({"rows": len(mapped), "tokens": int(sum(mapped["length"]))}))
 """
@@ -81,12 +85,41 @@ def make_rows(path: Path, n: int) -> None:
             out.write(json.dumps({"messages": messages}) + "\n")
 
 
-def write_recipe(work: Path, rows: Path, cache: Path, num_proc: int | None) -> Path:
+def convert_rows(jsonl: Path, fmt: str) -> Path:
+    """The same rows as a .json array (one item a line) or a .parquet file (row groups of 10,000), written as a
+    stream."""
+    out = jsonl.with_suffix(f".{fmt}")
+    if out.is_file():
+        return out
+    with jsonl.open(encoding="utf-8") as lines:
+        if fmt == "json":
+            with out.open("w", encoding="utf-8") as handle:
+                handle.write("[\n")
+                for i, line in enumerate(lines):
+                    handle.write(("" if i == 0 else ",\n") + line.rstrip("\n"))
+                handle.write("\n]\n")
+            return out
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        writer = None
+        while batch := [json.loads(line) for _, line in zip(range(10_000), lines)]:
+            table = pa.Table.from_pylist(batch)
+            writer = writer or pq.ParquetWriter(out, table.schema)
+            writer.write_table(table)
+        if writer:
+            writer.close()
+    return out
+
+
+def write_recipe(work: Path, rows: Path, cache: Path, num_proc: int | None, val_fraction: float = 0.0) -> Path:
     import yaml
 
     data: dict[str, Any] = {"max_seq_len": 512, "packing": True, "cache_dir": str(cache)}
     if num_proc is not None:
         data["num_proc"] = num_proc
+    if val_fraction:
+        data["val_fraction"] = val_fraction
     recipe = {"output_dir": str(work / "run"), "seed": 0, "model": MODEL, "tokenizer": {"path": str(TOKENIZER)},
               "datasets": [{"path": str(rows), "format": "chat"}], "data": data}
     path = work / "recipe.yaml"
@@ -161,9 +194,9 @@ def fresh(path: Path) -> Path:
     return path
 
 
-def run_ours(work: Path, rows: Path, num_proc: int | None) -> dict[str, Any]:
+def run_ours(work: Path, rows: Path, num_proc: int | None, val_fraction: float = 0.0) -> dict[str, Any]:
     cache = fresh(work / "ours-cache")
-    recipe = write_recipe(work, rows, cache, num_proc)
+    recipe = write_recipe(work, rows, cache, num_proc, val_fraction)
     result = run_measured([sys.executable, "-m", "finetune", "preprocess", str(recipe), "--rebuild"])
     if result["rc"] != 0:
         raise SystemExit(f"finetune preprocess failed:\n{result['output'][-4000:]}")
@@ -186,8 +219,8 @@ def run_hf(work: Path, rows: Path, cores: int) -> dict[str, Any] | str:
     return {**result, **counts}
 
 
-def table(n_rows: int, cores: int, load: float, results: dict[str, Any]) -> list[str]:
-    lines = [f"{n_rows:,} chat rows, {cores} cores (os.sched_getaffinity), 1-minute load average before: {load:.2f}",
+def table(n_rows: int, fmt: str, cores: int, load: float, results: dict[str, Any]) -> list[str]:
+    lines = [f"{n_rows:,} chat rows ({fmt}), {cores} cores (os.sched_getaffinity), 1-minute load average before: {load:.2f}",
              "| pipeline | wall s | rows/s | tokens | tokens/s | CPU s | rows per CPU s | peak RSS, largest process | "
              "peak PSS, all processes |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -212,7 +245,11 @@ def main() -> None:
                         help="HF's num_proc (default: the cores this process may use)")
     parser.add_argument("--num-proc", type=int, default=None,
                         help="our data.num_proc (default: the recipe default)")
+    parser.add_argument("--val-fraction", type=float, default=0.0,
+                        help="our data.val_fraction (rows, tokens: the training split's)")
     parser.add_argument("--only", choices=["ours", "hf"], default=None)
+    parser.add_argument("--format", choices=["jsonl", "json", "parquet"], default="jsonl",
+                        help="the rows as JSONL (default), one .json array, or parquet: the same rows")
     parser.add_argument("--work", type=Path, default=None, help="keep the rows, caches and recipe here")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()
@@ -222,18 +259,21 @@ def main() -> None:
         rows = work / f"rows-{args.rows}.jsonl"
         if not rows.is_file():
             make_rows(rows, args.rows)
+        if args.format != "jsonl":
+            rows = convert_rows(rows, args.format)
         results: dict[str, Any] = {}
         load = os.getloadavg()[0]
         if args.only in (None, "ours"):
-            results["ours"] = run_ours(work, rows, args.num_proc)
+            results["ours"] = run_ours(work, rows, args.num_proc, args.val_fraction)
         if args.only in (None, "hf"):
             results["hf datasets"] = run_hf(work, rows, args.cores)
-        for line in table(args.rows, args.cores, load, results):
+        for line in table(args.rows, args.format, args.cores, load, results):
             print(line)
         if args.json:
             figures = {k: ({kk: vv for kk, vv in v.items() if kk != "output"} if isinstance(v, dict) else v)
                        for k, v in results.items()}
-            args.json.write_text(json.dumps({"rows": args.rows, "cores": args.cores, **figures}, indent=1) + "\n")
+            args.json.write_text(json.dumps({"rows": args.rows, "format": args.format, "cores": args.cores, **figures},
+                                            indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -80,32 +80,39 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_
                                          add_generation_prompt=add_generation_prompt, **kwargs)
 
 
-_PROBES: dict[tuple[str, str, str, str], str] = {}  # (kind, template, kwargs, special tokens) -> text
+# (template, kwargs, special tokens) -> (header, closing)
+_PROBES: dict[tuple[str, str, tuple[tuple[str, str], ...]], tuple[str, str]] = {}
 
 
-def _probe(kind: str, tokenizer: Any, template_kwargs: Mapping[str, Any] | None) -> str:
-    """What a template writes around a lone user turn, measured once per template, kwargs and special tokens.
+def _probes(tokenizer: Any, template_kwargs: Mapping[str, Any] | None) -> tuple[str, str]:
+    """What a template writes around a lone user turn, (header, closing), measured once per template, kwargs and
+    special tokens (the key is built once per conversation, from cheap parts: json of the special tokens, twice
+    a row, was 5% of tokenizing one).
 
     header: what `add_generation_prompt` appends (only where it ends matters, as it is searched from the end:
     Phi-3.5's plain rendering ends with '<|endoftext|>' and its prompted one with '<|assistant|>\\n', so the two
     share '<|' and the header found is 'assistant|>\\n'). closing: what follows the user's content ('[/INST]').
     """
-    key = (kind, str(tokenizer.chat_template), json.dumps(template_kwargs or {}, sort_keys=True, default=str),
-           json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))
-    if key not in _PROBES:
-        try:
-            if kind == "header":
-                probe = [{"role": "user", "content": "Hi"}]
-                plain = render_chat(tokenizer, probe, template_kwargs)
-                prompted = render_chat(tokenizer, probe, template_kwargs, add_generation_prompt=True)
-                found = prompted[common_prefix(prompted, plain):]
-            else:
-                plain = render_chat(tokenizer, [{"role": "user", "content": "\ue000"}], template_kwargs)
-                found = plain.split("\ue000", 1)[1] if plain.count("\ue000") == 1 else ""
-        except Exception:  # a template that refuses a lone user turn: no header to look for
-            found = ""
-        _PROBES[key] = found
-    return _PROBES[key]
+    kwargs = json.dumps(template_kwargs, sort_keys=True, default=str) if template_kwargs else "{}"
+    key = (str(tokenizer.chat_template), kwargs, tuple(sorted(tokenizer.special_tokens_map.items())))
+    found = _PROBES.get(key)
+    if found is None:
+        found = _PROBES[key] = (_probe_text("header", tokenizer, template_kwargs),
+                                _probe_text("closing", tokenizer, template_kwargs))
+    return found
+
+
+def _probe_text(kind: str, tokenizer: Any, template_kwargs: Mapping[str, Any] | None) -> str:
+    try:
+        if kind == "header":
+            probe = [{"role": "user", "content": "Hi"}]
+            plain = render_chat(tokenizer, probe, template_kwargs)
+            prompted = render_chat(tokenizer, probe, template_kwargs, add_generation_prompt=True)
+            return prompted[common_prefix(prompted, plain):]
+        plain = render_chat(tokenizer, [{"role": "user", "content": "\ue000"}], template_kwargs)
+        return plain.split("\ue000", 1)[1] if plain.count("\ue000") == 1 else ""
+    except Exception:  # a template that refuses a lone user turn: no header to look for
+        return ""
 
 
 _ADDED: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[str], tuple[str, ...]]] = weakref.WeakKeyDictionary()
@@ -123,13 +130,21 @@ def added_tokens(tokenizer: Any) -> tuple[frozenset[str], tuple[str, ...]]:
     return cached[1], cached[2]
 
 
+_MARKERS: dict[tuple[frozenset[str], str | None], tuple[str, ...]] = {}
+
+
 def end_of_turn_markers(tokenizer: Any) -> tuple[str, ...]:
-    """The known end-of-turn markers that are added tokens of this tokenizer, and its eos; longest first."""
+    """The known end-of-turn markers that are added tokens of this tokenizer, and its eos; longest first (kept
+    per added tokens and eos: asked once a conversation)."""
     added, _ = added_tokens(tokenizer)
-    found = {m for m in END_OF_TURN_MARKERS if m in added}
-    if tokenizer.eos_token and tokenizer.eos_token in added:
-        found.add(tokenizer.eos_token)
-    return tuple(sorted(found, key=lambda m: (-len(m), m)))
+    eos = tokenizer.eos_token
+    markers = _MARKERS.get((added, eos))
+    if markers is None:
+        found = {m for m in END_OF_TURN_MARKERS if m in added}
+        if eos and eos in added:
+            found.add(eos)
+        markers = _MARKERS[(added, eos)] = tuple(sorted(found, key=lambda m: (-len(m), m)))
+    return markers
 
 
 def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
@@ -262,8 +277,7 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
     full = render(msgs)
     found = find_regions(render, msgs, full, tools)
     regions = list(found.regions)
-    ctx = _Context(full, msgs, regions, render, _probe("header", tokenizer, template_kwargs),
-                   _probe("closing", tokenizer, template_kwargs), end_of_turn_markers(tokenizer),
+    ctx = _Context(full, msgs, regions, render, *_probes(tokenizer, template_kwargs), end_of_turn_markers(tokenizer),
                    added_tokens(tokenizer)[0])
     neighbours = _Neighbours(regions, len(full))
     turns, unrendered = [], []

@@ -5,6 +5,7 @@ DataStats.
 
 from __future__ import annotations
 
+import array
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -128,9 +129,9 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     writers); returns their stats. Eval comes from eval_datasets, else a seeded val_fraction split.
 
     Rows are read as a stream and tokenized in chunks as they come (by worker processes: data.num_proc), so
-    neither the rows nor the examples are ever all in memory; only a val_fraction split reads every example
-    first, as it draws the held-out ones from all of them. A row that cannot be read or converted is reported
-    at once; a failure while tokenizing after the whole input has been read, so that the first of the first
+    neither the rows nor the examples are ever all in memory (a val_fraction split reads the rows three times: to
+    count them, for the training examples, for the held-out ones). A row that cannot be read or converted is
+    reported at once; a failure while tokenizing after the whole input has been read, so that the first of the first
     kind is the error raised, as when every row was read before any was tokenized.
     """
     train_stats, eval_stats = DataStats(), DataStats()
@@ -138,9 +139,9 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     rows = lambda: train_stats.rows_read + eval_stats.rows_read  # noqa: E731
     job = Job(tokenizer, data, on_bad, dict(recipe.tokenizer.chat_template_kwargs or {}), Progress(rows),
               completion_end(recipe))
+    sources: tuple[Iterable[Example], Iterable[Example]]
     if not recipe.eval_datasets and data.val_fraction > 0:
-        train_examples, eval_examples = _split(recipe, train_stats)
-        sources: tuple[Iterable[Example], Iterable[Example]] = (train_examples, eval_examples)
+        sources = _split(recipe, train_stats)
     else:
         sources = (iter_examples(recipe.datasets, on_bad, train_stats, "datasets", data),
                    iter_examples(recipe.eval_datasets, on_bad, eval_stats, "eval_datasets", data))
@@ -159,18 +160,45 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     return train_stats, eval_stats
 
 
-def _split(recipe: Recipe, stats: DataStats) -> tuple[list[Example], list[Example]]:
-    """The training examples and the seeded val_fraction of them held out for eval."""
-    train_examples = load_examples(recipe.datasets, recipe.data.on_bad_row, stats, "datasets", recipe.data)
-    order = list(range(len(train_examples)))
-    random.Random(recipe.seed).shuffle(order)
-    n_val = max(1, round(len(order) * recipe.data.val_fraction))
-    if order and n_val >= len(order):
-        raise UserError(f"data.val_fraction: {recipe.data.val_fraction} of {len(order)} training rows leaves "
-                        "none to train on; lower it, or give eval_datasets")
-    held = set(order[:n_val])
-    return ([e for i, e in enumerate(train_examples) if i not in held],
-            [e for i, e in enumerate(train_examples) if i in held])
+def _split(recipe: Recipe, stats: DataStats) -> tuple[Iterator[Example], Iterator[Example]]:
+    """The training examples and the seeded val_fraction of them held out for eval, as two streams.
+
+    A first pass reads every row to count the examples (the rows and bad rows are counted in `stats` there, and a
+    bad row under on_bad_row: error stops it before anything is tokenized); the held-out ones are drawn from those
+    indices; each stream then reads the rows again and keeps its own. Memory is 9 bytes per example, never the
+    examples.
+    """
+    data = recipe.data
+    n = sum(1 for _ in iter_examples(recipe.datasets, data.on_bad_row, stats, "datasets", data))
+    held = held_out(n, data.val_fraction, recipe.seed)
+
+    def part(kept: int) -> Iterator[Example]:
+        again = DataStats()  # the rows were counted by the first pass
+        seen = 0
+        for example in iter_examples(recipe.datasets, data.on_bad_row, again, "datasets", data):
+            if seen < n and held[seen] == kept:
+                yield example
+            seen += 1
+        if seen != n:  # the indices would pick other rows than the ones counted
+            raise UserError(f"datasets: {n} training examples were read, then {seen}: a data file changed while it "
+                            "was read; run again once it no longer changes")
+
+    return part(0), part(1)
+
+
+def held_out(n: int, fraction: float, seed: int) -> bytearray:
+    """Per example index, 1 when it is held out: the first round(n x fraction) (at least one) of the indices in a
+    random.Random(seed) shuffle, the same ones a shuffled list of the examples gave."""
+    order = array.array("q", range(n))  # 8 bytes an index where a list holds a Python int per index
+    random.Random(seed).shuffle(order)  # shuffle only swaps items: the same draws as on a list
+    n_val = max(1, round(n * fraction))
+    if order and n_val >= n:
+        raise UserError(f"data.val_fraction: {fraction} of {n} training rows leaves none to train on; lower it, or "
+                        "give eval_datasets")
+    held = bytearray(n)
+    for index in order[:n_val]:
+        held[index] = 1
+    return held
 
 
 def check_train_stats(recipe: Recipe, train_stats: DataStats) -> None:

@@ -3,15 +3,22 @@
 The origin (`file:line`) travels with the row so that any later problem (bad JSON, missing field, unknown
 role) can name exactly where it is.
 
+Every local format is read as a stream, never whole: a JSONL file line by line, a .json file holding one top-level
+array item by item (json_array.py; any other .json file, such as the {"data": [...]} form, is read whole), a
+.parquet file a batch of rows at a time, a CSV file row by row. A .json item is named by the line it starts on, a
+parquet row by its index.
+
 A row larger than `max_row_bytes` (data.max_row_bytes) is a bad row, found before it is parsed where the format
 allows: a JSONL line is measured while it is read, in pieces, and never held whole or parsed when it is too long.
-Other formats are measured by the UTF-8 bytes of their strings (keys and values): .json and .parquet files are read
-whole anyway, CSV fields are bounded by the same limit (a longer field stops the read: the CSV reader cannot find
-the next row after it), hub rows come one at a time.
+Other formats are measured by the UTF-8 bytes of their strings (keys and values): a .json item is parsed while its
+JSON text is under JSON_ITEM_FACTOR times the limit (a longer one stops the read: its end, and so the next item, is
+only found by reading it), CSV fields are bounded by the limit (a longer field stops the read: the CSV reader
+cannot find the next row after it), parquet and hub rows come one at a time.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import json
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.data.json_array import ItemTooLarge, JSONStreamError, array_items, starts_with_array
 from finetune.errors import UserError
 from finetune.recipe import LOCAL_SUFFIXES, data_file_not_found, local_data_path
 
@@ -40,6 +48,10 @@ class BadRow(UserError):
 
 # data.max_row_bytes's default (the schema's too): far above any real chat row, far below what takes gigabytes.
 DEFAULT_MAX_ROW_BYTES = 8 * 1024 * 1024
+# An item of a streamed .json array is parsed while its JSON text is under this many times max_row_bytes (then
+# measured like the other formats): escapes make JSON text up to 6 characters per byte of string (`\u0001`).
+JSON_ITEM_FACTOR = 8
+PARQUET_BATCH_ROWS = 1024  # rows decoded into Python objects at a time
 
 
 def read_rows(path: str, *, split: str = "train", name: str | None = None,
@@ -66,7 +78,7 @@ def _read_local(file: Path, limit: int) -> Iterator[RawRow]:
     if suffix == ".jsonl":
         yield from _read_jsonl(file, limit)
     elif suffix == ".json":
-        yield from _bounded(_read_json(file), limit)
+        yield from _bounded(_read_json(file, limit), limit)
     elif suffix == ".csv":
         yield from _bounded(_read_csv(file, limit), limit)
     elif suffix == ".parquet":
@@ -144,12 +156,40 @@ def _read_jsonl(file: Path, limit: int) -> Iterator[RawRow]:
             yield RawRow(data, origin)
 
 
-def _read_json(file: Path) -> Iterator[RawRow]:
+def _read_json(file: Path, limit: int) -> Iterator[RawRow]:
+    with file.open("rb") as handle:
+        if starts_with_array(handle):
+            yield from _read_json_array(file, handle, limit)
+            return
+    yield from _read_json_whole(file)
+
+
+def _read_json_array(file: Path, handle: Any, limit: int) -> Iterator[RawRow]:
+    """A top-level array, streamed (json_array.py): one item in memory at a time."""
+    bound = JSON_ITEM_FACTOR * limit
     try:
-        text = file.read_text(encoding="utf-8-sig")
+        for item, line in array_items(handle, bound):
+            origin = f"{file}:{line}"
+            yield RawRow(item, origin) if isinstance(item, dict) else _bad(origin, "expected a JSON object")
+    except ItemTooLarge as e:
+        raise UserError(f"{file}:{e.line}: {e.msg}, over {JSON_ITEM_FACTOR} x data.max_row_bytes ({bound:,}): the "
+                        "reader cannot find the next item without reading this one; raise the limit to read it") \
+            from None
+    except JSONStreamError as e:
+        if e.byte is not None:
+            raise UserError(f"{file}: {e.msg}") from None
+        raise UserError(f"{file}:{e.line}: malformed JSON: {e.msg} at column {e.column}") from None
+
+
+def _read_json_whole(file: Path) -> Iterator[RawRow]:
+    """Any other JSON file (the {"data": [...]} form) is read whole."""
+    raw = file.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
         data = json.loads(text)
     except UnicodeDecodeError as e:
-        raise UserError(f"{file}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        byte = e.start + (3 if raw.startswith(codecs.BOM_UTF8) else 0)  # utf-8-sig counts after the BOM
+        raise UserError(f"{file}: not valid UTF-8 ({e.reason} at byte {byte})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{file}:{e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
@@ -168,12 +208,14 @@ def _item_lines(text: str) -> list[int]:
     decoder, lines = json.JSONDecoder(), []
     ws = " \t\r\n"
     i = text.index("[") + 1
+    line, counted = 1, 0  # counted on from the item before: counting from the start each time was quadratic
     while True:
         while text[i] in ws:
             i += 1
         if text[i] == "]":
             return lines
-        lines.append(text.count("\n", 0, i) + 1)
+        line, counted = line + text.count("\n", counted, i), i
+        lines.append(line)
         _, i = decoder.raw_decode(text, i)
         while text[i] in ws:
             i += 1
@@ -215,14 +257,26 @@ def _read_csv(file: Path, limit: int) -> Iterator[RawRow]:
 
 
 def _read_parquet(file: Path) -> Iterator[RawRow]:
+    index = 0
+    for rows in _parquet_batches(file):
+        for row in rows:
+            yield RawRow(row, f"{file}[row {index}]")
+            index += 1
+
+
+def _parquet_batches(file: Path) -> Iterator[list[dict[str, Any]]]:
+    """The file's rows a batch at a time, as pyarrow decodes them (a row group's column chunks at most), never the
+    whole table; a file pyarrow cannot read is a UserError, naming the row it stopped at when it was not the first."""
     import pyarrow.parquet as pq  # installed with datasets; imported only when a parquet file is used
 
+    done = 0
     try:
-        table = pq.read_table(file)
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            yield batch.to_pylist()
+            done += batch.num_rows
     except Exception as e:  # pyarrow raises several types for a broken file
-        raise UserError(f"{file}: cannot read parquet ({e})") from None
-    for index, row in enumerate(table.to_pylist()):
-        yield RawRow(row, f"{file}[row {index}]")
+        where = f" at row {done}" if done else ""
+        raise UserError(f"{file}: cannot read parquet{where} ({e})") from None
 
 
 def _read_hub(name: str, *, split: str, subset: str | None) -> Iterator[RawRow]:
