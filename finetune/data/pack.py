@@ -204,7 +204,8 @@ def _best_fit(lengths: np.ndarray, max_seq_len: int, rng: random.Random) -> list
 def packed_row(samples: Sequence[dict], members: Sequence[int], max_seq_len: int) -> dict:
     """One packed row of the given samples (indices), in order, each cut to max_seq_len: positions restart at 0
     for each document (a preference pair is two: its chosen and its rejected sequence, side by side, and the row
-    lists its pair samples under "pairs")."""
+    lists its pair samples under "pairs"; a vision-language sample's image entry goes, in order, into the row's
+    "images" list)."""
     row: dict = {"input_ids": [], "labels": [], "position_ids": [], "doc_lengths": []}
     for k in members:
         sample = samples[int(k)]
@@ -221,4 +222,6 @@ def packed_row(samples: Sequence[dict], members: Sequence[int], max_seq_len: int
             start += length
         if "docs" in sample:  # the sample itself: its reference log-probabilities may be attached later
             row.setdefault("pairs", []).append(sample)
+        if sample.get("images"):  # each document's images, in row order: collate lists their pixels in that order
+            row.setdefault("images", []).append(sample["images"])
     return row

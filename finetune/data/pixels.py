@@ -5,6 +5,10 @@ features as preprocessing counted them. Here the files are read (EXIF rotation a
 load_image does), the micro-batch's images go through the image processor in row order, and each image's grid must
 give the number of features its tokens were laid out for: a file replaced by an image of another size since the
 samples were made is an error naming it, never a silent misalignment of image features and tokens.
+
+Packed rows (finetune/data/pack.py) carry their documents' entries in order, so the images are listed in the order
+their tokens appear across the flattened rows (row by row, document by document), which is the order the model
+scatters image features over its image tokens.
 """
 
 from __future__ import annotations
@@ -30,9 +34,17 @@ def load_image(path: str) -> Any:
         raise UserError(f"the image {path} cannot be read ({type(e).__name__}: {e})") from None
 
 
+def _entries(row: dict) -> list[dict]:
+    """A row's image entries: a sample's one, or a packed row's list (one per document with images, in order)."""
+    images = row.get("images")
+    if not images:
+        return []
+    return list(images) if isinstance(images, list) else [images]
+
+
 def vision_fields(rows: Sequence[dict], input_ids: torch.Tensor) -> VisionFields | None:
     """The model's image inputs for these collated rows (None when no row has an image)."""
-    entries = [row["images"] for row in rows if row.get("images")]
+    entries = [entry for row in rows for entry in _entries(row)]
     if not entries:
         return None
     keys = {entry["layout"] for entry in entries}

@@ -5,7 +5,8 @@
   applied here too, or the run would train on other logits than the model's.
 - What the fused loss cannot reproduce (`loss_refusal`), refused when the model loads.
 - What packing cannot keep apart (`packing_refusal`): layers that carry state along the sequence, attention that
-  transformers does not isolate, padding the model cannot differentiate through.
+  transformers does not isolate, padding the model cannot differentiate through, vision-language families whose
+  packed documents do not equal themselves alone (VLM_PACKED: those that do).
 - The linear layers that LoRA's `all-linear` must leave alone (`lora_exclusions`).
 
 Read from the modeling code of transformers 5.23.0 and checked against it for every causal LM architecture by
@@ -121,6 +122,25 @@ _LEAKING_ATTENTION = {
     "blt": "its entropy patcher and byte n-gram hashes span document boundaries",
 }
 _PACKING_OFF = "Set data.packing: false (padded batches keep samples apart)."
+# Vision-language families whose packed rows are proven to equal each document alone, images included
+# (tests/model/test_vision_packing.py): 1D positions, each image (tile) encoded on its own, features scattered over
+# the image tokens in order; transformers' sdpa mask finds the documents from the restarting positions.
+VLM_PACKED = ("llava", "smolvlm")
+# Why the other supported families are refused (transformers 5.23.0, read and measured on tiny models: the logits of
+# a packed document against the same document alone).
+_QWEN_MROPE = ("its 3D M-RoPE positions come from get_rope_index only when no position_ids are given; packed rows "
+               "give 1D per-document position_ids (how the documents are found), so its image tokens would get 1D "
+               "positions instead of their 3D ones (measured: 3e-3 on a row's first document, 0.4 on the next), and "
+               "without them get_rope_index numbers the whole row as one sequence, whose positions never restart at a "
+               "document (per-document 3D positions, transformers' [4, batch, length] packed form, are not made yet)")
+_VLM_NOT_PACKED = {
+    "qwen2_vl": _QWEN_MROPE,
+    "qwen2_5_vl": _QWEN_MROPE,
+    "gemma3": ("its image tokens attend both ways within an image (token_type_ids), and in its sliding-window layers "
+               "transformers applies that image-block mask before remapping the mask to each packed document's "
+               "positions, so a later document reads the first document's image pattern at its own positions "
+               "(measured: 0.2-0.3 on the second and third documents of a packed row, with or without images)"),
+}
 
 
 def packing_refusal(model: torch.nn.Module, pad_token_id: int | None) -> str | None:
@@ -129,10 +149,10 @@ def packing_refusal(model: torch.nn.Module, pad_token_id: int | None) -> str | N
     isolation check (finetune/model/isolation.py) measures the rest."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if vision_family(config) is not None:
-        return (f"data.packing: {model_type} is a vision-language model, and packing its rows is not supported yet: "
-                "that packed documents stay apart is not proven for its image tokens and 3D (M-RoPE) positions. "
-                f"{_PACKING_OFF}")
+    if vision_family(config) is not None and model_type in _VLM_NOT_PACKED:
+        return (f"data.packing: {model_type} is a vision-language model whose packed documents are not kept apart as "
+                f"they are alone: {_VLM_NOT_PACKED[model_type]}. Packing is proven for {', '.join(VLM_PACKED)} "
+                f"(docs/vision.md). {_PACKING_OFF}")
     stateful = stateful_layer(model)
     if stateful:
         return (f"data.packing: {model_type} has layers that carry a state along the sequence ({stateful}); in a "
