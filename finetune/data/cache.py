@@ -13,7 +13,15 @@ it is the same for every run that shares data, tokenizer and data settings. `fin
   template override; and the transformers and tokenizers versions, which render templates and encode;
 * every data.* key but those that act after the samples exist (packing, shuffle, batching, num_proc): so
   max_seq_len, truncation, on_bad_row, and val_fraction with the seed when they pick a validation split;
-* DATA_VERSION, which must be bumped whenever code that turns rows into samples changes.
+* DATA_VERSION, which must be bumped whenever code that turns rows into samples changes;
+* for a vision-language model, its image layout: the family, the image processor's settings as loaded (every one,
+  not only those the family's count rule reads) with the recipe's model.image_processor, the model settings the
+  count reads, and the layout's key that samples name; and where the images' paths start: each dataset's folder
+  (relative paths; the working directory for a hub dataset) and the folder images given as bytes are written to.
+
+The image files themselves are only known once the rows are read, so they are checked on load instead: the entry
+records the SHA-256 of every image file its samples name (taken when it is written, after checking that the file
+still has the size its tokens were laid out for), and an entry whose image is gone or has other bytes is rebuilt.
 
 Nothing else is in the key: train.*, packing, shuffling and the model change what happens after the samples
 exist, so they reuse the entry. Packing is not cached on purpose: `epoch_rows` repacks every epoch (with a
@@ -29,6 +37,8 @@ maps: a run holds the pages it reads, never the samples as Python objects):
                               our tokenizer guarantees; otherwise the int32 labels themselves
     {split}.offsets.npy       int64: sample i is ids[offsets[i]:offsets[i + 1]]
     {split}.docs.npy          int64 [n, 2], preference data only: each pair's chosen and rejected lengths
+    {split}.images.npy        int64 [m, 9], samples with images only: one row per image (store_images.py); meta.json
+                              lists the split's image files and their layout key, and every file's SHA-256
 
 The arrays are written while the data is tokenized, as a stream. The entry is written into a temporary directory beside it and renamed into place, which is atomic on POSIX: a reader
 sees a whole entry or none, and two processes writing the same key (ranks of one torchrun) cannot mix files.
@@ -55,11 +65,14 @@ from typing import Any
 
 import numpy as np
 
-from finetune.data.images import layout_for
+from finetune.data.image_files import store_dir
+from finetune.data.images import ImageLayout, image_size, layout_for
 from finetune.data.pairs import completion_end
 from finetune.data.samples import build_into, build_samples
+from finetune.data.sources import BadRow
 from finetune.data.stats import DataStats
 from finetune.data.store import Samples, SplitWriter
+from finetune.data.store_images import check_rows
 from finetune.recipe import DatasetConfig, Recipe, local_data_path
 
 # Bump whenever sources.py, formats.py, messages.py, tokenize.py or the truncation in tokenize_examples change
@@ -170,9 +183,6 @@ def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
     import tokenizers
     import transformers
 
-    if layout_for(tokenizer) is not None:  # their key would need the image files and the image processor
-        raise CacheError("the samples of a vision-language model are not cached yet")
-
     data = {k: v for k, v in recipe.data.model_dump(mode="json").items() if k not in _AFTER_SAMPLES}
     split = not recipe.eval_datasets and recipe.data.val_fraction > 0  # build_samples holds out rows only then
     if not split:
@@ -180,7 +190,9 @@ def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
     # Where preference completions end (data/pairs.py): in the key only when not the default, so the default's
     # entries (and the DPO reference caches keyed by them) stay valid.
     end = completion_end(recipe)
+    layout = layout_for(tokenizer)
     return {
+        **({"images": _image_key(recipe, layout)} if layout is not None else {}),  # absent: text keys unchanged
         **({"pair_completion_end": end} if end != "marker" else {}),
         "data_version": DATA_VERSION,
         "datasets": [_source_key(d, f"datasets.{i}") for i, d in enumerate(recipe.datasets)],
@@ -193,6 +205,20 @@ def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
         "data": data,  # max_seq_len, truncation, on_bad_row, val_fraction, ...
         "split_seed": recipe.seed if split else None,
     }
+
+
+def _image_key(recipe: Recipe, layout: ImageLayout) -> dict[str, Any]:
+    """What a vision-language sample depends on besides its row and the tokenizer (the image files aside, which
+    are checked on load): the layout, and the folders its images' paths are made in."""
+    folders = []
+    for cfg in (*recipe.datasets, *recipe.eval_datasets):  # relative image paths start at the data file's folder
+        local = local_data_path(cfg.path)
+        folders.append(str(local.parent.resolve()) if local is not None else os.getcwd())
+    described = {"family": layout.family_name, "processor": layout.processor.to_dict(), "settings": layout.settings,
+                 "recipe_image_processor": recipe.model.image_processor}
+    # default=str, as the layout's own key does: a processor setting numpy or an enum holds is still described.
+    return {"layout": layout.key, **json.loads(json.dumps(described, sort_keys=True, default=str)),
+            "folders": folders, "store": str(store_dir(recipe.data.cache_dir))}
 
 
 def cache_key(inputs: dict[str, Any]) -> str:
@@ -239,7 +265,8 @@ def write_entry(root: Path, key: str, inputs: dict[str, Any], fill: Fill, *,
         files = {file.name: file_sha256(file) for file in sorted(tmp.glob("*.npy"))}
         meta_splits = {split: {**sizes[split], "stats": asdict(stats[split])} for split in SPLITS}
         meta = {"data_version": DATA_VERSION, "key": key, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "inputs": inputs, "splits": meta_splits, "files": files}
+                "inputs": inputs, "splits": meta_splits, "files": files,
+                **({"images": images} if (images := _image_digests(writers.values())) else {})}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         if replace and entry.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".trash-{key}-", dir=root))
@@ -256,6 +283,34 @@ def write_entry(root: Path, key: str, inputs: dict[str, Any], fill: Fill, *,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return entry, stats
+
+
+def _image_digests(writers: Any) -> dict[str, str]:
+    """Every image file the splits' samples name -> its SHA-256; a CacheError when a file no longer has the size
+    its samples were laid out for (it changed while the data was tokenized: its digest would vouch for the wrong
+    layout)."""
+    digests: dict[str, str] = {}
+    for writer in writers:
+        for path, size in writer.images.sizes.items():
+            try:
+                digests[path] = file_sha256(Path(path))
+                now = image_size(path, path)
+            except (OSError, BadRow) as e:
+                raise CacheError(f"the image {path} cannot be read ({e})") from None
+            if now != size:
+                raise CacheError(f"the image {path} changed while the data was tokenized")
+    return digests
+
+
+def _check_images(meta: dict[str, Any]) -> None:
+    """Every image file the entry's samples name still has the bytes it had when they were made."""
+    for path, digest in meta.get("images", {}).items():
+        try:
+            same = file_sha256(Path(path)) == digest
+        except OSError as e:
+            raise CacheError(f"the image {path} cannot be read ({e.strerror or e})") from None
+        if not same:
+            raise CacheError(f"the image {path} changed since the samples were made")
 
 
 def _remove_stale_temps(root: Path) -> None:
@@ -278,11 +333,17 @@ def load_entry(entry: Path, key: str, *, verify: bool = True) -> dict[str, tuple
         for file, digest in meta["files"].items() if verify else ():
             if file_sha256(entry / file) != digest:
                 raise CacheError(f"{file} does not match its checksum")
+        if verify:  # the images' bytes: not part of the key (known only once the rows are read)
+            _check_images(meta)
         out = {}
         for split in SPLITS:
             info = meta["splits"][split]
-            samples = Samples.open(entry, split, info["labels"])
+            samples = Samples.open(entry, split, info["labels"], info)
             _check_fits(samples, info, split)
+            if samples.images is not None and (problem := check_rows(samples.images, samples.image_paths,
+                                                                      samples.lengths)
+                                               or _unrecorded(samples.image_paths, meta)):
+                raise CacheError(f"the {split} images: {problem}")
             known = {f.name for f in fields(DataStats)}
             stats = DataStats(**{k: v for k, v in info["stats"].items() if k in known})
             out[split] = (samples, stats)
@@ -293,6 +354,12 @@ def load_entry(entry: Path, key: str, *, verify: bool = True) -> dict[str, tuple
         raise CacheError(f"{Path(e.filename or '?').name} is missing") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # json, numpy and shape errors
         raise CacheError(f"unreadable ({type(e).__name__}: {e})") from None
+
+
+def _unrecorded(paths: Sequence[str], meta: dict[str, Any]) -> str | None:
+    recorded = meta.get("images", {})
+    missing = next((p for p in paths if p not in recorded), None)
+    return None if missing is None else f"{missing} has no recorded digest"
 
 
 def _check_fits(samples: Samples, info: dict[str, Any], split: str) -> None:

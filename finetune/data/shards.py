@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -129,6 +129,9 @@ class Part:
     lengths: np.ndarray
     docs: np.ndarray | None
     stats: DataStats
+    images: list[tuple[int, dict]] = field(default_factory=list)
+    """The image entries of the samples that have images (their index in the chunk, the entry): without them a
+    vision-language sample made by a worker would arrive as tokens with no image to fill them."""
 
     @classmethod
     def of(cls, samples: list[dict], stats: DataStats) -> Part:
@@ -139,19 +142,23 @@ class Part:
         labels = np.fromiter(chain(s["labels"] for s in samples), dtype=np.int32, count=total)
         docs = np.array([s["docs"] for s in samples], dtype=np.int64).reshape(-1, 2) \
             if samples and "docs" in samples[0] else None
-        return cls(ids, labels, lengths, docs, stats)
+        images = [(i, s["images"]) for i, s in enumerate(samples) if s.get("images")]
+        return cls(ids, labels, lengths, docs, stats, images)
 
     def deliver(self, out: Any) -> None:
         """Into a SplitWriter as arrays; into anything else (a list) as sample dicts."""
         if isinstance(out, SplitWriter):
-            out.extend(self.ids, self.labels, self.lengths, self.docs)
+            out.extend(self.ids, self.labels, self.lengths, self.docs, self.images)
             return
         ends = np.cumsum(self.lengths).tolist()
         ids, labels = self.ids.tolist(), self.labels.tolist()
+        images = dict(self.images)
         for i, (start, end) in enumerate(zip([0, *ends], ends)):
             sample = {"input_ids": ids[start:end], "labels": labels[start:end]}
             if self.docs is not None:
                 sample["docs"] = self.docs[i].tolist()
+            if i in images:
+                sample["images"] = images[i]
             out.append(sample)
 
 

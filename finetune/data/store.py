@@ -7,6 +7,8 @@ A split is four arrays (cache.py names the files `{split}.{name}.npy`):
                       tokenizer guarantees; otherwise int32, the labels themselves
     offsets   int64   n + 1 entries: sample i is ids[offsets[i]:offsets[i + 1]]
     docs      int64   [n, 2], preference pairs only: each pair's chosen and rejected lengths
+    images    int64   [m, 9], vision-language samples only: one row per image (store_images.py); the files'
+                      paths and the layout key are in meta.json
 
 `SplitWriter` appends samples (or whole arrays from a worker) and never holds more than a buffer of them: each
 file gets a 128-byte placeholder header, the values go after it as they come, and the real header (of the final
@@ -23,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from finetune.data.store_images import COLUMNS, ImageRows, entry_of
 from finetune.labels import IGNORE_INDEX
 
 HEADER_BYTES = 128  # an .npy v1 header of any 1-D or [n, 2] shape we write fits (and numpy pads to 64)
@@ -78,6 +81,8 @@ class SplitWriter:
         self.offsets = ArrayFile(directory / f"{split}.offsets.npy", np.int64)
         self.offsets.write(np.zeros(1, dtype=np.int64))
         self.docs: ArrayFile | None = None
+        self.images = ImageRows()
+        self.image_file: ArrayFile | None = None  # opened by the first image: text splits have no such file
         self.samples = self.tokens = 0
         self._ids: list[int] = []
         self._labels: list[int] = []
@@ -88,11 +93,13 @@ class SplitWriter:
         return self.samples + len(self._lengths)
 
     def append(self, sample: dict) -> None:
-        """Add one sample ({"input_ids", "labels"} and, for a pair, "docs")."""
+        """Add one sample ({"input_ids", "labels"} and, for a pair, "docs"; with images, "images")."""
         ids, labels = sample["input_ids"], sample["labels"]
         if len(ids) != len(labels):
             raise ValueError(f"sample {len(self)}: {len(ids)} input_ids but {len(labels)} labels")
         self._pair("docs" in sample)
+        if sample.get("images"):
+            self.images.add(len(self), sample["images"])
         self._ids.extend(ids)
         self._labels.extend(labels)
         self._lengths.append(len(ids))
@@ -101,9 +108,13 @@ class SplitWriter:
         if len(self._ids) >= FLUSH_TOKENS:
             self.flush()
 
-    def extend(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs: np.ndarray | None) -> None:
-        """Add many samples at once, as arrays (a worker's share): tokens, labels, lengths, pair lengths."""
+    def extend(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs: np.ndarray | None,
+               images: Sequence[tuple[int, dict]] = ()) -> None:
+        """Add many samples at once, as arrays (a worker's share): tokens, labels, lengths, pair lengths, and the
+        image entries of those that have images (their index among these samples, the entry)."""
         self.flush()
+        for i, entry in images:
+            self.images.add(len(self) + i, entry)
         if len(lengths):
             self._pair(docs is not None)
             self._write(np.asarray(ids, np.int32), np.asarray(labels, np.int32), np.asarray(lengths, np.int64),
@@ -134,6 +145,10 @@ class SplitWriter:
         self.offsets.write(self.tokens + np.cumsum(lengths))
         if self.docs is not None and docs is not None:
             self.docs.write(docs)
+        if self.images.rows:
+            if self.image_file is None:
+                self.image_file = ArrayFile(self.directory / f"{self.split}.images.npy", np.int64, width=COLUMNS)
+            self.image_file.write(self.images.take())
         self.samples += len(lengths)
         self.tokens += int(lengths.sum())
 
@@ -153,12 +168,15 @@ class SplitWriter:
     def close(self) -> dict[str, Any]:
         """Finish the files; the split's sizes and label kind (for meta.json)."""
         self.flush()
-        files = [self.ids, self.offsets, *([self.docs] if self.docs else [])]
+        files = [self.ids, self.offsets, *([self.docs] if self.docs else []), *filter(None, [self.image_file])]
         for file in [*files, self.mask, *([self.full] if self.full else [])]:
             file.close()
         if self.full is not None:
             self.full.path.replace(self.mask.path)
-        return {"samples": self.samples, "tokens": self.tokens, "labels": "mask" if self.full is None else "ids"}
+        images = {"images": self.images.count, "image_layout": self.images.layout,
+                  "image_paths": list(self.images.paths)} if self.image_file is not None else {}
+        return {"samples": self.samples, "tokens": self.tokens, "labels": "mask" if self.full is None else "ids",
+                **images}
 
 
 class SampleRow(dict):
@@ -169,7 +187,7 @@ class SampleRow(dict):
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)
-        if key not in ("input_ids", "labels", "docs"):
+        if key not in ("input_ids", "labels", "docs", "images"):
             self._extras.setdefault(self._index, {})[key] = value
 
 
@@ -177,15 +195,18 @@ class Samples(Sequence):
     """A split's samples from its memory-mapped arrays; sample i is made when read (SampleRow of lists)."""
 
     def __init__(self, ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, docs: np.ndarray | None,
-                 mask: bool) -> None:
+                 mask: bool, images: np.ndarray | None = None, image_paths: Sequence[str] = (),
+                 image_layout: str = "") -> None:
         self.ids, self.labels, self.offsets, self.docs, self.mask = ids, labels, offsets, docs, mask
         self.lengths = np.diff(offsets)
+        self.images, self.image_paths, self.image_layout = images, list(image_paths), image_layout
         self._extras: dict[int, dict[str, Any]] = {}
 
     @classmethod
-    def open(cls, directory: Path, split: str, labels_kind: str) -> Samples:
+    def open(cls, directory: Path, split: str, labels_kind: str, info: dict[str, Any] | None = None) -> Samples:
         """The split's arrays as memory maps (np.load mmap_mode "r": pages are read when touched), or read into
-        memory when they are small (MMAP_MIN_BYTES)."""
+        memory when they are small (MMAP_MIN_BYTES). `info` (the split's meta.json record) names the image files
+        and the layout of a split with images."""
         mode = "r" if (directory / f"{split}.ids.npy").stat().st_size > MMAP_MIN_BYTES else None
 
         def load(name: str) -> np.ndarray:
@@ -193,7 +214,10 @@ class Samples(Sequence):
 
         docs_file = directory / f"{split}.docs.npy"
         docs = np.asarray(load("docs")) if docs_file.is_file() else None
-        return cls(load("ids"), load("labels"), np.asarray(load("offsets")), docs, labels_kind == "mask")
+        info = info or {}
+        images = np.asarray(load("images")) if info.get("images") is not None else None  # a few ints per image
+        return cls(load("ids"), load("labels"), np.asarray(load("offsets")), docs, labels_kind == "mask", images,
+                   info.get("image_paths", ()), info.get("image_layout") or "")
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -214,6 +238,10 @@ class Samples(Sequence):
         row = SampleRow(input_ids=ids.tolist(), labels=labels.tolist())
         if self.docs is not None:
             row["docs"] = self.docs[i].tolist()
+        if self.images is not None:
+            first, end = np.searchsorted(self.images[:, 0], [i, i + 1])
+            if end > first:
+                row["images"] = entry_of(self.images[first:end], self.image_paths, self.image_layout)
         row.update(self._extras.get(i, {}))
         row._extras, row._index = self._extras, i
         return row
