@@ -1,5 +1,6 @@
-"""Tiny vision-language models and image rows for the tests: random Qwen2-VL / Qwen2.5-VL / LLaVA / Gemma 3 configs
-over the quickstart tokenizer (with each family's vision tokens added), small generated images of different sizes."""
+"""Tiny vision-language models and image rows for the tests: random Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) /
+LLaVA / Gemma 3 / SmolVLM configs over the quickstart tokenizer (with each family's vision tokens added), small
+generated images of different sizes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 512,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 100.0}}
+TEXT3 = {**{k: v for k, v in TEXT.items() if k != "rope_scaling"}, "head_dim": 16,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True}}
+QWEN3_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+                "deepstack_visual_indexes": [0]}
 LLAVA_TOKENS = ["<image>"]
 # ChatML with image parts written as LLaVA's placeholder (a template of this project's, for the tests).
 LLAVA_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
@@ -38,6 +45,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                      "out_hidden_size": 64, "patch_size": 8, "spatial_merge_size": 2,
                                      "temporal_patch_size": 2, "window_size": 32, "fullatt_block_indexes": [1]}},
+    # Qwen3-VL: the same layout as Qwen2-VL; interleaved M-RoPE over head_dim 16, a learned 4x4 position grid
+    # resampled to each image's, one DeepStack merger (tower layer 0 into decoder layer 0).
+    "qwen3_vl": {"model_type": "qwen3_vl", "text_config": TEXT3, "vision_config": QWEN3_VISION},
+    # Its MoE: 4 experts, 2 per token, in both decoder layers.
+    "qwen3_vl_moe": {"model_type": "qwen3_vl_moe", "vision_config": QWEN3_VISION,
+                     "text_config": {**TEXT3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}},
     # CLIP tower on 32x32 crops: 16 patches + CLS, less one (the default strategy): 16 image tokens per image.
     "llava": {"model_type": "llava",
               "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,

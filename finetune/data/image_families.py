@@ -5,9 +5,10 @@ feature, the vision tokens that are never trained, how many features an image of
 (the processor's own resize rule, from the size alone), how many the processed pixels give (checked in collate:
 the two must agree), and the model's keyword inputs made from the processed images.
 
-Qwen2-VL / Qwen2.5-VL: `smart_resize` to multiples of patch_size x merge_size within min/max_pixels, one feature
-per merge_size**2 patches (Qwen2VLProcessor.replace_image_token). LLaVA: the processor resizes and center-crops to
-crop_size, one feature per patch, plus the vision tower's CLS token, less one with the `default` feature select
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL: `smart_resize` to multiples of patch_size x merge_size within min/max_pixels,
+one feature per merge_size**2 patches (Qwen2VLProcessor.replace_image_token; Qwen3VLProcessor's is the same rule, and
+its model reads the same inputs). LLaVA: the processor resizes and center-crops to crop_size, one feature per patch,
+plus the vision tower's CLS token, less one with the `default` feature select
 strategy (LlavaProcessor.replace_image_token). Gemma 3: the template writes `<start_of_image>`, the processor
 writes "\n\n<start_of_image>" + `<image_soft_token>` x mm_tokens_per_image + "<end_of_image>\n\n" in its place
 (Gemma3Processor.full_image_sequence): every image resized to the SigLIP tower's square, pan-and-scan refused.
@@ -64,7 +65,7 @@ class Family:
         return self.prefix + self.image_token * n + self.suffix
 
 
-# --- Qwen2-VL, Qwen2.5-VL --------------------------------------------------------------------------------------
+# --- Qwen2-VL, Qwen2.5-VL, Qwen3-VL ---------------------------------------------------------------------------
 
 def _qwen_count(processor: Any, settings: Mapping[str, Any], height: int, width: int) -> int:
     return processor.get_number_of_image_patches(height, width, {}) // processor.merge_size ** 2
@@ -209,4 +210,5 @@ _GEMMA3 = Family("<start_of_image>", "<image_soft_token>", ("<start_of_image>", 
                  prefix="\n\n<start_of_image>", suffix="<end_of_image>\n\n")
 _SMOLVLM = Family("<image>", "<image>", (_FAKE, "<global-img>", "<image>"), _smolvlm_count, _smolvlm_processed,
                   _smolvlm_inputs, grid=_smolvlm_grid, processed_grids=_smolvlm_grids, text=_smolvlm_text)
-FAMILIES = {"qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "llava": _LLAVA, "gemma3": _GEMMA3, "smolvlm": _SMOLVLM}
+FAMILIES = {"qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "qwen3_vl": _QWEN_VL, "llava": _LLAVA, "gemma3": _GEMMA3,
+            "smolvlm": _SMOLVLM}

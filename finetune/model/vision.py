@@ -1,7 +1,7 @@
 """Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
 
 A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
-SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3, SmolVLM), each checked like the text models
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA, Gemma 3, SmolVLM), each checked like the text models
 (tests/model/test_vision_model.py): the fused loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
 model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
 image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
@@ -45,7 +45,9 @@ class VisionModel:
     layout: str
     processor_class: str
     tower: str
-    projector: str
+    projector: tuple[str, ...]
+    """The modules that carry the tower's features into the language model (Qwen3-VL: its merger and DeepStack
+    mergers), trained with the language model."""
     token_ids: tuple[tuple[str, str], ...]
     random_processor: Callable[[Any], dict[str, Any]]
     layout_settings: Callable[[Any], dict[str, Any]] = lambda config: {}
@@ -59,6 +61,11 @@ def _qwen_processor(config: Any) -> dict[str, Any]:
     vision = config.vision_config
     return {"patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
             "temporal_patch_size": vision.temporal_patch_size}
+
+
+def _qwen3_processor(config: Any) -> dict[str, Any]:
+    # Qwen3-VL's checkpoints normalize to [-1, 1] (preprocessor_config.json), not with CLIP's mean and std.
+    return {**_qwen_processor(config), "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
 
 
 def _llava_processor(config: Any) -> dict[str, Any]:
@@ -99,18 +106,23 @@ def _smolvlm_settings(config: Any) -> dict[str, Any]:
 _QWEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
              ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
 SUPPORTED = {
-    "qwen2_vl": VisionModel("qwen2_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
+    "qwen2_vl": VisionModel("qwen2_vl", "Qwen2VLImageProcessorPil", "model.visual", ("model.visual.merger",),
                             _QWEN_IDS, _qwen_processor),
-    "qwen2_5_vl": VisionModel("qwen2_5_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
+    "qwen2_5_vl": VisionModel("qwen2_5_vl", "Qwen2VLImageProcessorPil", "model.visual", ("model.visual.merger",),
                               _QWEN_IDS, _qwen_processor),
-    "llava": VisionModel("llava", "LlavaImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
+    # Qwen3-VL's DeepStack mergers project intermediate tower layers into the first decoder layers' hidden states:
+    # projectors, like its merger (they train with freeze_vision and stay out of a LoRA by names).
+    **{name: VisionModel("qwen3_vl", "Qwen2VLImageProcessorPil", "model.visual",
+                         ("model.visual.merger", "model.visual.deepstack_merger_list"), _QWEN_IDS, _qwen3_processor)
+       for name in ("qwen3_vl", "qwen3_vl_moe")},
+    "llava": VisionModel("llava", "LlavaImageProcessorPil", "model.vision_tower", ("model.multi_modal_projector",),
                          (("image_token_id", "<image>"),), _llava_processor, _llava_settings),
     # Gemma3ForConditionalGeneration applies no final_logit_softcapping (Gemma3ForCausalLM does): head_softcap off.
-    "gemma3": VisionModel("gemma3", "Gemma3ImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
+    "gemma3": VisionModel("gemma3", "Gemma3ImageProcessorPil", "model.vision_tower", ("model.multi_modal_projector",),
                           (("image_token_id", "<image_soft_token>"), ("boi_token_id", "<start_of_image>"),
                            ("eoi_token_id", "<end_of_image>")), _gemma3_processor, _gemma3_settings,
                           head_softcap=False),
-    "smolvlm": VisionModel("smolvlm", "SmolVLMImageProcessorPil", "model.vision_model", "model.connector",
+    "smolvlm": VisionModel("smolvlm", "SmolVLMImageProcessorPil", "model.vision_model", ("model.connector",),
                            (("image_token_id", "<image>"),), _smolvlm_processor, _smolvlm_settings,
                            processor_fixed=(("return_row_col_info", True),)),
 }
@@ -171,7 +183,15 @@ def refusal(config: Any) -> str | None:
     )
 
     model_type = getattr(config, "model_type", None)
-    if model_type in SUPPORTED or model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if model_type in SUPPORTED:
+        # A MoE language model (qwen3_vl_moe) adds its router's load-balancing loss to the cross-entropy when asked;
+        # the fused loss does not compute it (architectures.loss_refusal reads the top-level config only).
+        if getattr(getattr(config, "text_config", None), "output_router_logits", False):
+            return (f"model.config.text_config.output_router_logits is true: {model_type} would add its router "
+                    "load-balancing loss to the cross-entropy, which the fused loss does not compute. Set it to false "
+                    "(the router is still trained through the cross-entropy)")
+        return None
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return None
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return None  # loaded as a causal LM, as before; rows with images are refused when they are tokenized
@@ -287,8 +307,12 @@ def _tower_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     if vlm is None:
         return []
     return [(name, module) for name, module in model.named_modules()
-            if (name == vlm.tower or name.startswith(vlm.tower + "."))
-            and not (name == vlm.projector or name.startswith(vlm.projector + "."))]
+            if _under(name, (vlm.tower,)) and not _under(name, vlm.projector)]
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether module `name` is one of `prefixes` or inside one."""
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
 
 
 def freeze_tower(model: torch.nn.Module, cfg: ModelConfig) -> None:
@@ -306,7 +330,7 @@ def lora_exclusions(model: torch.nn.Module, adapter: AdapterConfig) -> list[str]
     if vlm is None or (isinstance(adapter.target_modules, str) and adapter.target_modules != "all-linear"):
         return []
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
-            and any(name == side or name.startswith(side + ".") for side in (vlm.tower, vlm.projector))]
+            and _under(name, (vlm.tower, *vlm.projector))]
 
 
 def quantization_skips(config: Any) -> list[str]:
@@ -316,7 +340,7 @@ def quantization_skips(config: Any) -> list[str]:
     family's), which the fused loss reads: naming any skip replaces transformers' defaults, which keep it. Only the
     language model's linear layers are 4-bit. None for any other model."""
     vlm = family(config) if config is not None else None
-    return [vlm.tower, vlm.projector, "lm_head"] if vlm is not None else []
+    return [vlm.tower, *vlm.projector, "lm_head"] if vlm is not None else []
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -51,31 +51,51 @@ def _text(text):
     return {"type": "text", "text": text}
 
 
-def test_layout_is_the_image_processors_own(tok, folder):
-    """Each image becomes exactly the tokens the processor's own rule writes for it (Qwen2VLProcessor: one
-    <|image_pad|> per grid_t x grid_h x grid_w / merge_size**2, from the processed pixels), here counted from the
-    file's size alone; the whole token sequence equals the processor's text tokenized."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_layout_is_the_image_processors_own(family, folder):
+    """Each image becomes exactly the tokens the processor's own rule writes for it (Qwen2VLProcessor's and
+    Qwen3VLProcessor's replace_image_token, transformers' own functions, applied to the image processor's output for
+    the pixels: one <|image_pad|> per grid_t x grid_h x grid_w / merge_size**2; the processor classes themselves need
+    a video processor, which needs torchvision), here counted from the file's size alone; the whole token sequence
+    equals the processor's text tokenized; the image processor is the one the model's config gives (Qwen3-VL: its
+    [-1, 1] normalization); the pixels and mm_token_type_ids collate gives are the processor's."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2VLProcessor, Qwen3VLProcessor
+    from transformers.image_utils import OPENAI_CLIP_MEAN
+
     from finetune.data.images import layout_for
 
+    tok = load_tokenizer(tokenizer_config(family), model_config(family))
     layout = layout_for(tok)
+    assert list(layout.processor.image_mean) == ([0.5] * 3 if family == "qwen3_vl" else list(OPENAI_CLIP_MEAN))
+    rule = {"qwen2_vl": Qwen2VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family].replace_image_token
+    as_processor = SimpleNamespace(image_processor=layout.processor, image_token="<|image_pad|>")
     for names in (["red.png"], ["blue.png", "green.png"], ["yellow.png", "red.png", "green.png"]):
         row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
         sample = tokenize_example(_example(row, folder), tok)
-        grids = layout.processor(images=[Image.open(folder / "images" / n) for n in names])["image_grid_thw"]
+        out = layout.processor(images=[Image.open(folder / "images" / n).convert("RGB") for n in names],
+                               return_tensors="pt")
         rendered = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Look:"},
                                                                          *[{"type": "image"}] * len(names),
                                                                          {"type": "text", "text": "what colors?"}]},
                                             {"role": "assistant", "content": "It is red."}], tokenize=False)
-        for t, h, w in grids.tolist():  # the processor's replace_image_token, in order
-            rendered = rendered.replace("<|image_pad|>", "\0" * (t * h * w // layout.processor.merge_size ** 2), 1)
-        expected = tok(rendered.replace("\0", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
+        for k in range(len(names)):  # the processor's replace_image_token, in order
+            rendered = rendered.replace("<|image_pad|>", "\0" + rule(as_processor, out, k).replace("<|image_pad|>", "\1"), 1)
+        expected = tok(rendered.replace("\0", "").replace("\1", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
         assert sample["input_ids"] == expected
+        grids = out["image_grid_thw"]
         items = sample["images"]["items"]
         assert [item["features"] for item in items] == [t * h * w // 4 for t, h, w in grids.tolist()]
         for item in items:  # <|vision_start|>, the image tokens, <|vision_end|>
             span = sample["input_ids"][item["start"]:item["start"] + item["length"]]
             assert tok.convert_ids_to_tokens([span[0], span[-1]]) == ["<|vision_start|>", "<|vision_end|>"]
             assert len(span) == item["features"] + 2
+        batch = collate([sample], DataConfig(packing=False), tok.pad_token_id)
+        assert torch.equal(batch.vision.inputs["pixel_values"], out["pixel_values"])
+        assert torch.equal(batch.vision.inputs["image_grid_thw"], grids)
+        image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+        assert batch.vision.inputs["mm_token_type_ids"].tolist() == [[int(t == image_id) for t in expected]]
 
 
 def test_llava_layout_is_llava_processors_own(folder):
