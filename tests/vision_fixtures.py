@@ -1,6 +1,6 @@
 """Tiny vision-language models and image rows for the tests: random Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) /
-LLaVA / Gemma 3 / SmolVLM configs over the quickstart tokenizer (with each family's vision tokens added), small
-generated images of different sizes."""
+LLaVA / Gemma 3 / SmolVLM / Mistral 3 configs over the quickstart tokenizer (with each family's vision tokens added),
+small generated images of different sizes."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ SMOLVLM_TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] 
                     "message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == "
                     "'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
                     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+MISTRAL3_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+# ChatML with image parts written as Mistral's templates write them: [IMG], nothing around it.
+MISTRAL3_TEMPLATE = LLAVA_TEMPLATE.replace("<image>\n", "[IMG]")
 GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_vl": {"model_type": "qwen2_vl", "text_config": TEXT,
@@ -77,6 +80,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "vision_config": {"model_type": "smolvlm_vision", "hidden_size": 32, "intermediate_size": 64,
                                   "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32,
                                   "patch_size": 8}},
+    # Pixtral tower (patch 8, images up to 64 pixels a side), 2 x 2 patches merged into each [IMG]: 16 x 16 pixels a
+    # token, at most 4 x 4 per image, each row ended by [IMG_BREAK], the last by [IMG_END].
+    "mistral3": {"model_type": "mistral3", "spatial_merge_size": 2,
+                 "text_config": {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "head_dim": 16},
+                 "vision_config": {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+                                   "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 64,
+                                   "patch_size": 8}},
 }
 SMOLVLM_PROCESSOR = {"size": {"longest_edge": 64}}
 # 16 x 16 pixels make one image token (patch 8, merge 2); at most 64 x 64 pixels (16 tokens) per image.
@@ -146,6 +158,8 @@ def _tokenizer_keys(family: str) -> dict[str, Any]:
     if family == "smolvlm":
         return {"path": str(TOKENIZER), "chat_template": SMOLVLM_TEMPLATE,
                 "special_tokens": {"eos_token": "<end_of_utterance>"}, "added_special_tokens": SMOLVLM_TOKENS}
+    if family == "mistral3":
+        return {"path": str(TOKENIZER), "chat_template": MISTRAL3_TEMPLATE, "added_special_tokens": MISTRAL3_TOKENS}
     if family == "gemma3":  # Gemma 3's own template (shipped), which writes <start_of_image> for an image
         return {"path": str(TOKENIZER), "chat_template": "gemma3", "special_tokens": {"bos_token": "<bos>"},
                 "added_special_tokens": GEMMA3_TOKENS}

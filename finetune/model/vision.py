@@ -1,7 +1,7 @@
 """Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
 
 A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
-SUPPORTED (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA, Gemma 3, SmolVLM), each checked like the text models
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA, Gemma 3, SmolVLM, Mistral 3), each checked like the text models
 (tests/model/test_vision_model.py): the fused loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
 model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
 image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
@@ -10,7 +10,7 @@ its own (transformers fills in a default one) stays a text model, as before (`fa
 
 The image processor is the model's own (preprocessor_config.json, through its Pillow/numpy class: torchvision stays
 out of the dependencies), or with init: random the family's class made from model.config's vision_config (Qwen:
-patch, merge and temporal sizes; LLaVA, Gemma 3, SmolVLM: the tower's image size), with model.image_processor over
+patch, merge and temporal sizes; LLaVA, Gemma 3, SmolVLM, Mistral 3: the tower's image size), with model.image_processor over
 either. It is attached to the tokenizer as an image
 layout (finetune/data/images.py), which preprocessing and collate read.
 
@@ -53,8 +53,9 @@ class VisionModel:
     layout_settings: Callable[[Any], dict[str, Any]] = lambda config: {}
     head_softcap: bool = True
     """Whether the model's forward applies its text config's final_logit_softcapping to the logits."""
-    processor_fixed: tuple[tuple[str, Any], ...] = ()
-    """Image processor settings the layout needs, over the model's and the recipe's (SmolVLM: the tile grid)."""
+    processor_fixed: Callable[[Any], dict[str, Any]] = lambda config: {}
+    """Image processor settings the layout needs, from the model's config, over the model's processor (SmolVLM: the
+    tile grid; Mistral 3: the merged patch size its processor class passes); a recipe's other value is refused."""
 
 
 def _qwen_processor(config: Any) -> dict[str, Any]:
@@ -103,6 +104,25 @@ def _smolvlm_settings(config: Any) -> dict[str, Any]:
     return {"tokens": tokens, "image_size": vision.image_size}
 
 
+def _pixtral_processor(config: Any) -> dict[str, Any]:
+    # Images within the tower's image_size (its rotary table's extent), as Mistral's checkpoints set it.
+    vision = config.vision_config
+    return {"size": {"longest_edge": vision.image_size}, "patch_size": {"height": vision.patch_size,
+                                                                         "width": vision.patch_size}}
+
+
+def _pixtral_settings(config: Any) -> dict[str, Any]:
+    # One [IMG] per spatial_merge_size x spatial_merge_size patches (Mistral3PatchMerger).
+    return {"patch_size": config.vision_config.patch_size * config.spatial_merge_size}
+
+
+def _pixtral_fixed(config: Any) -> dict[str, Any]:
+    # PixtralProcessor calls its image processor with this patch size, whatever preprocessor_config.json says: the
+    # image is resized to whole merged patches.
+    patch = _pixtral_settings(config)["patch_size"]
+    return {"patch_size": {"height": patch, "width": patch}}
+
+
 _QWEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
              ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
 SUPPORTED = {
@@ -124,7 +144,10 @@ SUPPORTED = {
                           head_softcap=False),
     "smolvlm": VisionModel("smolvlm", "SmolVLMImageProcessorPil", "model.vision_model", ("model.connector",),
                            (("image_token_id", "<image>"),), _smolvlm_processor, _smolvlm_settings,
-                           processor_fixed=(("return_row_col_info", True),)),
+                           processor_fixed=lambda config: {"return_row_col_info": True}),
+    "mistral3": VisionModel("mistral3", "PixtralImageProcessorPil", "model.vision_tower",
+                            ("model.multi_modal_projector",), (("image_token_id", "[IMG]"),), _pixtral_processor,
+                            _pixtral_settings, processor_fixed=_pixtral_fixed),
 }
 # Why some are refused, where it is more than "not checked yet".
 _REASONS = {
@@ -255,7 +278,12 @@ def attach_layout(tokenizer: Any, cfg: ModelConfig) -> None:
 def _image_processor(cfg: ModelConfig, config: Any, vlm: VisionModel) -> Any:
     import transformers
 
-    overrides = {**dict(cfg.image_processor), **dict(vlm.processor_fixed)}
+    fixed = vlm.processor_fixed(config)
+    for key, value in cfg.image_processor.items():
+        if key in fixed and value != fixed[key]:
+            raise UserError(f"model.image_processor.{key}: {config.model_type}'s layout needs {fixed[key]!r} (from the "
+                            f"model's config), not {value!r}; leave it out")
+    overrides = {**dict(cfg.image_processor), **fixed}
     try:
         if cfg.init == "random" or not cfg.path:
             return getattr(transformers, vlm.processor_class)(**{**vlm.random_processor(config), **overrides})

@@ -21,10 +21,10 @@ from finetune.model.loading import load_model, load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, DataConfig, ModelConfig
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3", "smolvlm")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3", "smolvlm", "mistral3")
 TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "qwen3_vl": "model.visual.",
          "qwen3_vl_moe": "model.visual.", "llava": "model.vision_tower.", "gemma3": "model.vision_tower.",
-         "smolvlm": "model.vision_model."}
+         "smolvlm": "model.vision_model.", "mistral3": "model.vision_tower."}
 LANGUAGE = {"smolvlm": "model.text_model."}  # the others: model.language_model.
 
 
@@ -55,6 +55,8 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
     assert batch.vision is not None and batch.vision.images == 7
     if family == "smolvlm":  # images split into 1x2, 2x1 and 2x2 tiles, each with its global image
         assert batch.vision.inputs["pixel_values"].shape[1] > 7
+    if family == "mistral3":  # images of three sizes, padded to the largest: image_sizes says what the tower reads
+        assert len(set(map(tuple, batch.vision.inputs["image_sizes"].tolist()))) == 3
     net = CausalLMWithLoss(model, impl, chunk_size=16, z_loss=0.0, softcap=None)
     loss_sum, count = net(**batch.model_inputs())
     fused = loss_sum / count
@@ -81,6 +83,35 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
             assert (ours[name] - p.grad).abs().max() <= 1e-5 * top, name
             continue
         assert max_rel_diff(ours[name], p.grad) <= 1e-5, (name, max_rel_diff(ours[name], p.grad))
+
+
+def test_mistral3_rows_alone_train_as_in_a_padded_batch(tmp_path):
+    """Mistral 3's images are padded to the micro-batch's largest (image_sizes says how much of each the tower
+    reads), so a row's images are other tensors in another micro-batch: each row alone gives the loss sum and the
+    gradients it gives in the padded batch (summed over the rows, within 1e-5), which exact accumulation over
+    micro-batches of other sizes rests on (the trainer's 8x1 = 1x8 = 2x4 runs the other families)."""
+    tok = load_tokenizer(tokenizer_config("mistral3"), model_config("mistral3"))
+    model = load_model(model_config("mistral3", freeze_vision=False), AdapterConfig(), tok, seed=0)
+    net = CausalLMWithLoss(model, "chunked", chunk_size=16, z_loss=0.0, softcap=None)
+    batch = _batch(tok, tmp_path)
+    loss_sum, _ = net(**batch.model_inputs())
+    loss_sum.backward()
+    together = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()  # the same rows, collated one at a time
+    data = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    alone_sum = 0.0
+    for i, row in enumerate(data):
+        sample = tokenize_example(to_example(RawRow(row, f"t.jsonl:{i}"), "chat",
+                                             fields=MessageFields(image_root=str(tmp_path))), tok)
+        one = collate([sample], DataConfig(packing=False), tok.pad_token_id).to("cpu")
+        row_sum, _ = net(**one.model_inputs())
+        row_sum.backward()
+        alone_sum += row_sum.item()
+    assert abs(alone_sum - loss_sum.item()) <= 1e-5 * loss_sum.item()
+    assert any(name.startswith("model.vision_tower.") for name in together)
+    for name, p in model.named_parameters():
+        if name in together:
+            assert max_rel_diff(p.grad, together[name]) <= 1e-5, (name, max_rel_diff(p.grad, together[name]))
 
 
 def test_gemma3_reads_each_image_both_ways_and_its_head_is_not_soft_capped(tmp_path):
@@ -138,7 +169,7 @@ def test_gemma3_without_a_vision_tower_of_its_own_stays_a_text_model():
 
 
 def test_other_vision_language_models_are_refused_with_the_reason():
-    supported = "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, llava, gemma3, smolvlm"
+    supported = "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, llava, gemma3, smolvlm, mistral3"
     for config, why in (({"model_type": "idefics3"}, "its image layout, its loss through the fused head"),
                         ({"model_type": "internvl"}, "not checked yet"),
                         ({"model_type": "idefics"}, "cross-attention layers")):
@@ -161,10 +192,11 @@ def test_packing_is_refused_with_the_reason():
 
 PROJECTOR = {"qwen2_vl": ("model.visual.merger.",), "llava": ("model.multi_modal_projector.",),
              "gemma3": ("model.multi_modal_projector.",), "smolvlm": ("model.connector.",),
-             "qwen3_vl": ("model.visual.merger.", "model.visual.deepstack_merger_list.")}
+             "qwen3_vl": ("model.visual.merger.", "model.visual.deepstack_merger_list."),
+             "mistral3": ("model.multi_modal_projector.",)}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "gemma3", "smolvlm", "mistral3"])
 def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family):
     """freeze_vision: the tower frozen, each projector and the language model training; QLoRA's skips (the modules
     kept unquantized) hold every vision-side parameter and nothing of the language model."""
@@ -185,7 +217,7 @@ def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family)
     assert all(p.requires_grad for p in full.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "gemma3", "smolvlm", "mistral3"])
 def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(family):
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     vision_side = (TOWER[family], *PROJECTOR[family])
@@ -199,6 +231,7 @@ def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(fam
              "qwen3_vl": r".*(visual\.blocks\.\d+\.attn\.qkv|q_proj)$",
              "llava": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
              "gemma3": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
+             "mistral3": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
              "smolvlm": r".*(vision_model\..*q_proj|text_model\..*q_proj)$"}[family]
     model = load_model(model_config(family), AdapterConfig(type="lora", r=4, target_modules=regex), tok, seed=0)
     adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
