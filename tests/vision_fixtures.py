@@ -1,5 +1,6 @@
-"""Tiny vision-language models and image rows for the tests: random Qwen2-VL / Qwen2.5-VL / LLaVA / Gemma 3 configs
-over the quickstart tokenizer (with each family's vision tokens added), small generated images of different sizes."""
+"""Tiny vision-language models and image rows for the tests: random Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) /
+LLaVA / Gemma 3 / SmolVLM / Mistral 3 configs over the quickstart tokenizer (with each family's vision tokens added),
+small generated images of different sizes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 512,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 100.0}}
+TEXT3 = {**{k: v for k, v in TEXT.items() if k != "rope_scaling"}, "head_dim": 16,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True}}
+QWEN3_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+                "deepstack_visual_indexes": [0]}
 LLAVA_TOKENS = ["<image>"]
 # ChatML with image parts written as LLaVA's placeholder (a template of this project's, for the tests).
 LLAVA_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
@@ -29,6 +36,9 @@ SMOLVLM_TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] 
                     "message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == "
                     "'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
                     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+MISTRAL3_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+# ChatML with image parts written as Mistral's templates write them: [IMG], nothing around it.
+MISTRAL3_TEMPLATE = LLAVA_TEMPLATE.replace("<image>\n", "[IMG]")
 GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_vl": {"model_type": "qwen2_vl", "text_config": TEXT,
@@ -38,6 +48,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                      "out_hidden_size": 64, "patch_size": 8, "spatial_merge_size": 2,
                                      "temporal_patch_size": 2, "window_size": 32, "fullatt_block_indexes": [1]}},
+    # Qwen3-VL: the same layout as Qwen2-VL; interleaved M-RoPE over head_dim 16, a learned 4x4 position grid
+    # resampled to each image's, one DeepStack merger (tower layer 0 into decoder layer 0).
+    "qwen3_vl": {"model_type": "qwen3_vl", "text_config": TEXT3, "vision_config": QWEN3_VISION},
+    # Its MoE: 4 experts, 2 per token, in both decoder layers.
+    "qwen3_vl_moe": {"model_type": "qwen3_vl_moe", "vision_config": QWEN3_VISION,
+                     "text_config": {**TEXT3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}},
     # CLIP tower on 32x32 crops: 16 patches + CLS, less one (the default strategy): 16 image tokens per image.
     "llava": {"model_type": "llava",
               "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -64,6 +80,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "vision_config": {"model_type": "smolvlm_vision", "hidden_size": 32, "intermediate_size": 64,
                                   "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32,
                                   "patch_size": 8}},
+    # Pixtral tower (patch 8, images up to 64 pixels a side), 2 x 2 patches merged into each [IMG]: 16 x 16 pixels a
+    # token, at most 4 x 4 per image, each row ended by [IMG_BREAK], the last by [IMG_END].
+    "mistral3": {"model_type": "mistral3", "spatial_merge_size": 2,
+                 "text_config": {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "head_dim": 16},
+                 "vision_config": {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+                                   "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 64,
+                                   "patch_size": 8}},
 }
 SMOLVLM_PROCESSOR = {"size": {"longest_edge": 64}}
 # 16 x 16 pixels make one image token (patch 8, merge 2); at most 64 x 64 pixels (16 tokens) per image.
@@ -133,6 +158,8 @@ def _tokenizer_keys(family: str) -> dict[str, Any]:
     if family == "smolvlm":
         return {"path": str(TOKENIZER), "chat_template": SMOLVLM_TEMPLATE,
                 "special_tokens": {"eos_token": "<end_of_utterance>"}, "added_special_tokens": SMOLVLM_TOKENS}
+    if family == "mistral3":
+        return {"path": str(TOKENIZER), "chat_template": MISTRAL3_TEMPLATE, "added_special_tokens": MISTRAL3_TOKENS}
     if family == "gemma3":  # Gemma 3's own template (shipped), which writes <start_of_image> for an image
         return {"path": str(TOKENIZER), "chat_template": "gemma3", "special_tokens": {"bos_token": "<bos>"},
                 "added_special_tokens": GEMMA3_TOKENS}

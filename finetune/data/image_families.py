@@ -5,15 +5,20 @@ feature, the vision tokens that are never trained, how many features an image of
 (the processor's own resize rule, from the size alone), how many the processed pixels give (checked in collate:
 the two must agree), and the model's keyword inputs made from the processed images.
 
-Qwen2-VL / Qwen2.5-VL: `smart_resize` to multiples of patch_size x merge_size within min/max_pixels, one feature
-per merge_size**2 patches (Qwen2VLProcessor.replace_image_token). LLaVA: the processor resizes and center-crops to
-crop_size, one feature per patch, plus the vision tower's CLS token, less one with the `default` feature select
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL: `smart_resize` to multiples of patch_size x merge_size within min/max_pixels,
+one feature per merge_size**2 patches (Qwen2VLProcessor.replace_image_token; Qwen3VLProcessor's is the same rule, and
+its model reads the same inputs). LLaVA: the processor resizes and center-crops to crop_size, one feature per patch,
+plus the vision tower's CLS token, less one with the `default` feature select
 strategy (LlavaProcessor.replace_image_token). Gemma 3: the template writes `<start_of_image>`, the processor
 writes "\n\n<start_of_image>" + `<image_soft_token>` x mm_tokens_per_image + "<end_of_image>\n\n" in its place
 (Gemma3Processor.full_image_sequence): every image resized to the SigLIP tower's square, pan-and-scan refused.
 SmolVLM: the processor resizes the longest edge to size["longest_edge"], then to whole tiles of max_image_size and
 splits the image into rows x cols tiles plus a global image; each tile is image_seq_len `<image>` tokens, laid out by
 transformers' own get_image_prompt_string (SmolVLMProcessor.replace_image_token) from the grid computed here.
+Mistral 3 (Pixtral's layout): the template writes `[IMG]`; the image is resized within size to whole patches of
+patch_size x spatial_merge_size (PixtralProcessor passes that patch size; model/vision.py fixes it so), and the
+processor writes a row of `[IMG]` per row of merged patches, each row ended by `[IMG_BREAK]`, the last by `[IMG_END]`
+(PixtralProcessor.replace_image_token).
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ class Family:
     suffix: str = ""
     grid: Callable[[Any, Mapping[str, Any], int, int], list[int]] | None = None
     """(image processor, model settings, height, width) -> the image's tile grid, where the layout depends on it."""
-    processed_grids: Callable[[Any], list[list[int]]] | None = None
-    """(the processor's output) -> each image's tile grid (checked in collate against the one laid out)."""
+    processed_grids: Callable[[Any, Mapping[str, Any], Any], list[list[int]]] | None = None
+    """(image processor, model settings, the processor's output) -> each image's grid (checked in collate against the
+    one laid out)."""
     text: Callable[[Mapping[str, Any], list[int]], str] | None = None
     """(model settings, the image's grid) -> what the processor writes in place of the placeholder."""
 
@@ -64,7 +70,7 @@ class Family:
         return self.prefix + self.image_token * n + self.suffix
 
 
-# --- Qwen2-VL, Qwen2.5-VL --------------------------------------------------------------------------------------
+# --- Qwen2-VL, Qwen2.5-VL, Qwen3-VL ---------------------------------------------------------------------------
 
 def _qwen_count(processor: Any, settings: Mapping[str, Any], height: int, width: int) -> int:
     return processor.get_number_of_image_patches(height, width, {}) // processor.merge_size ** 2
@@ -184,18 +190,69 @@ def _smolvlm_text(settings: Mapping[str, Any], grid: list[int]) -> str:
                                    image_token="<image>", global_image_token="<global-img>")
 
 
-def _smolvlm_grids(out: Any) -> list[list[int]]:
+def _smolvlm_grids(processor: Any, settings: Mapping[str, Any], out: Any) -> list[list[int]]:
     return [[r, c] for rows, cols in zip(out["rows"], out["cols"]) for r, c in zip(rows, cols)]
 
 
 def _smolvlm_processed(processor: Any, settings: Mapping[str, Any], out: Any) -> list[int]:
-    return [settings["tokens"] * (r * c + 1) for r, c in _smolvlm_grids(out)]
+    return [settings["tokens"] * (r * c + 1) for r, c in _smolvlm_grids(processor, settings, out)]
 
 
 def _smolvlm_inputs(out: Any, input_ids: torch.Tensor, image_id: int) -> dict[str, torch.Tensor]:
     # One sample of all the micro-batch's tiles in order (the model scatters them over the image tokens in order);
     # every tile is a full square, so the pixel mask is all ones.
     return {"pixel_values": out["pixel_values"], "pixel_attention_mask": out["pixel_attention_mask"]}
+
+
+# --- Mistral 3 (Pixtral's layout) --------------------------------------------------------------------------------
+
+def _pixtral_grid(processor: Any, settings: Mapping[str, Any], height: int, width: int) -> list[int]:
+    """[rows, cols] of the image's merged patches: PixtralImageProcessorPil's resize (within size, each side up to
+    whole patches of patch_size x spatial_merge_size, the patch size PixtralProcessor passes it)."""
+    import numpy as np
+    from transformers.image_utils import ChannelDimension
+    from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
+
+    if not processor.do_resize or processor.do_center_crop:  # the processed size would not be the resize rule's
+        raise UserError("model.image_processor: mistral3 is laid out for do_resize: true and do_center_crop: false "
+                        "(the processor's own settings)")
+    size, patch = processor.size, settings["patch_size"]
+    if size.get("longest_edge"):
+        bound = (size["longest_edge"], size["longest_edge"])
+    elif size.get("height") and size.get("width"):
+        bound = (size["height"], size["width"])
+    else:
+        raise UserError(f"model.image_processor: mistral3's size must be {{longest_edge: N}} (it is {size})")
+    shape = np.broadcast_to(np.zeros((), np.uint8), (3, height, width))  # only its shape is read: no memory
+    resized = get_resize_output_image_size(shape, size=bound, patch_size=(patch, patch),
+                                           input_data_format=ChannelDimension.FIRST)
+    return [resized[0] // patch, resized[1] // patch]
+
+
+def _pixtral_count(processor: Any, settings: Mapping[str, Any], height: int, width: int) -> int:
+    rows, cols = _pixtral_grid(processor, settings, height, width)
+    return rows * cols
+
+
+def _pixtral_text(settings: Mapping[str, Any], grid: list[int]) -> str:
+    # PixtralProcessor.replace_image_token: a row of [IMG] per row of merged patches, each ended by [IMG_BREAK], the
+    # last one by [IMG_END] instead.
+    rows, cols = grid
+    return ("[IMG]" * cols + "[IMG_BREAK]") * (rows - 1) + "[IMG]" * cols + "[IMG_END]"
+
+
+def _pixtral_grids(processor: Any, settings: Mapping[str, Any], out: Any) -> list[list[int]]:
+    patch = settings["patch_size"]
+    return [[height // patch, width // patch] for height, width in out["image_sizes"].tolist()]
+
+
+def _pixtral_processed(processor: Any, settings: Mapping[str, Any], out: Any) -> list[int]:
+    return [rows * cols for rows, cols in _pixtral_grids(processor, settings, out)]
+
+
+def _pixtral_inputs(out: Any, input_ids: torch.Tensor, image_id: int) -> dict[str, torch.Tensor]:
+    # The images padded to the micro-batch's largest; image_sizes says how much of each the tower reads.
+    return {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}
 
 
 _FAKE = "<fake_token_around_image>"
@@ -209,4 +266,7 @@ _GEMMA3 = Family("<start_of_image>", "<image_soft_token>", ("<start_of_image>", 
                  prefix="\n\n<start_of_image>", suffix="<end_of_image>\n\n")
 _SMOLVLM = Family("<image>", "<image>", (_FAKE, "<global-img>", "<image>"), _smolvlm_count, _smolvlm_processed,
                   _smolvlm_inputs, grid=_smolvlm_grid, processed_grids=_smolvlm_grids, text=_smolvlm_text)
-FAMILIES = {"qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "llava": _LLAVA, "gemma3": _GEMMA3, "smolvlm": _SMOLVLM}
+_PIXTRAL = Family("[IMG]", "[IMG]", ("[IMG]", "[IMG_BREAK]", "[IMG_END]"), _pixtral_count, _pixtral_processed,
+                  _pixtral_inputs, grid=_pixtral_grid, processed_grids=_pixtral_grids, text=_pixtral_text)
+FAMILIES = {"qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "qwen3_vl": _QWEN_VL, "llava": _LLAVA, "gemma3": _GEMMA3,
+            "smolvlm": _SMOLVLM, "mistral3": _PIXTRAL}

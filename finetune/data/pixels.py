@@ -61,9 +61,9 @@ def vision_fields(rows: Sequence[dict], input_ids: torch.Tensor) -> VisionFields
                             f"{item['features']} (size {item['size'][0]}x{item['size'][1]} when preprocessed): the "
                             "file changed since; rerun `finetune preprocess --rebuild`")
     grids = layout.family.processed_grids
-    for item, got in zip(items, grids(processed) if grids is not None else ()):
-        if got != item["grid"]:  # SmolVLM: the same features in another grid would be laid out otherwise
-            raise UserError(f"the image {item['path']} is split into {got[0]}x{got[1]} tiles and its sample was laid "
+    for item, got in zip(items, grids(layout.processor, layout.settings, processed) if grids is not None else ()):
+        if got != item["grid"]:  # SmolVLM, Mistral 3: the same features in another grid would be laid out otherwise
+            raise UserError(f"the image {item['path']} is split into a {got[0]}x{got[1]} grid and its sample was laid "
                             f"out for {item['grid'][0]}x{item['grid'][1]}: the file changed since; rerun `finetune "
                             "preprocess --rebuild`")
     return VisionFields(layout.family.inputs(processed, input_ids, layout.image_id), len(items))

@@ -1,7 +1,7 @@
 """Vision-language models: which ones finetune trains, their image processor and layout, what trains in them.
 
 A model is loaded as an image-text-to-text model (AutoModelForImageTextToText) when its model_type is one of
-SUPPORTED (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3, SmolVLM), each checked like the text models
+SUPPORTED (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA, Gemma 3, SmolVLM, Mistral 3), each checked like the text models
 (tests/model/test_vision_model.py): the fused loss over the language model's head equals the model's own loss and gradients, the token layout equals what the
 model's processor writes, and gradient accumulation is exact with images of different sizes. Every other
 image-text-to-text architecture of the pinned transformers that the causal-LM path cannot load is refused when it
@@ -10,7 +10,7 @@ its own (transformers fills in a default one) stays a text model, as before (`fa
 
 The image processor is the model's own (preprocessor_config.json, through its Pillow/numpy class: torchvision stays
 out of the dependencies), or with init: random the family's class made from model.config's vision_config (Qwen:
-patch, merge and temporal sizes; LLaVA, Gemma 3, SmolVLM: the tower's image size), with model.image_processor over
+patch, merge and temporal sizes; LLaVA, Gemma 3, SmolVLM, Mistral 3: the tower's image size), with model.image_processor over
 either. It is attached to the tokenizer as an image
 layout (finetune/data/images.py), which preprocessing and collate read.
 
@@ -45,20 +45,28 @@ class VisionModel:
     layout: str
     processor_class: str
     tower: str
-    projector: str
+    projector: tuple[str, ...]
+    """The modules that carry the tower's features into the language model (Qwen3-VL: its merger and DeepStack
+    mergers), trained with the language model."""
     token_ids: tuple[tuple[str, str], ...]
     random_processor: Callable[[Any], dict[str, Any]]
     layout_settings: Callable[[Any], dict[str, Any]] = lambda config: {}
     head_softcap: bool = True
     """Whether the model's forward applies its text config's final_logit_softcapping to the logits."""
-    processor_fixed: tuple[tuple[str, Any], ...] = ()
-    """Image processor settings the layout needs, over the model's and the recipe's (SmolVLM: the tile grid)."""
+    processor_fixed: Callable[[Any], dict[str, Any]] = lambda config: {}
+    """Image processor settings the layout needs, from the model's config, over the model's processor (SmolVLM: the
+    tile grid; Mistral 3: the merged patch size its processor class passes); a recipe's other value is refused."""
 
 
 def _qwen_processor(config: Any) -> dict[str, Any]:
     vision = config.vision_config
     return {"patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
             "temporal_patch_size": vision.temporal_patch_size}
+
+
+def _qwen3_processor(config: Any) -> dict[str, Any]:
+    # Qwen3-VL's checkpoints normalize to [-1, 1] (preprocessor_config.json), not with CLIP's mean and std.
+    return {**_qwen_processor(config), "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
 
 
 def _llava_processor(config: Any) -> dict[str, Any]:
@@ -96,23 +104,50 @@ def _smolvlm_settings(config: Any) -> dict[str, Any]:
     return {"tokens": tokens, "image_size": vision.image_size}
 
 
+def _pixtral_processor(config: Any) -> dict[str, Any]:
+    # Images within the tower's image_size (its rotary table's extent), as Mistral's checkpoints set it.
+    vision = config.vision_config
+    return {"size": {"longest_edge": vision.image_size}, "patch_size": {"height": vision.patch_size,
+                                                                         "width": vision.patch_size}}
+
+
+def _pixtral_settings(config: Any) -> dict[str, Any]:
+    # One [IMG] per spatial_merge_size x spatial_merge_size patches (Mistral3PatchMerger).
+    return {"patch_size": config.vision_config.patch_size * config.spatial_merge_size}
+
+
+def _pixtral_fixed(config: Any) -> dict[str, Any]:
+    # PixtralProcessor calls its image processor with this patch size, whatever preprocessor_config.json says: the
+    # image is resized to whole merged patches.
+    patch = _pixtral_settings(config)["patch_size"]
+    return {"patch_size": {"height": patch, "width": patch}}
+
+
 _QWEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
              ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
 SUPPORTED = {
-    "qwen2_vl": VisionModel("qwen2_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
+    "qwen2_vl": VisionModel("qwen2_vl", "Qwen2VLImageProcessorPil", "model.visual", ("model.visual.merger",),
                             _QWEN_IDS, _qwen_processor),
-    "qwen2_5_vl": VisionModel("qwen2_5_vl", "Qwen2VLImageProcessorPil", "model.visual", "model.visual.merger",
+    "qwen2_5_vl": VisionModel("qwen2_5_vl", "Qwen2VLImageProcessorPil", "model.visual", ("model.visual.merger",),
                               _QWEN_IDS, _qwen_processor),
-    "llava": VisionModel("llava", "LlavaImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
+    # Qwen3-VL's DeepStack mergers project intermediate tower layers into the first decoder layers' hidden states:
+    # projectors, like its merger (they train with freeze_vision and stay out of a LoRA by names).
+    **{name: VisionModel("qwen3_vl", "Qwen2VLImageProcessorPil", "model.visual",
+                         ("model.visual.merger", "model.visual.deepstack_merger_list"), _QWEN_IDS, _qwen3_processor)
+       for name in ("qwen3_vl", "qwen3_vl_moe")},
+    "llava": VisionModel("llava", "LlavaImageProcessorPil", "model.vision_tower", ("model.multi_modal_projector",),
                          (("image_token_id", "<image>"),), _llava_processor, _llava_settings),
     # Gemma3ForConditionalGeneration applies no final_logit_softcapping (Gemma3ForCausalLM does): head_softcap off.
-    "gemma3": VisionModel("gemma3", "Gemma3ImageProcessorPil", "model.vision_tower", "model.multi_modal_projector",
+    "gemma3": VisionModel("gemma3", "Gemma3ImageProcessorPil", "model.vision_tower", ("model.multi_modal_projector",),
                           (("image_token_id", "<image_soft_token>"), ("boi_token_id", "<start_of_image>"),
                            ("eoi_token_id", "<end_of_image>")), _gemma3_processor, _gemma3_settings,
                           head_softcap=False),
-    "smolvlm": VisionModel("smolvlm", "SmolVLMImageProcessorPil", "model.vision_model", "model.connector",
+    "smolvlm": VisionModel("smolvlm", "SmolVLMImageProcessorPil", "model.vision_model", ("model.connector",),
                            (("image_token_id", "<image>"),), _smolvlm_processor, _smolvlm_settings,
-                           processor_fixed=(("return_row_col_info", True),)),
+                           processor_fixed=lambda config: {"return_row_col_info": True}),
+    "mistral3": VisionModel("mistral3", "PixtralImageProcessorPil", "model.vision_tower",
+                            ("model.multi_modal_projector",), (("image_token_id", "[IMG]"),), _pixtral_processor,
+                            _pixtral_settings, processor_fixed=_pixtral_fixed),
 }
 # Why some are refused, where it is more than "not checked yet".
 _REASONS = {
@@ -171,7 +206,15 @@ def refusal(config: Any) -> str | None:
     )
 
     model_type = getattr(config, "model_type", None)
-    if model_type in SUPPORTED or model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if model_type in SUPPORTED:
+        # A MoE language model (qwen3_vl_moe) adds its router's load-balancing loss to the cross-entropy when asked;
+        # the fused loss does not compute it (architectures.loss_refusal reads the top-level config only).
+        if getattr(getattr(config, "text_config", None), "output_router_logits", False):
+            return (f"model.config.text_config.output_router_logits is true: {model_type} would add its router "
+                    "load-balancing loss to the cross-entropy, which the fused loss does not compute. Set it to false "
+                    "(the router is still trained through the cross-entropy)")
+        return None
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return None
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return None  # loaded as a causal LM, as before; rows with images are refused when they are tokenized
@@ -235,7 +278,12 @@ def attach_layout(tokenizer: Any, cfg: ModelConfig) -> None:
 def _image_processor(cfg: ModelConfig, config: Any, vlm: VisionModel) -> Any:
     import transformers
 
-    overrides = {**dict(cfg.image_processor), **dict(vlm.processor_fixed)}
+    fixed = vlm.processor_fixed(config)
+    for key, value in cfg.image_processor.items():
+        if key in fixed and value != fixed[key]:
+            raise UserError(f"model.image_processor.{key}: {config.model_type}'s layout needs {fixed[key]!r} (from the "
+                            f"model's config), not {value!r}; leave it out")
+    overrides = {**dict(cfg.image_processor), **fixed}
     try:
         if cfg.init == "random" or not cfg.path:
             return getattr(transformers, vlm.processor_class)(**{**vlm.random_processor(config), **overrides})
@@ -287,8 +335,12 @@ def _tower_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     if vlm is None:
         return []
     return [(name, module) for name, module in model.named_modules()
-            if (name == vlm.tower or name.startswith(vlm.tower + "."))
-            and not (name == vlm.projector or name.startswith(vlm.projector + "."))]
+            if _under(name, (vlm.tower,)) and not _under(name, vlm.projector)]
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether module `name` is one of `prefixes` or inside one."""
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
 
 
 def freeze_tower(model: torch.nn.Module, cfg: ModelConfig) -> None:
@@ -306,7 +358,7 @@ def lora_exclusions(model: torch.nn.Module, adapter: AdapterConfig) -> list[str]
     if vlm is None or (isinstance(adapter.target_modules, str) and adapter.target_modules != "all-linear"):
         return []
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
-            and any(name == side or name.startswith(side + ".") for side in (vlm.tower, vlm.projector))]
+            and _under(name, (vlm.tower, *vlm.projector))]
 
 
 def quantization_skips(config: Any) -> list[str]:
@@ -316,7 +368,7 @@ def quantization_skips(config: Any) -> list[str]:
     family's), which the fused loss reads: naming any skip replaces transformers' defaults, which keep it. Only the
     language model's linear layers are 4-bit. None for any other model."""
     vlm = family(config) if config is not None else None
-    return [vlm.tower, vlm.projector, "lm_head"] if vlm is not None else []
+    return [vlm.tower, *vlm.projector, "lm_head"] if vlm is not None else []
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -51,31 +51,51 @@ def _text(text):
     return {"type": "text", "text": text}
 
 
-def test_layout_is_the_image_processors_own(tok, folder):
-    """Each image becomes exactly the tokens the processor's own rule writes for it (Qwen2VLProcessor: one
-    <|image_pad|> per grid_t x grid_h x grid_w / merge_size**2, from the processed pixels), here counted from the
-    file's size alone; the whole token sequence equals the processor's text tokenized."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_layout_is_the_image_processors_own(family, folder):
+    """Each image becomes exactly the tokens the processor's own rule writes for it (Qwen2VLProcessor's and
+    Qwen3VLProcessor's replace_image_token, transformers' own functions, applied to the image processor's output for
+    the pixels: one <|image_pad|> per grid_t x grid_h x grid_w / merge_size**2; the processor classes themselves need
+    a video processor, which needs torchvision), here counted from the file's size alone; the whole token sequence
+    equals the processor's text tokenized; the image processor is the one the model's config gives (Qwen3-VL: its
+    [-1, 1] normalization); the pixels and mm_token_type_ids collate gives are the processor's."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2VLProcessor, Qwen3VLProcessor
+    from transformers.image_utils import OPENAI_CLIP_MEAN
+
     from finetune.data.images import layout_for
 
+    tok = load_tokenizer(tokenizer_config(family), model_config(family))
     layout = layout_for(tok)
+    assert list(layout.processor.image_mean) == ([0.5] * 3 if family == "qwen3_vl" else list(OPENAI_CLIP_MEAN))
+    rule = {"qwen2_vl": Qwen2VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family].replace_image_token
+    as_processor = SimpleNamespace(image_processor=layout.processor, image_token="<|image_pad|>")
     for names in (["red.png"], ["blue.png", "green.png"], ["yellow.png", "red.png", "green.png"]):
         row = _row(_text("Look:"), *[_image(n) for n in names], _text("what colors?"))
         sample = tokenize_example(_example(row, folder), tok)
-        grids = layout.processor(images=[Image.open(folder / "images" / n) for n in names])["image_grid_thw"]
+        out = layout.processor(images=[Image.open(folder / "images" / n).convert("RGB") for n in names],
+                               return_tensors="pt")
         rendered = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Look:"},
                                                                          *[{"type": "image"}] * len(names),
                                                                          {"type": "text", "text": "what colors?"}]},
                                             {"role": "assistant", "content": "It is red."}], tokenize=False)
-        for t, h, w in grids.tolist():  # the processor's replace_image_token, in order
-            rendered = rendered.replace("<|image_pad|>", "\0" * (t * h * w // layout.processor.merge_size ** 2), 1)
-        expected = tok(rendered.replace("\0", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
+        for k in range(len(names)):  # the processor's replace_image_token, in order
+            rendered = rendered.replace("<|image_pad|>", "\0" + rule(as_processor, out, k).replace("<|image_pad|>", "\1"), 1)
+        expected = tok(rendered.replace("\0", "").replace("\1", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
         assert sample["input_ids"] == expected
+        grids = out["image_grid_thw"]
         items = sample["images"]["items"]
         assert [item["features"] for item in items] == [t * h * w // 4 for t, h, w in grids.tolist()]
         for item in items:  # <|vision_start|>, the image tokens, <|vision_end|>
             span = sample["input_ids"][item["start"]:item["start"] + item["length"]]
             assert tok.convert_ids_to_tokens([span[0], span[-1]]) == ["<|vision_start|>", "<|vision_end|>"]
             assert len(span) == item["features"] + 2
+        batch = collate([sample], DataConfig(packing=False), tok.pad_token_id)
+        assert torch.equal(batch.vision.inputs["pixel_values"], out["pixel_values"])
+        assert torch.equal(batch.vision.inputs["image_grid_thw"], grids)
+        image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+        assert batch.vision.inputs["mm_token_type_ids"].tolist() == [[int(t == image_id) for t in expected]]
 
 
 def test_llava_layout_is_llava_processors_own(folder):
@@ -243,13 +263,92 @@ def test_smolvlm_cuts_changed_images_and_settings_it_cannot_lay_out(smolvlm_tok,
     # yellow.png (16 x 48: 2 x 1 tiles) replaced by a 48 x 16 image: as many features, tiles the other way
     sample = tokenize_example(_example(_row(_image("yellow.png")), folder), smolvlm_tok)
     Image.new("RGB", (48, 16), "yellow").save(folder / "images" / "yellow.png")
-    with pytest.raises(UserError, match="yellow.png is split into 1x2 tiles and its sample was laid out for 2x1"):
+    with pytest.raises(UserError, match="yellow.png is split into a 1x2 grid and its sample was laid out for 2x1"):
         collate([sample], DataConfig(packing=False), smolvlm_tok.pad_token_id)
     for overrides, message in (({"max_image_size": {"longest_edge": 64}}, "takes 32x32 tiles"),
                                ({"size": {"height": 64, "width": 64}}, "size must be {longest_edge: N}")):
         tok = load_tokenizer(tokenizer_config("smolvlm"), model_config("smolvlm").model_copy(
             update={"image_processor": overrides}))
         with pytest.raises(UserError, match=message):
+            tokenize_example(_example(_row(_image("red.png")), folder), tok)
+
+
+def _pixtral_rule(out, image_idx, patch_size=8, spatial_merge_size=2):
+    """PixtralProcessor.replace_image_token of transformers 5.23.0, line for line (processing_pixtral.py cannot be
+    imported without torchvision)."""
+    patch_size = patch_size * spatial_merge_size
+    height, width = out["image_sizes"][image_idx]
+    num_height_tokens = height // patch_size
+    num_width_tokens = width // patch_size
+    replace_tokens = [["[IMG]"] * num_width_tokens + ["[IMG_BREAK]"]] * num_height_tokens
+    replace_tokens = [item for sublist in replace_tokens for item in sublist]
+    replace_tokens[-1] = "[IMG_END]"
+    return "".join(replace_tokens)
+
+
+@pytest.fixture(scope="module")
+def mistral3_tok():
+    return load_tokenizer(tokenizer_config("mistral3"), model_config("mistral3"))
+
+
+def test_mistral3_layout_is_pixtral_processors_own(mistral3_tok, folder):
+    """Mistral 3: each image's grid of merged patches, computed from its size alone, is the one
+    PixtralImageProcessorPil makes of its pixels (called with patch_size x spatial_merge_size, as PixtralProcessor
+    calls it) for sizes around and far over the bound; the whole token sequence equals PixtralProcessor's
+    replace_image_token rule (_pixtral_rule: its module imports torchvision, so it is reproduced here) applied to the
+    image processor's output, tokenized; the pixels and image_sizes collate gives are the processor's; every [IMG],
+    [IMG_BREAK] and [IMG_END] of an image is in its span and untrained, even inside a trained message."""
+    from finetune.data.images import layout_for
+
+    tok, processor = mistral3_tok, layout_for(mistral3_tok).processor
+    for width, height in [*_SMOL_SIZES, (3, 40), (40, 3), (64, 64), (65, 64), (48, 16)]:
+        out = processor(images=[Image.new("RGB", (width, height), "red")], patch_size=16)
+        grid = layout_for(tok).grid(height, width)
+        assert [n // 16 for n in out["image_sizes"][0]] == grid, (width, height)
+        assert layout_for(tok).tokens(height, width) == grid[0] * grid[1]
+    vision_ids = set(tok.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"]))
+    for names in (["red.png"], ["blue.png", "green.png", "yellow.png"]):
+        row = _row(_text("Look:"), *[_image(n) for n in names], answer=[_text("Here:"), _image("red.png"), _text("ok")])
+        example = _example(row, folder)
+        sample = tokenize_example(example, tok)
+        rendered = tok.apply_chat_template(example.messages, tokenize=False)
+        images = [Image.open(folder / "images" / n).convert("RGB") for n in [*names, "red.png"]]
+        out = processor(images=images, patch_size=16, return_tensors="pt")
+        for k in range(len(images)):
+            rendered = rendered.replace("[IMG]", "\0" + _pixtral_rule(out, k)
+                                        .replace("[IMG]", "\1"), 1)
+        expected = tok(rendered.replace("\0", "").replace("\1", "[IMG]"), add_special_tokens=False)["input_ids"]
+        assert sample["input_ids"] == expected
+        batch = collate([sample], DataConfig(packing=False), tok.pad_token_id)
+        assert torch.equal(batch.vision.inputs["pixel_values"], out["pixel_values"])
+        assert torch.equal(batch.vision.inputs["image_sizes"], out["image_sizes"])
+        for item in sample["images"]["items"]:
+            span = sample["input_ids"][item["start"]:item["start"] + item["length"]]
+            assert tok.convert_ids_to_tokens([span[0], span[-1]]) == ["[IMG]", "[IMG_END]"]
+            assert span.count(layout_for(tok).image_id) == item["features"] == item["grid"][0] * item["grid"][1]
+            assert span.count(tok.convert_tokens_to_ids("[IMG_BREAK]")) == item["grid"][0] - 1
+        trained = [t for t, label in zip(sample["input_ids"], sample["labels"]) if label != IGNORE_INDEX]
+        assert not vision_ids & set(trained) and tok.decode(trained) == "Here:ok<|im_end|>"
+
+
+def test_mistral3_cuts_changed_images_and_settings_it_cannot_lay_out(mistral3_tok, folder):
+    row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
+    item = tokenize_example(_example(row, folder), mistral3_tok)["images"]["items"][0]
+    for length, kept in ((item["start"] + 1, False), (item["start"] + item["length"] - 1, False),
+                         (item["start"], True), (item["start"] + item["length"], True)):
+        samples = tokenize_examples([_example(row, folder)], mistral3_tok, DataConfig(max_seq_len=length), DataStats())
+        assert bool(samples) == kept, length
+    # yellow.png (16 x 48: 3 x 1 merged patches) replaced by a 48 x 16 image: as many features, the other way
+    sample = tokenize_example(_example(_row(_image("yellow.png")), folder), mistral3_tok)
+    Image.new("RGB", (48, 16), "yellow").save(folder / "images" / "yellow.png")
+    with pytest.raises(UserError, match="yellow.png is split into a 1x3 grid and its sample was laid out for 3x1"):
+        collate([sample], DataConfig(packing=False), mistral3_tok.pad_token_id)
+    for overrides, message in (({"do_resize": False}, "laid out for do_resize: true"),
+                               ({"size": {"shortest_edge": 64}}, "size must be {longest_edge: N}"),
+                               ({"patch_size": {"height": 8, "width": 8}}, "patch_size: mistral3's layout needs")):
+        with pytest.raises(UserError, match=message):
+            tok = load_tokenizer(tokenizer_config("mistral3"), model_config("mistral3").model_copy(
+                update={"image_processor": overrides}))
             tokenize_example(_example(_row(_image("red.png")), folder), tok)
 
 

@@ -21,9 +21,10 @@ from finetune.model.loading import load_model, load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, DataConfig, ModelConfig
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "smolvlm")
-TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "llava": "model.vision_tower.",
-         "gemma3": "model.vision_tower.", "smolvlm": "model.vision_model."}
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3", "smolvlm", "mistral3")
+TOWER = {"qwen2_vl": "model.visual.", "qwen2_5_vl": "model.visual.", "qwen3_vl": "model.visual.",
+         "qwen3_vl_moe": "model.visual.", "llava": "model.vision_tower.", "gemma3": "model.vision_tower.",
+         "smolvlm": "model.vision_model.", "mistral3": "model.vision_tower."}
 LANGUAGE = {"smolvlm": "model.text_model."}  # the others: model.language_model.
 
 
@@ -54,6 +55,8 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
     assert batch.vision is not None and batch.vision.images == 7
     if family == "smolvlm":  # images split into 1x2, 2x1 and 2x2 tiles, each with its global image
         assert batch.vision.inputs["pixel_values"].shape[1] > 7
+    if family == "mistral3":  # images of three sizes, padded to the largest: image_sizes says what the tower reads
+        assert len(set(map(tuple, batch.vision.inputs["image_sizes"].tolist()))) == 3
     net = CausalLMWithLoss(model, impl, chunk_size=16, z_loss=0.0, softcap=None)
     loss_sum, count = net(**batch.model_inputs())
     fused = loss_sum / count
@@ -67,6 +70,8 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
     assert abs(fused.item() - own.item()) <= 1e-5 * own.item(), (fused.item(), own.item())
     vision_grads = [name for name in ours if name.startswith(TOWER[family]) and ours[name].abs().sum() > 0]
     assert vision_grads, "the vision encoder got no gradient: the comparison would not cover it"
+    if family.startswith("qwen3"):  # the DeepStack mergers feed decoder layer 0: compared too
+        assert any(".deepstack_merger_list." in name for name in vision_grads)
     top = max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
     for name, p in model.named_parameters():
         if p.grad is None:  # unused by both (LLaVA reads the vision tower's second-to-last layer)
@@ -78,6 +83,35 @@ def test_fused_loss_and_gradients_are_the_models_own(tmp_path, family, impl):
             assert (ours[name] - p.grad).abs().max() <= 1e-5 * top, name
             continue
         assert max_rel_diff(ours[name], p.grad) <= 1e-5, (name, max_rel_diff(ours[name], p.grad))
+
+
+def test_mistral3_rows_alone_train_as_in_a_padded_batch(tmp_path):
+    """Mistral 3's images are padded to the micro-batch's largest (image_sizes says how much of each the tower
+    reads), so a row's images are other tensors in another micro-batch: each row alone gives the loss sum and the
+    gradients it gives in the padded batch (summed over the rows, within 1e-5), which exact accumulation over
+    micro-batches of other sizes rests on (the trainer's 8x1 = 1x8 = 2x4 runs the other families)."""
+    tok = load_tokenizer(tokenizer_config("mistral3"), model_config("mistral3"))
+    model = load_model(model_config("mistral3", freeze_vision=False), AdapterConfig(), tok, seed=0)
+    net = CausalLMWithLoss(model, "chunked", chunk_size=16, z_loss=0.0, softcap=None)
+    batch = _batch(tok, tmp_path)
+    loss_sum, _ = net(**batch.model_inputs())
+    loss_sum.backward()
+    together = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()  # the same rows, collated one at a time
+    data = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    alone_sum = 0.0
+    for i, row in enumerate(data):
+        sample = tokenize_example(to_example(RawRow(row, f"t.jsonl:{i}"), "chat",
+                                             fields=MessageFields(image_root=str(tmp_path))), tok)
+        one = collate([sample], DataConfig(packing=False), tok.pad_token_id).to("cpu")
+        row_sum, _ = net(**one.model_inputs())
+        row_sum.backward()
+        alone_sum += row_sum.item()
+    assert abs(alone_sum - loss_sum.item()) <= 1e-5 * loss_sum.item()
+    assert any(name.startswith("model.vision_tower.") for name in together)
+    for name, p in model.named_parameters():
+        if name in together:
+            assert max_rel_diff(p.grad, together[name]) <= 1e-5, (name, max_rel_diff(p.grad, together[name]))
 
 
 def test_gemma3_reads_each_image_both_ways_and_its_head_is_not_soft_capped(tmp_path):
@@ -135,12 +169,18 @@ def test_gemma3_without_a_vision_tower_of_its_own_stays_a_text_model():
 
 
 def test_other_vision_language_models_are_refused_with_the_reason():
+    supported = "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, llava, gemma3, smolvlm, mistral3"
     for config, why in (({"model_type": "idefics3"}, "its image layout, its loss through the fused head"),
-                        ({"model_type": "mistral3"}, "not checked yet"),
+                        ({"model_type": "internvl"}, "not checked yet"),
                         ({"model_type": "idefics"}, "cross-attention layers")):
         with pytest.raises(UserError, match=f"model_type '{config['model_type']}' is an image-text-to-text model "
-                                            f"finetune does not train yet: .*{why}.*Supported: qwen2_vl, qwen2_5_vl, llava, gemma3, smolvlm"):
+                                            f"finetune does not train yet: .*{why}.*Supported: {supported}"):
             load_tokenizer(tokenizer_config(), ModelConfig(init="random", config=config))
+    # A MoE language model's router loss, which the fused loss does not add, is refused, as for text MoE models.
+    moe = model_config("qwen3_vl_moe").config
+    routed = {**moe, "text_config": {**moe["text_config"], "output_router_logits": True}}
+    with pytest.raises(UserError, match="text_config.output_router_logits is true: qwen3_vl_moe would add its router"):
+        load_tokenizer(tokenizer_config(), ModelConfig(init="random", config=routed))
 
 
 def test_packing_is_refused_with_the_reason():
@@ -150,27 +190,37 @@ def test_packing_is_refused_with_the_reason():
     assert why and why.startswith("data.packing: qwen2_vl is a vision-language model") and "packing: false" in why
 
 
-PROJECTOR = {"qwen2_vl": "model.visual.merger.", "llava": "model.multi_modal_projector.",
-             "gemma3": "model.multi_modal_projector.", "smolvlm": "model.connector."}
+PROJECTOR = {"qwen2_vl": ("model.visual.merger.",), "llava": ("model.multi_modal_projector.",),
+             "gemma3": ("model.multi_modal_projector.",), "smolvlm": ("model.connector.",),
+             "qwen3_vl": ("model.visual.merger.", "model.visual.deepstack_merger_list."),
+             "mistral3": ("model.multi_modal_projector.",)}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "gemma3", "smolvlm", "mistral3"])
 def test_freeze_vision_keeps_the_encoder_frozen_and_trains_the_projector(family):
+    """freeze_vision: the tower frozen, each projector and the language model training; QLoRA's skips (the modules
+    kept unquantized) hold every vision-side parameter and nothing of the language model."""
+    from finetune.model.vision import quantization_skips
+
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     frozen = load_model(model_config(family), AdapterConfig(), tok, seed=0)
     training = {name for name, p in frozen.named_parameters() if p.requires_grad}
     tower, projector = TOWER[family], PROJECTOR[family]
     assert not any(n.startswith(tower) and not n.startswith(projector) for n in training)
-    assert any(n.startswith(projector) for n in training)
+    assert all(any(n.startswith(p) for n in training) for p in projector)
+    skips = tuple(f"{s}." for s in quantization_skips(frozen.config))
+    names = [n for n, _ in frozen.named_parameters()]
+    assert all(n.startswith(skips) for n in names if n.startswith((tower, *projector)))
+    assert not any(n.startswith(skips) for n in names if n.startswith(LANGUAGE.get(family, "model.language_model.")))
     assert any(n.startswith(LANGUAGE.get(family, "model.language_model.") + "layers.") for n in training)
     full = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0)
     assert all(p.requires_grad for p in full.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava", "gemma3", "smolvlm", "mistral3"])
 def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(family):
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
-    vision_side = (TOWER[family], PROJECTOR[family])
+    vision_side = (TOWER[family], *PROJECTOR[family])
     for target in ("all-linear", ["qkv", "q_proj", "fc1", "down_proj", "linear_1"]):
         model = load_model(model_config(family), AdapterConfig(type="lora", r=4, target_modules=target), tok, seed=0)
         adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
@@ -178,8 +228,10 @@ def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(fam
         assert not any(n.startswith(vision_side) for n in adapted), (target, sorted(adapted)[:3])
         assert any(n.startswith(LANGUAGE.get(family, "model.language_model.")) for n in adapted), target
     regex = {"qwen2_vl": r".*(visual\.blocks\.\d+\.attn\.qkv|q_proj)$",
+             "qwen3_vl": r".*(visual\.blocks\.\d+\.attn\.qkv|q_proj)$",
              "llava": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
              "gemma3": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
+             "mistral3": r".*(vision_tower\..*q_proj|language_model\..*q_proj)$",
              "smolvlm": r".*(vision_model\..*q_proj|text_model\..*q_proj)$"}[family]
     model = load_model(model_config(family), AdapterConfig(type="lora", r=4, target_modules=regex), tok, seed=0)
     adapted = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
@@ -190,7 +242,9 @@ def test_lora_goes_on_the_language_model_unless_a_regex_names_vision_modules(fam
 _GEMMA_NORM = re.compile(r"(language_model\..*norm|mm_soft_emb_norm)\.weight$")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "smolvlm"])
+# Qwen3-VL stands for the Qwen family here (its layout and inputs are Qwen2-VL's, plus DeepStack and interleaved
+# M-RoPE); Qwen2-VL's padded micro-batches of 2 against 8 are held by tests/train/test_vision_runs.py's two ranks.
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava", "gemma3", "smolvlm"])
 def test_accumulation_factorizations_give_identical_training_with_images(tmp_path, family):
     """micro x accum = 8x1, 1x8, 2x4 for 2 steps of rows with 0, 1 or 2 images of four sizes, the vision encoder
     training too (model.freeze_vision: false): the same logged losses and grad norms within 1e-5, and the same
@@ -231,7 +285,7 @@ def test_accumulation_factorizations_give_identical_training_with_images(tmp_pat
     tok = load_tokenizer(tokenizer_config(family), model_config(family))
     start = load_model(model_config(family, freeze_vision=False), AdapterConfig(), tok, seed=0).state_dict()
     # The vision encoder trained (saved under the checkpoint's names): the comparison is not of its init.
-    saved, loaded = {"qwen2_vl": ("visual.blocks.0.attn.qkv.weight", "model.visual.blocks.0.attn.qkv.weight"),
+    saved, loaded = {"qwen3_vl": ("model.visual.blocks.0.attn.qkv.weight", "model.visual.blocks.0.attn.qkv.weight"),
                      "llava": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
                                "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"),
                      "gemma3": ("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
