@@ -19,8 +19,8 @@ model.freeze_vision: false (full fine-tuning). A LoRA goes on the language model
 adapter.target_modules is a regular expression (it then reaches whatever it matches, vision modules included).
 QLoRA quantizes the language model's linear layers to 4-bit NF4 and keeps the vision encoder and projector as they
 are (quantization_skips); its LoRA goes where a LoRA goes.
-Packing is refused (architectures.packing_refusal): the isolation of packed documents is not proven for the
-image tokens (nor for Qwen's 3D positions).
+Packing is allowed for the families whose packed documents are shown to equal themselves alone (LLaVA, SmolVLM:
+architectures.VLM_PACKED) and refused for the others with the reason (architectures.packing_refusal).
 """
 
 from __future__ import annotations

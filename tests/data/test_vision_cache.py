@@ -41,7 +41,7 @@ def _key(recipe: Recipe) -> str:
     return cache_key(cache_inputs(recipe, load_tokenizer(recipe.tokenizer, recipe.model)))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm"])  # smolvlm: items with a tile grid
+@pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm", "mistral3"])  # smolvlm: a tile grid; mistral3: rows of patches
 def test_cached_vlm_samples_equal_fresh_ones(tmp_path, cache_dir, family):
     recipe = _recipe(write_data(tmp_path / "data"), family, val_fraction=0.25)
     tok = load_tokenizer(recipe.tokenizer, recipe.model)
@@ -52,7 +52,7 @@ def test_cached_vlm_samples_equal_fresh_ones(tmp_path, cache_dir, family):
         assert list(got.train) == train and list(got.evals) == evals  # tokens, labels and image entries
     counts = [len(s.get("images", {}).get("items", [])) for s in warm.train]
     assert 0 in counts and 1 in counts and 2 in counts
-    assert (family == "smolvlm") == any("grid" in item for s in warm.train for item in s.get("images", {}).get(
+    assert (family in ("smolvlm", "mistral3")) == any("grid" in item for s in warm.train for item in s.get("images", {}).get(
         "items", []))
     batch = collate(list(warm.train), recipe.data, tok.pad_token_id)  # the pixels come from the entries read back
     assert batch.vision is not None and batch.vision.images == sum(counts)

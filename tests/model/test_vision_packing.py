@@ -213,3 +213,12 @@ def test_the_start_of_run_check_passes(family):
     model = load_model(model_config(family), AdapterConfig(), tok, seed=0)
     assert packing_refusal(model, tok.pad_token_id) is None
     assert check_packing_isolation(model, len(tok)) == 0.0
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "mistral3"])
+def test_a_family_not_shown_to_pack_is_refused(family):
+    """A supported family without a packing proof (VLM_PACKED) is refused, never packed on trust."""
+    tok = load_tokenizer(tokenizer_config(family), model_config(family))
+    model = load_model(model_config(family), AdapterConfig(), tok, seed=0)
+    why = packing_refusal(model, tok.pad_token_id)
+    assert why and why.startswith(f"data.packing: {family} is a vision-language model") and "not checked yet" in why
