@@ -264,8 +264,15 @@ def test_accumulation_factorizations_give_identical_training_with_images(tmp_pat
     for micro, accum in ((8, 1), (1, 8), (2, 4)):
         out = tmp_path / f"m{micro}a{accum}"
         # In-process (the trainer's own entry point, as `finetune train` calls it): no interpreter start per run.
-        train(load_recipe(recipe, [f"output_dir={out}", "model.freeze_vision=false", "train.max_steps=2",
-                                   f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accum}"]))
+        # One thread, as the CLI runs of the suite have (OMP_NUM_THREADS=1): with two, matmuls sum in an order
+        # that depends on the micro-batch's shape, and small gradients (CLIP's q bias) move by 1.6e-5.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            train(load_recipe(recipe, [f"output_dir={out}", "model.freeze_vision=false", "train.max_steps=2",
+                                       f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accum}"]))
+        finally:
+            torch.set_num_threads(threads)
         runs[(micro, accum)] = out
     ref = runs[(8, 1)]
     ref_lines, ref_weights = train_lines(ref), final_weights(ref)
