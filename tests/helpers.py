@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 from conftest import TINY_MODEL_CONFIG
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "yaml" / "quickstart.yaml"
@@ -79,9 +80,59 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread inside (as the suite's CLI runs, OMP_NUM_THREADS=1): one reduction order whatever the
+    shapes, and a fair share of a shared machine; the thread count is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_resume_checks_reference_weights(args: list[str], run: Path, reference: Path, key: str,
+                                           moved: Path) -> None:
+    """A reference model (`key`: dpo.reference, grpo.reference) is identified by its weights on resume: `run`
+    (`finetune` + args) resumed from its step-1 checkpoint with one weight changed at `reference` exits 2 naming
+    it and trains nothing; the same weights moved to `moved` (another path) resume."""
+    def resume_from_step_1(path: Path) -> subprocess.CompletedProcess:
+        shutil.rmtree(run / "final", ignore_errors=True)
+        shutil.rmtree(run / "checkpoints" / "step-2", ignore_errors=True)
+        return run_cli(*args, "resume=auto", f"{key}={path}")
+
+    file = reference / "model.safetensors"
+    original = file.read_bytes()
+    weights = load_file(str(file))
+    weights[sorted(weights)[0]].view(-1)[0] += 1e-3
+    save_file(weights, str(file), metadata={"format": "pt"})
+    done = resume_from_step_1(reference)  # the same path, other weights
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"the weights of the reference model at {key} {reference}" in done.stderr
+    assert "Traceback" not in done.stderr and not (run / "checkpoints" / "step-2").exists()
+    file.write_bytes(original)
+    moved = reference.rename(moved)  # another path, the same weights
+    done = resume_from_step_1(moved)
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
+    assert (run / "checkpoints" / "step-2").exists()
+
+
 def train_lines(run_dir: Path) -> list[dict]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in lines if "loss" in r]
+
+
+def assert_same_steps(lines: list[dict], ref: list[dict], tolerance: float = 1e-5,
+                      equal: tuple[str, ...] = ("tokens",)) -> None:
+    """Two runs' training lines: the same steps, the same `equal` counts, and losses and grad norms within
+    `tolerance` of the reference (relative)."""
+    assert [r["step"] for r in lines] == [r["step"] for r in ref]
+    for a, b in zip(lines, ref):
+        assert all(a[k] == b[k] for k in equal), (a["step"], {k: (a[k], b[k]) for k in equal})
+        assert abs(a["loss"] - b["loss"]) <= tolerance * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= tolerance * b["grad_norm"], (a["step"], a["grad_norm"],
+                                                                                    b["grad_norm"])
 
 
 def eval_lines(run_dir: Path) -> list[dict]:

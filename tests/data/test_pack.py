@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from helpers import one_thread
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from packed_rows import VOCAB, packed_batch, packed_vs_alone, tiny_model
@@ -312,16 +313,12 @@ def test_isolation_check_passes_fast_and_restores_modes(config_cls: type, impl: 
     model = tiny_model(config_cls, impl).train()
     model.model.layers[0].eval()  # a module deliberately in eval mode must stay so
     # Single-threaded and best of three: on a shared 2-core machine wall time is mostly other processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         timings, errors = [], []
         for _ in range(3):
             start = time.perf_counter()
             errors.append(check_packing_isolation(model, VOCAB))
             timings.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
     print(f"{config_cls.__name__} {impl}: isolation check error {errors[0]:.1e}, "
           f"{', '.join(f'{t * 1000:.1f}' for t in timings)} ms")  # fmt: skip
     assert max(errors) <= default_tolerance(torch.float32)

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from conftest import REPO_ROOT
+from helpers import one_thread
 from model_matrix import TOLERANCE, architectures, evaluate, problems
 from tiny_configs import StubTokenizer, tiny_kwargs
 
@@ -28,10 +29,8 @@ ARCHITECTURES = architectures()
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: on a shared 2-core machine, threads only cost
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():  # tiny models: on a shared 2-core machine, threads only cost
+        yield
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)

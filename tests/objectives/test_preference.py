@@ -8,7 +8,15 @@ import re
 
 import pytest
 import torch
-from helpers import QUICKSTART, ROOT, TINY, eval_lines, run_cli, train_lines
+from helpers import (
+    QUICKSTART,
+    ROOT,
+    TINY,
+    assert_resume_checks_reference_weights,
+    eval_lines,
+    run_cli,
+    train_lines,
+)
 
 from finetune.objectives.pair_losses import dpo_losses, orpo_log_odds, orpo_ratio_losses
 from finetune.recipe import load_recipe
@@ -242,9 +250,6 @@ def test_a_resume_refuses_a_dpo_reference_whose_weights_changed(tmp_path):
     reference log-probabilities would silently be those of other weights); the same weights at another path
     resume."""
     import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
 
     from finetune.model.loading import load_model, load_tokenizer
     from finetune.objectives.reference import weights_digest
@@ -260,26 +265,7 @@ def test_a_resume_refuses_a_dpo_reference_whose_weights_changed(tmp_path):
     assert run_cli(*args, f"dpo.reference={reference}").returncode == 0
     state = json.loads((run / "checkpoints" / "step-1" / "trainer_state.json").read_text())
     assert state["reference_digest"] == weights_digest(model)
-
-    def resume_from_step_1(path):
-        shutil.rmtree(run / "final", ignore_errors=True)
-        shutil.rmtree(run / "checkpoints" / "step-2", ignore_errors=True)
-        return run_cli(*args, "resume=auto", f"dpo.reference={path}")
-
-    file = reference / "model.safetensors"
-    original = file.read_bytes()
-    weights = load_file(str(file))
-    weights[sorted(weights)[0]].view(-1)[0] += 1e-3
-    save_file(weights, str(file), metadata={"format": "pt"})
-    done = resume_from_step_1(reference)  # the same path, other weights
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert f"the weights of the reference model at dpo.reference {reference}" in done.stderr
-    assert "Traceback" not in done.stderr and not (run / "checkpoints" / "step-2").exists()
-    file.write_bytes(original)
-    moved = reference.rename(tmp_path / "reference-moved")  # another path, the same weights
-    done = resume_from_step_1(moved)
-    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
-    assert (run / "checkpoints" / "step-2").exists()
+    assert_resume_checks_reference_weights(args, run, reference, "dpo.reference", tmp_path / "reference-moved")
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import json
 import sys
 
 import pytest
-from helpers import ROOT, run_cli
+from helpers import ROOT, one_thread, run_cli
 
 spec = importlib.util.spec_from_file_location("preference_vs_trl", ROOT / "benchmarks" / "preference_vs_trl.py")
 bench = sys.modules["preference_vs_trl"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
@@ -50,14 +50,10 @@ TRL_ORPO_4X4 = (9.30035400390625, 4.969634532928467)  # TRL's ORPO at 4 x 4: its
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def single_thread():
     """One thread, as the benchmark: the same reduction order, and a fair share of a shared machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

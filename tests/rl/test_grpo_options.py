@@ -11,14 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import ROOT, run_cli, train_lines
+from helpers import ROOT, assert_resume_checks_reference_weights, run_cli, train_lines
 
 from finetune.batch import Targets
 from finetune.data.collate import collate
@@ -225,9 +224,6 @@ def test_a_resume_refuses_a_reference_whose_weights_changed(inputs):
     checkpoint. A resume from step 1 with one weight changed at the same path is refused (exit 2) naming
     grpo.reference, nothing trained; with the reference moved to another path, its weights the same, it
     continues."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     from finetune.objectives.reference import weights_digest
@@ -243,24 +239,5 @@ def test_a_resume_refuses_a_reference_whose_weights_changed(inputs):
     assert run_cli("train", str(recipe)).returncode == 0
     state = json.loads((run / "checkpoints" / "step-1" / "trainer_state.json").read_text())
     assert state["reference_digest"] == weights_digest(AutoModelForCausalLM.from_pretrained(reference))
-
-    def resume_from_step_1(path: Path) -> subprocess.CompletedProcess:
-        shutil.rmtree(run / "final", ignore_errors=True)
-        shutil.rmtree(run / "checkpoints" / "step-2", ignore_errors=True)
-        return run_cli("train", str(recipe), "resume=auto", f"grpo.reference={path}")
-
-    file = reference / "model.safetensors"
-    original = file.read_bytes()
-    weights = load_file(str(file))
-    name = sorted(weights)[0]
-    weights[name].view(-1)[0] += 1e-3
-    save_file(weights, str(file), metadata={"format": "pt"})
-    done = resume_from_step_1(reference)  # the same path, other weights
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert f"the weights of the reference model at grpo.reference {reference}" in done.stderr
-    assert "Traceback" not in done.stderr and not (run / "checkpoints" / "step-2").exists()
-    file.write_bytes(original)
-    moved = reference.rename(work / "reference-moved")  # another path, the same weights
-    done = resume_from_step_1(moved)
-    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
-    assert (run / "checkpoints" / "step-2").exists()
+    assert_resume_checks_reference_weights(["train", str(recipe)], run, reference, "grpo.reference",
+                                           work / "reference-moved")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, run_cli
+from helpers import ROOT, one_thread, run_cli
 
 spec = importlib.util.spec_from_file_location("grpo_vs_trl", ROOT / "benchmarks" / "grpo_vs_trl.py")
 bench = sys.modules["grpo_vs_trl"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up there
@@ -109,14 +109,10 @@ TRL_BNPO_4X4 = 2.0210530757904053  # TRL's bnpo (per-micro-batch token mean), be
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def single_thread():
     """One thread, as the benchmark: the same reduction order, and a fair share of a shared machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import final_weights, rel_diff, run_process, train_lines
+from helpers import assert_same_steps, final_weights, rel_diff, run_process, train_lines
 from vision_fixtures import recipe_yaml, write_data
 
 from finetune.recipe import load_recipe
@@ -88,12 +88,9 @@ def test_two_ranks_with_images_equal_one_process(recipe_file, one_process, tmp_p
     r = run_process(cmd, env={**os.environ, "FINETUNE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}, timeout=300)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "world size 2" in r.stdout
-    lines, ref = train_lines(out), train_lines(one_process)
-    assert [x["step"] for x in lines] == [x["step"] for x in ref] == [1, 2]
-    for a, b in zip(lines, ref):
-        assert a["tokens"] == b["tokens"] and a["seq_tokens"] == b["seq_tokens"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a["step"], a["grad_norm"])
+    ref = train_lines(one_process)
+    assert [x["step"] for x in ref] == [1, 2]
+    assert_same_steps(train_lines(out), ref, equal=("tokens", "seq_tokens"))
     got, want = final_weights(out), final_weights(one_process)
     assert set(got) == set(want) and any(name.startswith("visual.blocks.") for name in want)
     for name in want:
