@@ -65,6 +65,7 @@ from typing import Any
 
 import numpy as np
 
+from finetune.data.cache_root import CACHE_ENV, cache_root_for
 from finetune.data.image_files import store_dir
 from finetune.data.images import ImageLayout, image_size, layout_for
 from finetune.data.pairs import completion_end
@@ -81,7 +82,6 @@ from finetune.recipe import DatasetConfig, Recipe, local_data_path
 # 4: samples dropped as too long are named in the stats (an older entry has the count only).
 # 5: the arrays are written as a stream and read as memory maps (every file is checked: ids int32, labels dtype).
 DATA_VERSION = 5
-CACHE_ENV = "FINETUNE_CACHE_DIR"
 SPLITS = ("train", "eval")
 # tokenizer_config.json keys that say where a tokenizer was loaded from, not how it tokenizes.
 _WHERE_KEYS = frozenset({"name_or_path", "is_local", "local_files_only", "_commit_hash", "cache_dir", "revision",
@@ -114,14 +114,7 @@ class Prepared:
 
 def cache_root(recipe: Recipe) -> Path:
     """Where entries live: data.cache_dir (if the recipe has that key), $FINETUNE_CACHE_DIR, else the user cache."""
-    configured = getattr(recipe.data, "cache_dir", None)
-    if configured:
-        return Path(configured).expanduser()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = Path(os.environ["XDG_CACHE_HOME"]).expanduser() if os.environ.get("XDG_CACHE_HOME") else \
-        Path.home() / ".cache"
-    return base / "finetune" / "data"
+    return cache_root_for(getattr(recipe.data, "cache_dir", None))
 
 
 def file_sha256(path: Path) -> str:

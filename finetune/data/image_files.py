@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from finetune.data.cache_root import cache_root_for
 from finetune.data.sources import BadRow
 from finetune.errors import UserError
 
@@ -29,16 +30,8 @@ _BYTES_KEYS = {"bytes", "path"}
 
 
 def store_dir(cache_dir: str | None) -> Path:
-    """Where images given as bytes are written: `images/` under the data cache root, found as data/cache.py's
-    cache_root finds it (data.cache_dir, else $FINETUNE_CACHE_DIR, else the user's cache folder)."""
-    if cache_dir:
-        root = Path(cache_dir).expanduser()
-    elif os.environ.get("FINETUNE_CACHE_DIR"):
-        root = Path(os.environ["FINETUNE_CACHE_DIR"]).expanduser()
-    else:
-        base = os.environ.get("XDG_CACHE_HOME")
-        root = (Path(base).expanduser() if base else Path.home() / ".cache") / "finetune" / "data"
-    return root / STORE_FOLDER
+    """Where images given as bytes are written: `images/` under the data cache root."""
+    return cache_root_for(cache_dir) / STORE_FOLDER
 
 
 def image_file(where: str, value: Any, root: str | None, store: Path) -> str:
