@@ -6,6 +6,7 @@ Everything is a no-op in a single process, so the trainer reads the same with an
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -188,5 +189,9 @@ def shutdown(failed: bool = False) -> None:
     This rank exits instead, with its message, and torchrun stops the others.
     """
     if dist.is_initialized() and not failed:
+        # FSDP2's modules sit in reference cycles, so dropping the last name leaves them, with their mesh and
+        # collective work, to a later collection, perhaps at interpreter exit after the group is gone, where a gloo
+        # thread releasing a tensor aborted a rank ("terminate called without an active exception", seen in CI).
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
