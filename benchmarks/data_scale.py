@@ -3,12 +3,12 @@
     .venv/bin/python benchmarks/data_scale.py                  # 300,000 rows (a few minutes on 2 cores)
     .venv/bin/python benchmarks/data_scale.py --rows 30000     # a quick look
     .venv/bin/python benchmarks/data_scale.py --rows 1000000 --only ours
-    .venv/bin/python benchmarks/data_scale.py --rows 300000 --only ours --format parquet   # or --format json
+    .venv/bin/python benchmarks/data_scale.py --rows 300000 --only ours --format parquet   # or json, json-data
 
 The rows: examples/data/quickstart_train.jsonl repeated, each copy's first message given a distinct suffix
 (" [row 12345]"), so no two rows are equal (and no cache of either pipeline can reuse one row for another).
-`--format json|parquet` gives both pipelines the same rows as one .json array or a parquet file (row groups of
-10,000 rows): the peak memory then says whether those files are streamed.
+`--format json|json-data|parquet` gives both pipelines the same rows as one .json array, a .json {"data": [...]}
+object (HF reads it with field="data") or a parquet file (row groups of 10,000 rows): the peak memory then says whether those files are streamed.
 
 Two pipelines, each in its own subprocess, one after the other, on the same rows file:
 
@@ -61,6 +61,7 @@ from transformers import AutoTokenizer
 
 rows, tokenizer_dir, cache, cores = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 builder = "parquet" if rows.endswith(".parquet") else "json"
+field = {"field": "data"} if rows.endswith("-data.json") else {}
 tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
 
 def tokenize(batch):
@@ -68,7 +69,7 @@ def tokenize(batch):
     out = tokenizer(texts, add_special_tokens=False)
     return {"input_ids": out["input_ids"], "length": [len(ids) for ids in out["input_ids"]]}
 
-dataset = load_dataset(builder, data_files=rows, split="train", cache_dir=cache)
+dataset = load_dataset(builder, data_files=rows, split="train", cache_dir=cache, **field)
 mapped = dataset.map(tokenize, batched=True, num_proc=cores, remove_columns=dataset.column_names)
 print(json.dumps({"rows": len(mapped), "tokens": int(sum(mapped["length"]))}))
 """
@@ -86,18 +87,19 @@ def make_rows(path: Path, n: int) -> None:
 
 
 def convert_rows(jsonl: Path, fmt: str) -> Path:
-    """The same rows as a .json array (one item a line) or a .parquet file (row groups of 10,000), written as a
-    stream."""
-    out = jsonl.with_suffix(f".{fmt}")
+    """The same rows as a .json array (one item a line), a .json {"data": [...]} object (json-data) or a .parquet
+    file (row groups of 10,000), written as a stream."""
+    out = jsonl.with_name(jsonl.stem + "-data.json") if fmt == "json-data" else jsonl.with_suffix(f".{fmt}")
     if out.is_file():
         return out
     with jsonl.open(encoding="utf-8") as lines:
-        if fmt == "json":
+        if fmt in ("json", "json-data"):
+            opening, closing = ("[\n", "\n]\n") if fmt == "json" else ('{"data": [\n', "\n]}\n")
             with out.open("w", encoding="utf-8") as handle:
-                handle.write("[\n")
+                handle.write(opening)
                 for i, line in enumerate(lines):
                     handle.write(("" if i == 0 else ",\n") + line.rstrip("\n"))
-                handle.write("\n]\n")
+                handle.write(closing)
             return out
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -248,8 +250,9 @@ def main() -> None:
     parser.add_argument("--val-fraction", type=float, default=0.0,
                         help="our data.val_fraction (rows, tokens: the training split's)")
     parser.add_argument("--only", choices=["ours", "hf"], default=None)
-    parser.add_argument("--format", choices=["jsonl", "json", "parquet"], default="jsonl",
-                        help="the rows as JSONL (default), one .json array, or parquet: the same rows")
+    parser.add_argument("--format", choices=["jsonl", "json", "json-data", "parquet"], default="jsonl",
+                        help="the rows as JSONL (default), one .json array, a .json {\"data\": [...]} object, or "
+                             "parquet: the same rows")
     parser.add_argument("--work", type=Path, default=None, help="keep the rows, caches and recipe here")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()

@@ -95,15 +95,16 @@ class _Text:
                 return ""
 
 
-def starts_with_array(handle: BinaryIO) -> bool:
-    """Does the file's first character (after a BOM and whitespace) open an array? Reads a little; rewinds."""
+def first_character(handle: BinaryIO) -> str:
+    """The file's first character after a BOM and whitespace ('' for none). Reads a little; rewinds."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="ignore")
+    text = ""
     while head := handle.read(4096):
         text = decoder.decode(head).lstrip(_WS)
         if text:
             break
     handle.seek(0)
-    return bool(head) and text.startswith("[")
+    return text[:1]
 
 
 def array_items(handle: BinaryIO, max_item_chars: int) -> Iterator[tuple[Any, int]]:
@@ -113,7 +114,63 @@ def array_items(handle: BinaryIO, max_item_chars: int) -> Iterator[tuple[Any, in
     text = _Text(handle)
     decoder = json.JSONDecoder()
     if text.skip_ws() != "[":
-        raise text.error("Expecting value", text.pos)  # starts_with_array said otherwise: a changing file
+        raise text.error("Expecting value", text.pos)  # first_character said otherwise: a changing file
+    yield from _items(text, decoder, max_item_chars)
+    if text.skip_ws():
+        raise text.error("Extra data", text.pos)
+
+
+class FieldNotAList(JSONStreamError):
+    """The object has no `field` key whose value is a list (json.loads would have read it; the caller says why)."""
+
+
+def field_items(handle: BinaryIO, field: str, max_item_chars: int) -> Iterator[tuple[Any, int]]:
+    """Each item of the list under `field` of the object the file holds (the {"data": [...]} form), with the line
+    it starts on, streamed as array_items streams an array. The other keys' values are parsed and dropped, each
+    bounded as an item is. Raises JSONStreamError where `json.loads` would refuse the file, and FieldNotAList at
+    the end when no `field` key holds a list. A `field` key after the list was read is refused: json.loads would
+    keep the last one, and the list's items are gone by then."""
+    text = _Text(handle)
+    decoder = json.JSONDecoder()
+    if text.skip_ws() != "{":
+        raise text.error("Expecting value", text.pos)  # first_character said otherwise: a changing file
+    text.pos += 1
+    listed, first = False, True
+    while True:
+        char = text.skip_ws()
+        if char == "}" and first:
+            break
+        if not first:
+            if char == "}":
+                break
+            if char != ",":
+                raise text.error("Expecting ',' delimiter", text.pos)
+            text.pos += 1
+            char = text.skip_ws()
+        first = False
+        if char != '"':
+            raise text.error("Expecting property name enclosed in double quotes", text.pos)
+        at = text.pos
+        key, text.pos = _decode_item(text, decoder, max_item_chars)
+        if text.skip_ws() != ":":
+            raise text.error("Expecting ':' delimiter", text.pos)
+        text.pos += 1
+        if key == field and listed:
+            raise text.error(f"a second {field!r} key after the first one's list was read", at)
+        if text.skip_ws() == "[" and key == field:
+            listed = True
+            yield from _items(text, decoder, max_item_chars)
+        else:
+            _, text.pos = _decode_item(text, decoder, max_item_chars)
+    text.pos += 1
+    if text.skip_ws():
+        raise text.error("Extra data", text.pos)
+    if not listed:
+        raise FieldNotAList(f"no {field!r} key holding a list")
+
+
+def _items(text: _Text, decoder: json.JSONDecoder, limit: int) -> Iterator[tuple[Any, int]]:
+    """The items of the array opening at text.pos, each with its line; leaves text.pos after its `]`."""
     text.pos += 1
     first = True
     while True:
@@ -129,11 +186,9 @@ def array_items(handle: BinaryIO, max_item_chars: int) -> Iterator[tuple[Any, in
             text.skip_ws()
         first = False
         line, _ = text.where(text.pos)
-        item, text.pos = _decode_item(text, decoder, max_item_chars)
+        item, text.pos = _decode_item(text, decoder, limit)
         yield item, line
     text.pos += 1
-    if text.skip_ws():
-        raise text.error("Extra data", text.pos)
 
 
 def _decode_item(text: _Text, decoder: json.JSONDecoder, limit: int) -> tuple[Any, int]:
@@ -149,7 +204,9 @@ def _decode_item(text: _Text, decoder: json.JSONDecoder, limit: int) -> tuple[An
         else:
             if end - start > limit:  # the same refusal whatever the chunks held
                 break
-            if end < len(buf) or text.eof:  # a number at the very end may go on in the next chunk
+            # A number may go on in the next chunk: "1" of "12", "1" of "1.5", "1.5" of "1.5e3" all parse.
+            number = isinstance(item, (int, float)) and not isinstance(item, bool)
+            if text.eof or not number or end < len(buf) - _CUT_MARGIN:
                 return item, end
         if len(buf) - start > limit:
             break

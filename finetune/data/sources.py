@@ -4,9 +4,9 @@ The origin (`file:line`) travels with the row so that any later problem (bad JSO
 role) can name exactly where it is.
 
 Every local format is read as a stream, never whole: a JSONL file line by line, a .json file holding one top-level
-array item by item (json_array.py; any other .json file, such as the {"data": [...]} form, is read whole), a
-.parquet file a batch of rows at a time, a CSV file row by row. A .json item is named by the line it starts on, a
-parquet row by its index.
+array item by item, and one in the {"data": [...]} form the same way (json_array.py), a .parquet file a batch of
+rows at a time, a CSV file row by row. A .json item is named by the line it starts on ({"data": [...]}: by its
+index, `file[data][3]`), a parquet row by its index.
 
 A row larger than `max_row_bytes` (data.max_row_bytes) is a bad row, found before it is parsed where the format
 allows: a JSONL line is measured while it is read, in pieces, and never held whole or parsed when it is too long.
@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.data.json_array import ItemTooLarge, JSONStreamError, array_items, starts_with_array
+from finetune.data.json_array import (
+    FieldNotAList,
+    ItemTooLarge,
+    JSONStreamError,
+    array_items,
+    field_items,
+    first_character,
+)
 from finetune.errors import UserError
 from finetune.recipe import LOCAL_SUFFIXES, data_file_not_found, local_data_path
 
@@ -158,23 +165,38 @@ def _read_jsonl(file: Path, limit: int) -> Iterator[RawRow]:
 
 def _read_json(file: Path, limit: int) -> Iterator[RawRow]:
     with file.open("rb") as handle:
-        if starts_with_array(handle):
-            yield from _read_json_array(file, handle, limit)
+        first, bound = first_character(handle), JSON_ITEM_FACTOR * limit
+        if first in ("[", "{"):
+            rows = _array_rows(file, handle, bound) if first == "[" else _field_rows(file, handle, bound)
+            yield from _streamed_json(file, rows, bound)
             return
-    yield from _read_json_whole(file)
+    yield from _read_json_whole(file)  # not JSON at all: json.loads' own message
 
 
-def _read_json_array(file: Path, handle: Any, limit: int) -> Iterator[RawRow]:
-    """A top-level array, streamed (json_array.py): one item in memory at a time."""
-    bound = JSON_ITEM_FACTOR * limit
+def _array_rows(file: Path, handle: Any, bound: int) -> Iterator[RawRow]:
+    """A top-level array, streamed (json_array.py): one item in memory at a time, named by its line."""
+    for item, line in array_items(handle, bound):
+        origin = f"{file}:{line}"
+        yield RawRow(item, origin) if isinstance(item, dict) else _bad(origin, "expected a JSON object")
+
+
+def _field_rows(file: Path, handle: Any, bound: int) -> Iterator[RawRow]:
+    """The {"data": [...]} form, streamed the same way; an item is named by its index, as when it was read whole."""
+    for index, (item, _) in enumerate(field_items(handle, "data", bound)):
+        origin = f"{file}[data][{index}]"
+        yield RawRow(item, origin) if isinstance(item, dict) else _bad(origin, "expected a JSON object")
+
+
+def _streamed_json(file: Path, rows: Iterator[RawRow], bound: int) -> Iterator[RawRow]:
+    """The rows of a streamed .json file, its errors said as the whole-file reader says them (by line)."""
     try:
-        for item, line in array_items(handle, bound):
-            origin = f"{file}:{line}"
-            yield RawRow(item, origin) if isinstance(item, dict) else _bad(origin, "expected a JSON object")
+        yield from rows
     except ItemTooLarge as e:
         raise UserError(f"{file}:{e.line}: {e.msg}, over {JSON_ITEM_FACTOR} x data.max_row_bytes ({bound:,}): the "
                         "reader cannot find the next item without reading this one; raise the limit to read it") \
             from None
+    except FieldNotAList:
+        raise UserError(f"{file}: expected a JSON list of objects (or {{'data': [...]}})") from None
     except JSONStreamError as e:
         if e.byte is not None:
             raise UserError(f"{file}: {e.msg}") from None
@@ -182,7 +204,8 @@ def _read_json_array(file: Path, handle: Any, limit: int) -> Iterator[RawRow]:
 
 
 def _read_json_whole(file: Path) -> Iterator[RawRow]:
-    """Any other JSON file (the {"data": [...]} form) is read whole."""
+    """The file read whole with json.loads: what the streamed readers must agree with (the tests compare them), and
+    the reader of a .json file that is neither an array nor an object, to say in json's words why it is refused."""
     raw = file.read_bytes()
     try:
         text = raw.decode("utf-8-sig")

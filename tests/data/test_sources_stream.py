@@ -38,7 +38,7 @@ def mixed_items(n: int) -> list:
 
 ARRAYS = [json.dumps(mixed_items(20)), json.dumps(mixed_items(20), indent=2),
           json.dumps(mixed_items(20), ensure_ascii=False, indent=1), "\ufeff" + json.dumps(mixed_items(12)),
-          "[]", "  [\n ]  \n",
+          "[]", "  [\n ]  \n", '[1.5e3, 2.25, {"a": 1}, -0.125]',  # numbers a chunk may cut ("1" of "1.5")
           # what json.loads refuses: each named by the same line, column and message
           "[1,]", "[1 2]", "[1] x", "[", '[{"a": 1', '[\n{"a": 1},\n{"a": }\n]', '[{"a":1},\n {"b": tru}]',
           '[{"a":"x\\q"}]', '[{"a":"\x01"}]', '[{"a":1}] ]', '[{"a":1},]', '[,{"a":1}]']
@@ -54,7 +54,7 @@ def test_a_streamed_json_array_reads_as_the_whole_file_does(tmp_path, monkeypatc
         path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
         streamed = rows_or_error(read_rows(str(path)))
         assert streamed == rows_or_error(sources._read_json_whole(path)), content  # the reader before streaming
-        assert (streamed[0] is None) == (i >= 6), content  # the cases that should fail do
+        assert (streamed[0] is None) == (i >= 7), content  # the cases that should fail do
 
 
 def test_json_origins_and_errors_name_the_line(tmp_path):
@@ -75,6 +75,40 @@ def test_other_json_files_are_still_read_whole(tmp_path):
     path.write_text("5")
     with pytest.raises(UserError, match="expected a JSON list of objects"):
         list(read_rows(str(path)))
+
+
+OBJECTS = [json.dumps({"data": mixed_items(20)}), json.dumps({"version": [1, {"x": "]}"}], "data": mixed_items(10),
+                                                               "n": 1.5e300}, indent=2),
+           "\ufeff" + json.dumps({"data": mixed_items(10)}, ensure_ascii=False), '{"data": []}', ' {"a": 1, "data": [] }',
+           '{"data": 5, "data": [{"a": 1}]}',  # json.loads keeps the last key: a list
+           # what the whole-file reader refuses, with the same message, line and column
+           "{}", '{"data": 5}', '{"other": [{"a": 1}]}', "{", '{"data": [1,]}',
+           '{"data": [1] x}', '{"data": [{"a": 1}]', '{"data": [{"a": 1}]}}', '{"a":1,}', "{,}", '{"a" 1}',
+           '{"a":}', '{"a":1 "b":2}', '{1:2}', '{"a":1} x', '{"data": [{"a": 1}],\n "b": tru}', '{"a\x01": 1}']
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 20])
+def test_a_streamed_data_object_reads_as_the_whole_file_does(tmp_path, monkeypatch, chunk):
+    """The {"data": [...]} form streamed: the same rows and origins, and the same errors, as json.loads read."""
+    monkeypatch.setattr(json_array, "CHUNK_BYTES", chunk)
+    for i, content in enumerate(OBJECTS):
+        path = tmp_path / f"{i}.json"
+        path.write_bytes(content.encode("utf-8"))
+        streamed = rows_or_error(read_rows(str(path)))
+        assert streamed == rows_or_error(sources._read_json_whole(path)), content
+        assert (streamed[0] is None) == (i >= 6), content
+
+
+def test_a_second_data_key_after_the_list_is_refused(tmp_path):
+    """json.loads keeps the last `data` key; the streamed list's rows are read by then, so a second one is refused
+    rather than read differently."""
+    path = tmp_path / "d.json"
+    path.write_text('{"data": [{"a": 1}],\n "data": [{"a": 2}]}')
+    rows = read_rows(str(path))
+    assert next(rows).data == {"a": 1}
+    with pytest.raises(UserError, match=f"^{path}:2: malformed JSON: a second 'data' key after the first one's list "
+                                        "was read at column 2$"):
+        next(rows)
 
 
 def test_a_json_item_too_large_to_parse_stops_the_read_by_its_line(tmp_path):
@@ -113,10 +147,12 @@ def test_json_and_parquet_are_read_in_bounded_memory(tmp_path, monkeypatch):
     rows = [{"messages": [{"role": "user", "content": f"question {i} " + "word " * 40},
                           {"role": "assistant", "content": f"answer {i}"}]} for i in range(6000)]
     (tmp_path / "d.json").write_text(json.dumps(rows))  # 1.9 MB on one line
+    (tmp_path / "w.json").write_text(json.dumps({"meta": "x", "data": rows}))
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet", row_group_size=1500)
     whole = traced_peak(lambda: list(read_rows(str(tmp_path / "d.json"))))  # every row held: what a bound is not
     assert whole > 8 << 20
     assert traced_peak(lambda: consume(tmp_path / "d.json")) < 1 << 20
+    assert traced_peak(lambda: consume(tmp_path / "w.json")) < 1 << 20
     assert traced_peak(lambda: consume(tmp_path / "d.parquet")) < 1 << 20
 
 
