@@ -198,6 +198,12 @@ def attach(tokenizer: Any, layout: ImageLayout) -> None:
     _BY_TOKENIZER[tokenizer] = layout
 
 
+def adopt(tokenizer: Any, layout: ImageLayout) -> None:
+    """A layout made in another process (a spawned tokenizer worker's parent): known by its key here too, and
+    attached to this process's tokenizer."""
+    attach(tokenizer, _LAYOUTS.setdefault(layout.key, layout))
+
+
 def layout_for(tokenizer: Any) -> ImageLayout | None:
     """The image layout attached to this tokenizer; None for a text-only model."""
     return _BY_TOKENIZER.get(tokenizer)

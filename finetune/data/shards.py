@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from finetune.data.formats import Example
-from finetune.data.images import cut
+from finetune.data.images import ImageLayout, adopt, cut, layout_for
 from finetune.data.pairs import PairExample, fit_pair, pair_sample, tokenize_pair, unfit_reason
 from finetune.data.sources import BadRow
 from finetune.data.stats import DataStats
@@ -163,13 +163,19 @@ class Part:
 
 
 _WORKER_TOKENIZER: Any = None  # set once per worker process by _init_worker
+# How tokenizer workers start (_pool says why): fork on Linux, spawn elsewhere.
+START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
 
 
-def _init_worker(tokenizer: Any) -> None:
+def _init_worker(tokenizer: Any, layout: ImageLayout | None) -> None:
     # The tokenizer is handed over once per worker (initargs: inherited under fork, pickled under spawn), not
-    # once per chunk. The recipe's chat template override is an attribute of it, so it travels too.
+    # once per chunk. The recipe's chat template override is an attribute of it, so it travels too. A VLM's image
+    # layout is attached to the parent's tokenizer object, which a spawned worker only has a copy of: attached
+    # again here (under fork, to the same object).
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = tokenizer
+    if layout is not None:
+        adopt(tokenizer, layout)
     # Each worker encodes one text at a time; the Rust thread pool would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
@@ -186,10 +192,9 @@ def _pool(tokenizer: Any, workers: int) -> ProcessPoolExecutor:
     # tokenizer (measured 6-8 s per pool here: more than tokenizing 3000 examples serially takes). The usual
     # fork hazard, a lock held by another thread of the parent, does not reach these workers: they run Python
     # and the Rust tokenizer's single-text encode only (no OpenMP, no CUDA, no batch thread pool).
-    # macOS lists fork too, but its system libraries are not fork-safe: spawn there.
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method),
-                               initializer=_init_worker, initargs=(tokenizer,))
+    # macOS lists fork too, but its system libraries are not fork-safe: spawn there (START_METHOD).
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(START_METHOD),
+                               initializer=_init_worker, initargs=(tokenizer, layout_for(tokenizer)))
 
 
 def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:

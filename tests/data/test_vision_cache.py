@@ -126,3 +126,19 @@ def test_a_warm_cache_trains_as_a_cold_one(tmp_path, cache_dir):
         inodes.append(entries[0].stat().st_ino)
     assert inodes[0] == inodes[1] and len(losses[0]) == 2  # the warm run read the cold run's entry
     np.testing.assert_array_equal(losses[0], losses[1])
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])  # spawn: how workers start on macOS and Windows
+def test_tokenizer_workers_see_the_image_layout_however_they_start(tmp_path, monkeypatch, start):
+    """The image layout reaches preprocessing through the tokenizer it is attached to. A spawned worker gets a copy
+    of the tokenizer, not the object the layout was attached to: it must get the layout too, or the rows' images
+    would be refused or lost. 2 workers over 300 rows (enough to start them) give the samples of one process."""
+    from finetune.data import shards
+
+    monkeypatch.setattr(shards, "START_METHOD", start)
+    data = write_data(tmp_path / "data", n=300)
+    serial = _recipe(data, num_proc=1)
+    tok = load_tokenizer(serial.tokenizer, serial.model)
+    expected = build_samples(serial, tok)[0]
+    assert sum(bool(s.get("images")) for s in expected) == 225
+    assert build_samples(_recipe(data, num_proc=2), tok)[0] == expected
