@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/data_scale.py                  # 300,000 rows (a few minutes on 2 cores)
     .venv/bin/python benchmarks/data_scale.py --rows 30000     # a quick look
-    .venv/bin/python benchmarks/data_scale.py --rows 1000000 --only ours
+    .venv/bin/python benchmarks/data_scale.py --rows 1000000 --only ours --train-start   # and a warm start
     .venv/bin/python benchmarks/data_scale.py --rows 300000 --only ours --format parquet   # or json, json-data
 
 The rows: examples/data/quickstart_train.jsonl repeated, each copy's first message given a distinct suffix
@@ -207,6 +207,20 @@ def run_ours(work: Path, rows: Path, num_proc: int | None, val_fraction: float =
     return {**result, "rows": stats["rows_read"], "tokens": stats["tokens"]}
 
 
+def run_train_start(work: Path) -> dict[str, Any]:
+    """`finetune train` for one optimizer step from the cache `run_ours` filled (a warm start): everything a run
+    does before and around its first step (imports, the model, the cache entry opened, packing planned from the
+    lengths, one step of the tiny model, the final save), timed as a process, with its peak memory."""
+    result = run_measured([sys.executable, "-m", "finetune", "train", str(work / "recipe.yaml"), "--overwrite",
+                           "train.max_steps=1", "train.micro_batch_size=1", "data.packing_check=false",
+                           "eval.at_start=false", "eval.every_steps=null", "checkpoint.every_steps=null"])
+    if result["rc"] != 0:
+        raise SystemExit(f"finetune train failed:\n{result['output'][-4000:]}")
+    if "using cached preprocessed data" not in result["output"]:
+        print(f"note: the run did not say it reused the cache:\n{result['output'][-2000:]}")
+    return result
+
+
 def run_hf(work: Path, rows: Path, cores: int) -> dict[str, Any] | str:
     try:
         import datasets  # noqa: F401
@@ -254,6 +268,8 @@ def main() -> None:
                         help="the rows as JSONL (default), one .json array, a .json {\"data\": [...]} object, or "
                              "parquet: the same rows")
     parser.add_argument("--work", type=Path, default=None, help="keep the rows, caches and recipe here")
+    parser.add_argument("--train-start", action="store_true",
+                        help="then time `finetune train` for one step from our warm cache, with its peak memory")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="finetune-data-scale-") as tmp:
@@ -272,6 +288,10 @@ def main() -> None:
             results["hf datasets"] = run_hf(work, rows, args.cores)
         for line in table(args.rows, args.format, args.cores, load, results):
             print(line)
+        if args.train_start and "ours" in results:
+            start = results["train start"] = run_train_start(work)
+            print(f"training start from the warm cache (one step, the tiny model): {start['wall']:.1f} s wall, "
+                  f"{start['cpu']:.1f} CPU s, peak RSS {start['rss_mib']:,.0f} MiB, peak PSS {start['pss_mib']:,.0f} MiB")
         if args.json:
             figures = {k: ({kk: vv for kk, vv in v.items() if kk != "output"} if isinstance(v, dict) else v)
                        for k, v in results.items()}
