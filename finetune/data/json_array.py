@@ -150,13 +150,13 @@ def field_items(handle: BinaryIO, field: str, max_item_chars: int) -> Iterator[t
         first = False
         if char != '"':
             raise text.error("Expecting property name enclosed in double quotes", text.pos)
-        at = text.pos
+        at = text.where(text.pos)  # now: reading on may drop the text before it from the buffer
         key, text.pos = _decode_item(text, decoder, max_item_chars)
         if text.skip_ws() != ":":
             raise text.error("Expecting ':' delimiter", text.pos)
         text.pos += 1
         if key == field and listed:
-            raise text.error(f"a second {field!r} key after the first one's list was read", at)
+            raise JSONStreamError(f"a second {field!r} key after the first one's list was read", *at)
         if text.skip_ws() == "[" and key == field:
             listed = True
             yield from _items(text, decoder, max_item_chars)

@@ -206,3 +206,12 @@ def test_samples_and_stats_from_json_and_parquet_equal_jsonl(tmp_path, tokenizer
         assert stats.bad_row_examples[0].startswith(str(tmp_path / name))
     assert results["d.json"] == results["d.jsonl"] == results["d.parquet"]
     assert results["d.jsonl"][4] == 1 and len(results["d.jsonl"][0]) == 299
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1 << 20])
+def test_the_second_data_key_is_named_by_its_line_whatever_was_read_before(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(json_array, "CHUNK_BYTES", chunk)  # 1, 5: the text before the key is dropped while it is read
+    path = tmp_path / "d.json"
+    path.write_text('{"data": [{"a": 1},\n{"a": 2}],\n\n   "data": []}')
+    with pytest.raises(UserError, match=f"^{path}:4: malformed JSON: a second 'data' key .* at column 4$"):
+        list(read_rows(str(path)))
