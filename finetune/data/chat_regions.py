@@ -30,7 +30,7 @@ Neither assumes that a prefix of a conversation renders as a prefix of the whole
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,25 +58,29 @@ class Regions:
 
 # --- sentinels ---------------------------------------------------------------------------------------------
 
-def _strings(value: Any) -> Iterator[str]:
-    """Every string in a nested value (keys too)."""
+def _strings(value: Any, out: list[str]) -> list[str]:
+    """Every string in a nested value (keys too), appended to `out` (a walk that appends: a generator per level
+    cost more than the search it serves)."""
     if isinstance(value, str):
-        yield value
+        out.append(value)
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            yield from _strings(k)
-            yield from _strings(v)
+            _strings(k, out)
+            _strings(v, out)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _strings(v)
+            _strings(v, out)
+    return out
 
 
 def sentinel_char(full: str, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
     """A private-use character found nowhere in the rendering, the messages or the tools."""
-    texts = [full, *_strings(list(messages)), *_strings(tools)]
+    # One search of the strings joined: a character is in the joined text if and only if it is in one of them
+    # (the separator is no private-use character).
+    text = "\0".join(_strings(tools, _strings(list(messages), [])))
     for code in range(0xE000, 0xF900):  # the private-use area: never produced by a template
         c = chr(code)
-        if not any(c in t for t in texts):
+        if c not in full and c not in text:
             return c
     raise UserError("this conversation uses every private-use character; it cannot be masked")  # pragma: no cover
 
