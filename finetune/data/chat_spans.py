@@ -21,7 +21,7 @@ import json
 import re
 import weakref
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from finetune.data.chat_regions import (
@@ -175,9 +175,7 @@ def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
         # enable_thinking false, an empty think block): the turn starts after the longest part of the header that
         # is there, cut after a newline or an added token ('<｜Assistant｜>', '<|im_start|>assistant\n'), so that a
         # tool call rendered without content ('<tool_call>...') is trained whole; else at its text.
-        if not ctx.header_parts:
-            ctx.header_parts = _header_parts(ctx.header, ctx.added)
-        for part in ctx.header_parts:
+        for part in _header_parts(ctx.header, ctx.added):
             k = ctx.full.rfind(part, lo, p)
             if k >= 0:
                 return k + len(part)
@@ -216,8 +214,10 @@ def _tool_closing(ctx: _Context, j: int) -> str:
     return text.split(c, 1)[1] if text.count(c) == 1 else ""
 
 
-def _header_parts(header: str, added: frozenset[str]) -> list[str]:
-    """The header and its prefixes that end after a newline or an added token, longest first."""
+@functools.lru_cache(maxsize=64)
+def _header_parts(header: str, added: frozenset[str]) -> tuple[str, ...]:
+    """The header and its prefixes that end after a newline or an added token, longest first (kept per header and
+    added tokens: asked once a conversation)."""
     cuts = {len(header)}
     for i, ch in enumerate(header):
         if ch == "\n":
@@ -227,7 +227,7 @@ def _header_parts(header: str, added: frozenset[str]) -> list[str]:
         while at >= 0:
             cuts.add(at + len(token))
             at = header.find(token, at + 1)
-    return [header[:c] for c in sorted(cuts, reverse=True)]
+    return tuple(header[:c] for c in sorted(cuts, reverse=True))
 
 
 def _turn_end(ctx: _Context, q: int, hi: int) -> tuple[int, str]:
@@ -252,8 +252,6 @@ class _Context:
     added: frozenset[str]
     sentinel: str = ""
     """A character found nowhere in the conversation: found when first needed, then kept."""
-    header_parts: list[str] = field(default_factory=list)
-    """The header and its prefixes (_header_parts): made when first needed, then kept."""
 
 
 class _Neighbours:
