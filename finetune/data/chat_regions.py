@@ -178,14 +178,16 @@ def exact_key(value: Any) -> str | None:
 
 
 def _plain(value: Any) -> bool:
+    # Scalars are checked in place, not by a call each: asked once a conversation, for every field of every message.
     kind = type(value)
-    if kind in _SCALARS:
-        return True
     if kind is dict:
-        return all(type(k) in _SCALARS and _plain(v) for k, v in value.items())
+        for k, v in value.items():
+            if type(k) not in _SCALARS or (type(v) not in _SCALARS and not _plain(v)):
+                return False
+        return True
     if kind is list or kind is tuple:
-        return all(_plain(v) for v in value)
-    return False
+        return all(type(v) in _SCALARS or _plain(v) for v in value)
+    return kind in _SCALARS
 
 
 @dataclass(frozen=True)
