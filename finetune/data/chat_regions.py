@@ -190,8 +190,12 @@ def _plain(value: Any) -> bool:
     return kind in _SCALARS
 
 
+SentinelKey = tuple[Hashable, str, str]
+"""(scope, sentinel character, exact text of the replaced messages)."""
+
+
 @dataclass(frozen=True)
-class _Sentinels:
+class Sentinels:
     """The rendering with every message replaced (`every`), and its sentinels."""
 
     every: str
@@ -203,7 +207,9 @@ class SentinelRenders:
     other inputs (`scope`: the template, the special tokens, the kwargs and the row's tools, from the caller, which
     keeps one cache per tokenizer), the sentinel character and the replaced messages, which hold none of the row's
     text (their roles, other fields and indices: the conversation's shape). Rows of one shape then render it once.
-    Always without the generation prompt, as regions_at_once renders it. The least recently used go past `size`.
+    Always without the generation prompt, as regions_at_once renders it. The least recently used go past `size`
+    entries or `chars` characters (renderings and keys: long conversations, whose shapes rarely repeat, would
+    otherwise hold megabytes each).
 
     Exact for a template whose rendering is a function of those inputs: the kept rendering is the one rendering it
     again would give, so every region, and the check of each row's own real rendering, is what it was without the
@@ -211,26 +217,32 @@ class SentinelRenders:
     would not catch a stale one, since the four-rendering way attributes text that changed to a message's region.
     """
 
-    def __init__(self, size: int = 4096) -> None:
-        self.size = size
-        self._entries: OrderedDict[Hashable, _Sentinels] = OrderedDict()
+    def __init__(self, size: int = 4096, chars: int = 1 << 23) -> None:
+        self.size, self.chars = size, chars
+        self._entries: OrderedDict[SentinelKey, tuple[Sentinels, int]] = OrderedDict()
+        self._held = 0  # characters of the entries' renderings and keys
 
-    def key(self, scope: Hashable | None, c: str, replaced: list[dict[str, Any]]) -> Hashable | None:
+    def key(self, scope: Hashable | None, c: str, replaced: list[dict[str, Any]]) -> SentinelKey | None:
         """The entry's key; None (nothing kept) without a scope, or for messages that are not plain data."""
         shape = exact_key(replaced) if scope is not None else None
         return (scope, c, shape) if shape is not None else None
 
-    def get(self, key: Hashable) -> _Sentinels | None:
+    def get(self, key: SentinelKey) -> Sentinels | None:
         found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
-        return found
-
-    def put(self, key: Hashable, sentinels: _Sentinels) -> None:
-        self._entries[key] = sentinels
+        if found is None:
+            return None
         self._entries.move_to_end(key)
-        if len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        return found[0]
+
+    def put(self, key: SentinelKey, sentinels: Sentinels) -> None:
+        weight = len(key[2]) + len(sentinels.every)
+        if weight > self.chars:  # one conversation over the whole budget: not kept
+            return
+        old = self._entries.pop(key, None)
+        self._held += weight - (old[1] if old else 0)
+        self._entries[key] = (sentinels, weight)
+        while len(self._entries) > self.size or self._held > self.chars:
+            self._held -= self._entries.popitem(last=False)[1][1]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -322,7 +334,7 @@ def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, t
     return _at_once(render, messages, replaced, full, c, sentinels)
 
 
-def _sentinels(render: Render, replaced: list[dict[str, Any]], c: str) -> _Sentinels | None:
+def _sentinels(render: Render, replaced: list[dict[str, Any]], c: str) -> Sentinels | None:
     """The rendering with every message replaced and its sentinels; None when the template refuses it or its
     sentinels are mixed up (then the slow way renders one message at a time)."""
     try:
@@ -330,11 +342,11 @@ def _sentinels(render: Render, replaced: list[dict[str, Any]], c: str) -> _Senti
     except Exception:
         return None
     marks = _marks(every, c)
-    return _Sentinels(every, marks) if marks is not None else None
+    return Sentinels(every, marks) if marks is not None else None
 
 
 def _at_once(render: Render, messages: list[dict[str, Any]], replaced: list[dict[str, Any]], full: str, c: str,
-             sentinels: _Sentinels) -> Regions | None:
+             sentinels: Sentinels) -> Regions | None:
     """regions_at_once from the rendering with every message replaced."""
     every, marks = sentinels.every, sentinels.marks
     by_content = regions_by_content(messages, full, every, marks)

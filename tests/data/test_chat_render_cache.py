@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from chat_families import FAMILY
 
-from finetune.data.chat_regions import SentinelRenders, find_regions, regions_one_by_one
+from finetune.data.chat_regions import SentinelRenders, Sentinels, find_regions, regions_one_by_one
 from finetune.data.chat_spans import chat_layout, render_chat
 
 QWEN = FAMILY["qwen2.5"]
@@ -131,9 +131,17 @@ def test_the_cache_is_bounded():
     cache = SentinelRenders(size=2)
     keys = [cache.key("scope", "\ue000", [{"role": "user", "content": str(i)}]) for i in range(3)]
     for key in keys:
-        cache.put(key, object())  # type: ignore[arg-type]
+        cache.put(key, Sentinels("", None))  # type: ignore[arg-type]
         cache.get(keys[0])  # the first stays the most recently used
     assert len(cache) == 2 and cache.get(keys[0]) is not None and cache.get(keys[1]) is None
+    # And by characters: a long conversation's rendering pushes out others, one over the budget is not kept.
+    cache = SentinelRenders(chars=100)
+    keys = [cache.key("scope", "\ue000", [i]) for i in range(3)]  # each key's text: 3 characters ('[0]')
+    for key, every in zip(keys, ("a" * 10, "b" * 10, "c" * 90)):
+        cache.put(key, Sentinels(every, None))  # type: ignore[arg-type]
+    assert len(cache) == 1 and cache.get(keys[2]).every == "c" * 90
+    cache.put(keys[0], Sentinels("d" * 98, None))  # type: ignore[arg-type]
+    assert len(cache) == 1 and cache.get(keys[0]) is None
     # Nothing is kept without a scope, or for messages that are not plain data (a repr need not tell them apart).
     assert cache.key(None, "\ue000", [{"role": "user"}]) is None
     assert cache.key("scope", "\ue000", [{"role": "user", "content": object()}]) is None
