@@ -48,8 +48,8 @@ def iter_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
     data = data or DataConfig()
     for index, cfg in enumerate(configs):
         taken = 0
-        fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
         try:
+            fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
             for row in read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes):
                 if cfg.max_rows is not None and taken >= cfg.max_rows:
                     break
