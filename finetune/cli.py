@@ -217,8 +217,9 @@ def _exec_torchrun(args: argparse.Namespace) -> int:
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
     recipe = load_recipe_arg(args)
-    from finetune.data.report import preprocess  # heavy: transformers (the tokenizer)
-    from finetune.model.loading import load_tokenizer
+    # heavy: transformers (the tokenizer). Not model.loading: the model's imports include torch._dynamo.
+    from finetune.data.report import preprocess
+    from finetune.model.tokenizer import load_tokenizer
 
     preprocess(recipe, load_tokenizer(recipe.tokenizer, recipe.model), show=args.show, rebuild=args.rebuild)
     return 0

@@ -22,6 +22,9 @@ Two ways to find them, with the same answer:
   real text must be the real rendering, character for character, and the stretches must not overlap. A
   conversation that fails (a template that renders one message differently when another's text changes, or
   renders a message's text twice) is passed to the second way, which either agrees or reports the template.
+  S holds none of the conversation's text, only its shape (roles, other fields, indices): a cache
+  (`SentinelRenders`) keeps it per shape, so rows of a shape seen before render once (the real rendering) or three
+  times, and the check still compares each row's own real rendering.
 * `regions_one_by_one`: N+1 renderings for N messages, each with one message replaced (quadratic time).
 
 Neither assumes that a prefix of a conversation renders as a prefix of the whole.
@@ -30,7 +33,8 @@ Neither assumes that a prefix of a conversation renders as a prefix of the whole
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,25 +62,29 @@ class Regions:
 
 # --- sentinels ---------------------------------------------------------------------------------------------
 
-def _strings(value: Any) -> Iterator[str]:
-    """Every string in a nested value (keys too)."""
+def _strings(value: Any, out: list[str]) -> list[str]:
+    """Every string in a nested value (keys too), appended to `out` (a walk that appends: a generator per level
+    cost more than the search it serves)."""
     if isinstance(value, str):
-        yield value
+        out.append(value)
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            yield from _strings(k)
-            yield from _strings(v)
+            _strings(k, out)
+            _strings(v, out)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _strings(v)
+            _strings(v, out)
+    return out
 
 
 def sentinel_char(full: str, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
     """A private-use character found nowhere in the rendering, the messages or the tools."""
-    texts = [full, *_strings(list(messages)), *_strings(tools)]
+    # One search of the strings joined: a character is in the joined text if and only if it is in one of them
+    # (the separator is no private-use character).
+    text = "\0".join(_strings(tools, _strings(list(messages), [])))
     for code in range(0xE000, 0xF900):  # the private-use area: never produced by a template
         c = chr(code)
-        if not any(c in t for t in texts):
+        if c not in full and c not in text:
             return c
     raise UserError("this conversation uses every private-use character; it cannot be masked")  # pragma: no cover
 
@@ -157,6 +165,89 @@ def _calls_missing(messages: Sequence[Mapping[str, Any]], found: Callable[[int],
                  if m.get("tool_calls") and found(j) != frozenset(range(len(m["tool_calls"]))))
 
 
+# --- the rendering with every message replaced, kept per shape ----------------------------------------------
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def exact_key(value: Any) -> str | None:
+    """A text that tells plain data apart exactly (the repr of str, int, float, bool and None, and of lists, tuples
+    and dicts of them, insertion order included), or None for anything else: an object's repr need not show what a
+    template reads of it."""
+    return repr(value) if _plain(value) else None
+
+
+def _plain(value: Any) -> bool:
+    # Scalars are checked in place, not by a call each: asked once a conversation, for every field of every message.
+    kind = type(value)
+    if kind is dict:
+        for k, v in value.items():
+            if type(k) not in _SCALARS or (type(v) not in _SCALARS and not _plain(v)):
+                return False
+        return True
+    if kind is list or kind is tuple:
+        return all(type(v) in _SCALARS or _plain(v) for v in value)
+    return kind in _SCALARS
+
+
+SentinelKey = tuple[Hashable, str, str]
+"""(scope, sentinel character, exact text of the replaced messages)."""
+
+
+@dataclass(frozen=True)
+class Sentinels:
+    """The rendering with every message replaced (`every`), and its sentinels."""
+
+    every: str
+    marks: _Marks
+
+
+class SentinelRenders:
+    """The renderings with every message replaced of recent conversations, by all they depend on: the template's
+    other inputs (`scope`: the template, the special tokens, the kwargs and the row's tools, from the caller, which
+    keeps one cache per tokenizer), the sentinel character and the replaced messages, which hold none of the row's
+    text (their roles, other fields and indices: the conversation's shape). Rows of one shape then render it once.
+    Always without the generation prompt, as regions_at_once renders it. The least recently used go past `size`
+    entries or `chars` characters (renderings and keys: long conversations, whose shapes rarely repeat, would
+    otherwise hold megabytes each).
+
+    Exact for a template whose rendering is a function of those inputs: the kept rendering is the one rendering it
+    again would give, so every region, and the check of each row's own real rendering, is what it was without the
+    cache. The caller keeps none for templates that read the clock or draw at random (chat_spans.py): the check
+    would not catch a stale one, since the four-rendering way attributes text that changed to a message's region.
+    """
+
+    def __init__(self, size: int = 4096, chars: int = 1 << 23) -> None:
+        self.size, self.chars = size, chars
+        self._entries: OrderedDict[SentinelKey, tuple[Sentinels, int]] = OrderedDict()
+        self._held = 0  # characters of the entries' renderings and keys
+
+    def key(self, scope: Hashable | None, c: str, replaced: list[dict[str, Any]]) -> SentinelKey | None:
+        """The entry's key; None (nothing kept) without a scope, or for messages that are not plain data."""
+        shape = exact_key(replaced) if scope is not None else None
+        return (scope, c, shape) if shape is not None else None
+
+    def get(self, key: SentinelKey) -> Sentinels | None:
+        found = self._entries.get(key)
+        if found is None:
+            return None
+        self._entries.move_to_end(key)
+        return found[0]
+
+    def put(self, key: SentinelKey, sentinels: Sentinels) -> None:
+        weight = len(key[2]) + len(sentinels.every)
+        if weight > self.chars:  # one conversation over the whole budget: not kept
+            return
+        old = self._entries.pop(key, None)
+        self._held += weight - (old[1] if old else 0)
+        self._entries[key] = (sentinels, weight)
+        while len(self._entries) > self.size or self._held > self.chars:
+            self._held -= self._entries.popitem(last=False)[1][1]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 # --- common prefix and suffix --------------------------------------------------------------------------------
 
 def common_prefix(a: str, b: str) -> int:
@@ -223,17 +314,41 @@ def _window(marks: _Marks, order: Sequence[int], pos: int, length: int) -> Regio
     return start, end
 
 
-def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None) -> Regions | None:
-    """Four renderings, or two (regions_by_content); None when the check fails (then regions_one_by_one decides)."""
+def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None,
+                    cache: SentinelRenders | None = None, scope: Hashable | None = None) -> Regions | None:
+    """Four renderings, or two (regions_by_content); None when the check fails (then regions_one_by_one decides).
+
+    With a `cache` and a `scope` (what the rendering depends on besides the messages: SentinelRenders), the
+    rendering with every message replaced is taken from the cache when a conversation of the same shape had it.
+    """
     c = sentinel_char(full, messages, tools)
     replaced = [sentinel_message(m, c, j) for j, m in enumerate(messages)]
+    key = cache.key(scope, c, replaced) if cache is not None else None
+    sentinels = cache.get(key) if cache is not None and key is not None else None
+    if sentinels is None:
+        sentinels = _sentinels(render, replaced, c)
+        if sentinels is None:
+            return None
+        if cache is not None and key is not None:
+            cache.put(key, sentinels)
+    return _at_once(render, messages, replaced, full, c, sentinels)
+
+
+def _sentinels(render: Render, replaced: list[dict[str, Any]], c: str) -> Sentinels | None:
+    """The rendering with every message replaced and its sentinels; None when the template refuses it or its
+    sentinels are mixed up (then the slow way renders one message at a time)."""
     try:
         every = render(replaced)
-    except Exception:  # a template that refuses the sentinels: the slow way renders one at a time
+    except Exception:
         return None
     marks = _marks(every, c)
-    if marks is None:
-        return None
+    return Sentinels(every, marks) if marks is not None else None
+
+
+def _at_once(render: Render, messages: list[dict[str, Any]], replaced: list[dict[str, Any]], full: str, c: str,
+             sentinels: Sentinels) -> Regions | None:
+    """regions_at_once from the rendering with every message replaced."""
+    every, marks = sentinels.every, sentinels.marks
     by_content = regions_by_content(messages, full, every, marks)
     if by_content is not None:
         return by_content
@@ -295,8 +410,10 @@ def _rebuilt(messages: list[dict[str, Any]], full: str, every: str, order: Seque
     return Regions(tuple(regions), _calls_missing(messages, lambda j: marks.calls.get(j, frozenset())))
 
 
-def find_regions(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None) -> Regions:
-    """Each message's region: at once when the check holds, else one by one (which may raise TemplateNotLocal)."""
-    found = regions_at_once(render, messages, full, tools)
+def find_regions(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None,
+                 cache: SentinelRenders | None = None, scope: Hashable | None = None) -> Regions:
+    """Each message's region: at once when the check holds, else one by one (which may raise TemplateNotLocal).
+    `cache` and `scope`: as regions_at_once takes them."""
+    found = regions_at_once(render, messages, full, tools, cache, scope)
     return found if found is not None else regions_one_by_one(render, messages, full, tools)
 

@@ -16,16 +16,20 @@ for each tested family.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
+import re
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from finetune.data.chat_regions import (
     REASONING_FIELDS,
+    SentinelRenders,
     TemplateNotLocal,
     common_prefix,
+    exact_key,
     find_regions,
     sentinel_char,
 )
@@ -73,28 +77,44 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_
                 add_generation_prompt: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """The chat template's rendering of `messages` (template kwargs and the row's tools passed through, as at
     inference)."""
+    return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **_template_inputs(template_kwargs, tools))
+
+
+def _template_inputs(template_kwargs: Mapping[str, Any] | None,
+                     tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    """What render_chat passes the template besides the messages."""
     kwargs = dict(template_kwargs or {})
     if tools:
         kwargs["tools"] = [dict(t) for t in tools]
-    return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    return kwargs
 
+
+TemplateKey = tuple[str, str, tuple[tuple[str, str], ...]]
 
 # (template, kwargs, special tokens) -> (header, closing)
-_PROBES: dict[tuple[str, str, tuple[tuple[str, str], ...]], tuple[str, str]] = {}
+_PROBES: dict[TemplateKey, tuple[str, str]] = {}
 
 
-def _probes(tokenizer: Any, template_kwargs: Mapping[str, Any] | None) -> tuple[str, str]:
+def template_key(tokenizer: Any, template_kwargs: Mapping[str, Any] | None) -> TemplateKey:
+    """(template, kwargs as json, special tokens): the probes' key, and with the kwargs and tools told apart exactly,
+    the sentinel renderings' (_sentinel_cache). Built once per conversation, from cheap parts (json of the special
+    tokens, twice a row, was 5% of tokenizing one)."""
+    kwargs = json.dumps(template_kwargs, sort_keys=True, default=str) if template_kwargs else "{}"
+    return str(tokenizer.chat_template), kwargs, tuple(sorted(tokenizer.special_tokens_map.items()))
+
+
+def _probes(tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
+            key: TemplateKey | None = None) -> tuple[str, str]:
     """What a template writes around a lone user turn, (header, closing), measured once per template, kwargs and
-    special tokens (the key is built once per conversation, from cheap parts: json of the special tokens, twice
-    a row, was 5% of tokenizing one).
+    special tokens (`key`: template_key's, when the caller has it).
 
     header: what `add_generation_prompt` appends (only where it ends matters, as it is searched from the end:
     Phi-3.5's plain rendering ends with '<|endoftext|>' and its prompted one with '<|assistant|>\\n', so the two
     share '<|' and the header found is 'assistant|>\\n'). closing: what follows the user's content ('[/INST]').
     """
-    kwargs = json.dumps(template_kwargs, sort_keys=True, default=str) if template_kwargs else "{}"
-    key = (str(tokenizer.chat_template), kwargs, tuple(sorted(tokenizer.special_tokens_map.items())))
+    key = key or template_key(tokenizer, template_kwargs)
     found = _PROBES.get(key)
     if found is None:
         found = _PROBES[key] = (_probe_text("header", tokenizer, template_kwargs),
@@ -155,9 +175,7 @@ def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
         # enable_thinking false, an empty think block): the turn starts after the longest part of the header that
         # is there, cut after a newline or an added token ('<｜Assistant｜>', '<|im_start|>assistant\n'), so that a
         # tool call rendered without content ('<tool_call>...') is trained whole; else at its text.
-        if not ctx.header_parts:
-            ctx.header_parts = _header_parts(ctx.header, ctx.added)
-        for part in ctx.header_parts:
+        for part in _header_parts(ctx.header, ctx.added):
             k = ctx.full.rfind(part, lo, p)
             if k >= 0:
                 return k + len(part)
@@ -196,8 +214,10 @@ def _tool_closing(ctx: _Context, j: int) -> str:
     return text.split(c, 1)[1] if text.count(c) == 1 else ""
 
 
-def _header_parts(header: str, added: frozenset[str]) -> list[str]:
-    """The header and its prefixes that end after a newline or an added token, longest first."""
+@functools.lru_cache(maxsize=64)
+def _header_parts(header: str, added: frozenset[str]) -> tuple[str, ...]:
+    """The header and its prefixes that end after a newline or an added token, longest first (kept per header and
+    added tokens: asked once a conversation)."""
     cuts = {len(header)}
     for i, ch in enumerate(header):
         if ch == "\n":
@@ -207,7 +227,7 @@ def _header_parts(header: str, added: frozenset[str]) -> list[str]:
         while at >= 0:
             cuts.add(at + len(token))
             at = header.find(token, at + 1)
-    return [header[:c] for c in sorted(cuts, reverse=True)]
+    return tuple(header[:c] for c in sorted(cuts, reverse=True))
 
 
 def _turn_end(ctx: _Context, q: int, hi: int) -> tuple[int, str]:
@@ -232,8 +252,6 @@ class _Context:
     added: frozenset[str]
     sentinel: str = ""
     """A character found nowhere in the conversation: found when first needed, then kept."""
-    header_parts: list[str] = field(default_factory=list)
-    """The header and its prefixes (_header_parts): made when first needed, then kept."""
 
 
 class _Neighbours:
@@ -261,6 +279,38 @@ class _Neighbours:
         return lo, hi
 
 
+_SENTINEL_RENDERS: weakref.WeakKeyDictionary[Any, SentinelRenders] = weakref.WeakKeyDictionary()
+
+
+# What a template can read that changes between calls: transformers' clock, Jinja's random filter and lorem ipsum.
+_IMPURE = re.compile(r"\b(strftime_now|random|lipsum)\b")
+
+
+@functools.lru_cache(maxsize=64)
+def _pure(template: str) -> bool:
+    """Whether the template's rendering depends on its inputs only (a name of the clock or of chance anywhere in it,
+    even in a branch not taken, counts against it: Llama 3's template writes today's date unless given one)."""
+    return _IMPURE.search(template) is None
+
+
+def _sentinel_cache(tokenizer: Any, key: TemplateKey, template_kwargs: Mapping[str, Any] | None,
+                    tools: Sequence[Mapping[str, Any]] | None) -> tuple[SentinelRenders | None, Hashable | None]:
+    """The tokenizer's own cache of sentinel renderings (one per tokenizer: a tokenizer class may render its own
+    way), and the scope of this conversation's entry: the template and special tokens (`key`) and, told apart
+    exactly, the kwargs and tools the template is given (None, nothing kept, when they are not plain data, or when
+    the template's rendering can change between calls)."""
+    if not _pure(key[0]):
+        return None, None
+    try:
+        cache = _SENTINEL_RENDERS.get(tokenizer)
+        if cache is None:
+            cache = _SENTINEL_RENDERS[tokenizer] = SentinelRenders()
+    except TypeError:  # a tokenizer that takes no weak reference: nothing kept
+        return None, None
+    inputs = exact_key(_template_inputs(template_kwargs, tools))
+    return cache, ((key, inputs) if inputs is not None else None)
+
+
 def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: Sequence[int],
                 template_kwargs: Mapping[str, Any] | None = None,
                 tools: Sequence[Mapping[str, Any]] | None = None) -> ChatLayout:
@@ -275,10 +325,11 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
         return render_chat(tokenizer, part, template_kwargs, add_generation_prompt, tools)
 
     full = render(msgs)
-    found = find_regions(render, msgs, full, tools)
+    key = template_key(tokenizer, template_kwargs)
+    found = find_regions(render, msgs, full, tools, *_sentinel_cache(tokenizer, key, template_kwargs, tools))
     regions = list(found.regions)
-    ctx = _Context(full, msgs, regions, render, *_probes(tokenizer, template_kwargs), end_of_turn_markers(tokenizer),
-                   added_tokens(tokenizer)[0])
+    ctx = _Context(full, msgs, regions, render, *_probes(tokenizer, template_kwargs, key),
+                   end_of_turn_markers(tokenizer), added_tokens(tokenizer)[0])
     neighbours = _Neighbours(regions, len(full))
     turns, unrendered = [], []
     for i in sorted(set(wanted)):

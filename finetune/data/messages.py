@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.image_files import store_dir
 from finetune.data.images import RowImages, message_parts
 from finetune.data.sources import BadRow
 
@@ -78,7 +77,7 @@ def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFi
     calls = tool_calls(f"{origin}: message {i} (assistant)", message.get("tool_calls"))
     if isinstance(content, list):
         taker = images if images is not None else RowImages(origin, fields.images, [], fields.image_root,
-                                                             store_dir(fields.cache_dir))
+                                                             fields.cache_dir)
         content = message_parts(origin, i, content, taker)
         if taker.paths and images is None:
             raise BadRow(f"{origin}: message {i} has image parts; images are read in chat rows (format: chat) only "
@@ -182,4 +181,4 @@ def row_images(origin: str, data: dict[str, Any], fields: MessageFields, fmt: st
     if entries and fmt != "chat":
         raise BadRow(f"{origin}: the row has {len(entries)} images in {fields.images!r}; images are read in chat rows "
                      f"(format: chat) only, and this dataset's format is {fmt}")
-    return RowImages(origin, fields.images, entries, fields.image_root, store_dir(fields.cache_dir))
+    return RowImages(origin, fields.images, entries, fields.image_root, fields.cache_dir)

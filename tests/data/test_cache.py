@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, TOKENIZER_DIR, tiny_recipe
-from helpers import run_cli
+from helpers import TEST_ENV, run_cli, run_process
 
 from finetune.data import PARALLEL_MIN_EXAMPLES, DataStats, build_samples, load_examples, tokenize_examples
 from finetune.data import cache as data_cache
@@ -329,6 +330,15 @@ def test_preprocess_cli_prints_statistics_and_train_reuses_the_cache(base, write
     train = run_cli("train", str(recipe), env=env)
     assert train.returncode == 0, train.stderr
     assert f"using cached preprocessed data from {entry}" in train.stdout
+
+
+def test_preprocess_imports_no_torch_dynamo():
+    # What `finetune preprocess` imports (cli.cmd_preprocess): the tokenizer's loader without the model's, whose
+    # attention code imports torch._dynamo (torch.compiler.disable), a second and a half of every run's start-up.
+    code = ("import sys; import finetune.cli; from finetune.data.report import preprocess; "
+            "from finetune.model.tokenizer import load_tokenizer; print('torch._dynamo' in sys.modules)")
+    result = run_process([sys.executable, "-c", code], env=TEST_ENV, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
 
 
 def test_preprocess_cli_user_errors_exit_2(write_recipe, tmp_path):

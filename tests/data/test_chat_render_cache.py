@@ -1,0 +1,147 @@
+"""The cache of sentinel renderings (chat_regions.SentinelRenders, one per tokenizer: chat_spans.py): rows of one
+shape render the rendering with every message replaced once; tokenizers, templates, kwargs and tools never share
+an entry; a template that is not a pure substitution still gets exactly the regions of rendering afresh; and a
+template whose output can change between calls (a date) is never kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from chat_families import FAMILY
+
+from finetune.data.chat_regions import SentinelRenders, Sentinels, find_regions, regions_one_by_one
+from finetune.data.chat_spans import chat_layout, render_chat
+
+QWEN = FAMILY["qwen2.5"]
+PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}<|im_end|>{% endfor %}"
+UPPER = "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}<|im_end|>{% endfor %}"
+CUT = "{% for m in messages %}<{{ m.role }}>{{ m.content[:2] }}<|im_end|>{% endfor %}"
+TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                         "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
+
+
+def chat(question: str, answer: str, system: str | None = None) -> list[dict[str, str]]:
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+ROWS = [chat("What is 2 * 5?", "10"), chat("Reverse: bread, leaf", "leaf, bread"), chat("Say hi", "hi there")]
+
+
+class Counting:
+    """A tokenizer that counts its chat-template renderings."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.renders = inner, 0
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self.renders += 1
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def renders(tokenizer: Counting, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None,
+            tools: list[dict[str, Any]] | None = None) -> int:
+    """How many renderings chat_layout made for one conversation (its assistant turns asked for)."""
+    before = tokenizer.renders
+    chat_layout(tokenizer, messages, [i for i, m in enumerate(messages) if m["role"] == "assistant"], kwargs, tools)
+    return tokenizer.renders - before
+
+
+def primed(template: str | None = None) -> Counting:
+    """A counting tokenizer with an empty cache of its own, the template's probes (cached for all) already made."""
+    inner = QWEN.build()
+    if template is not None:
+        inner.chat_template = template
+    chat_layout(Counting(inner), ROWS[0], [1])
+    return Counting(inner)
+
+
+def test_rows_of_one_shape_render_the_sentinel_version_once():
+    tokenizer = primed()
+    assert [renders(tokenizer, m) for m in ROWS] == [2, 1, 1]  # the real rendering and, once, every text replaced
+    assert renders(tokenizer, chat("Hi", "Hello", system="Be brief.")) == 2  # another shape: a system message
+    assert renders(tokenizer, chat("Hey", "Hello", system="Be kind.")) == 1
+    for messages in ROWS:  # what the cache served is what rendering afresh gives
+        wanted = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        assert chat_layout(tokenizer, messages, wanted) == chat_layout(primed(), messages, wanted)
+
+
+def test_tokenizers_never_share_entries():
+    first, second = primed(), primed()
+    assert renders(first, ROWS[0]) == 2
+    assert renders(second, ROWS[1]) == 2  # the same template, but its own cache
+
+
+@pytest.mark.parametrize("change", ["template", "kwargs", "tools"])
+def test_templates_kwargs_and_tools_never_share_entries(change):
+    def layout(tokenizer: Counting, variant: int, messages: list[dict[str, str]]) -> int:
+        if change == "template":
+            tokenizer.inner.chat_template = (QWEN.build().chat_template, PLAIN)[variant]
+            return renders(tokenizer, messages)
+        if change == "kwargs":  # 1 == 1.0, but a template writes them apart
+            return renders(tokenizer, messages, kwargs=({"flag": 1}, {"flag": 1.0})[variant])
+        return renders(tokenizer, messages, tools=[TOOL] if variant else None)
+
+    for variant in (0, 1):  # the variants' probes, made once for all
+        layout(primed(), variant, ROWS[2])
+    tokenizer = primed()
+    counts = [layout(tokenizer, 0, ROWS[0]), layout(tokenizer, 1, ROWS[1]), layout(tokenizer, 0, ROWS[2]),
+              layout(tokenizer, 1, ROWS[0])]
+    assert counts == [2, 2, 1, 1], counts  # each variant renders every text replaced once, kept beside the other's
+    QWEN.build()  # the shared tokenizer's own template back
+
+
+@pytest.mark.parametrize("template", [UPPER, CUT], ids=["upper", "cut"])
+def test_a_template_that_is_not_a_substitution_gets_the_regions_of_rendering_afresh(template):
+    # UPPER: swapping the contents back does not give the real rendering (the check fails, four renderings find the
+    # regions); CUT cuts the sentinels too (the slow way decides). Either way the answer is the slow way's.
+    tokenizer = QWEN.build()
+    tokenizer.chat_template = template
+    cache = SentinelRenders()
+
+    def render(part: list[dict[str, Any]]) -> str:
+        return render_chat(tokenizer, part, None)
+
+    for messages in ROWS:
+        full = render(messages)
+        assert find_regions(render, messages, full, None, cache, "scope") == regions_one_by_one(render, messages, full)
+    QWEN.build()
+
+
+@pytest.mark.parametrize("impure", ["strftime_now('%Y')", "[1, 2] | random", "lipsum(1)"])
+def test_a_template_that_can_change_between_calls_is_never_kept(impure):
+    # The check would not catch a kept rendering gone stale: four renderings give a message's region the text
+    # that changed (a date written before it). So such a template renders every text replaced for each row.
+    template = "{{ " + impure + " if false else '' }}" + PLAIN
+    tokenizer = primed(template)
+    assert [renders(tokenizer, m) for m in ROWS] == [2, 2, 2]
+    assert [chat_layout(tokenizer, m, [1]) for m in ROWS] == [chat_layout(primed(template), m, [1]) for m in ROWS]
+    QWEN.build()
+
+
+def test_the_cache_is_bounded():
+    cache = SentinelRenders(size=2)
+    keys = [cache.key("scope", "\ue000", [{"role": "user", "content": str(i)}]) for i in range(3)]
+    for key in keys:
+        cache.put(key, Sentinels("", None))  # type: ignore[arg-type]
+        cache.get(keys[0])  # the first stays the most recently used
+    assert len(cache) == 2 and cache.get(keys[0]) is not None and cache.get(keys[1]) is None
+    # And by characters: a long conversation's rendering pushes out others, one over the budget is not kept.
+    cache = SentinelRenders(chars=100)
+    keys = [cache.key("scope", "\ue000", [i]) for i in range(3)]  # each key's text: 3 characters ('[0]')
+    for key, every in zip(keys, ("a" * 10, "b" * 10, "c" * 90)):
+        cache.put(key, Sentinels(every, None))  # type: ignore[arg-type]
+    assert len(cache) == 1 and cache.get(keys[2]).every == "c" * 90
+    cache.put(keys[0], Sentinels("d" * 98, None))  # type: ignore[arg-type]
+    assert len(cache) == 1 and cache.get(keys[0]) is None
+    # Nothing is kept without a scope, or for messages that are not plain data (a repr need not tell them apart).
+    assert cache.key(None, "\ue000", [{"role": "user"}]) is None
+    assert cache.key("scope", "\ue000", [{"role": "user", "content": object()}]) is None
