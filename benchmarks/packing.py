@@ -130,7 +130,7 @@ def efficiencies(name: str, data: Path, work: Path) -> dict[str, float]:
     """Epoch 0: packing efficiency (real / rows x max_seq_len) and padded efficiency (real / computed)."""
     from finetune.data.cache import prepare
     from finetune.data.report import pack_epoch0, padded_tokens_of_epoch
-    from finetune.model.loading import load_tokenizer
+    from finetune.model.tokenizer import load_tokenizer
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(write_recipe(work, name, data, True, 1))

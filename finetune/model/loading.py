@@ -1,5 +1,5 @@
 """Load the model: an HF directory or hub id, a GGUF file, or random init from a config. The tokenizer is loaded
-by tokenizer.py (load_tokenizer and resolve_path, named here too for the callers that load both).
+by tokenizer.py.
 
 Adapters (LoRA, QLoRA) are applied here through PEFT. Training always runs with `use_cache=False`: with
 the cache on, transformers lets packed documents attend to each other.
@@ -38,7 +38,7 @@ import torch
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
 from finetune.model import architectures, kernels, vision, vocab
-from finetune.model.tokenizer import gguf_location, load_tokenizer, resolve_path  # noqa: F401 (named here too)
+from finetune.model.tokenizer import gguf_location
 from finetune.recipe import AdapterConfig, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

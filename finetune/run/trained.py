@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError, first_line
-from finetune.model.loading import load_base, load_tokenizer, quiet_peft
+from finetune.model.loading import load_base, quiet_peft
+from finetune.model.tokenizer import load_tokenizer
 from finetune.recipe import Recipe, TokenizerConfig
 from finetune.run.directory import RunDir, finished_run, read_versions
 

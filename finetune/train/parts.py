@@ -19,7 +19,8 @@ import torch
 from finetune import dist
 from finetune.data import DataStats, StepPlan
 from finetune.loss.fused import resolve_impl
-from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.loading import load_model
+from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives import Objective, Planning, Preparation, objective_for
 from finetune.recipe import Recipe

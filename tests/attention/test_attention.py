@@ -133,7 +133,8 @@ def test_auto_upgrades_sdpa_and_keeps_eager_where_sdpa_is_unsupported(model_type
     Either way the packed documents stay apart."""
     from conftest import REPO_ROOT
 
-    from finetune.model.loading import load_model, load_tokenizer
+    from finetune.model.loading import load_model
+    from finetune.model.tokenizer import load_tokenizer
     from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig
 
     tokenizer = load_tokenizer(TokenizerConfig(path=str(REPO_ROOT / "examples" / "tokenizer")), ModelConfig())

@@ -32,7 +32,7 @@ ROW = {"messages": [
 
 @pytest.fixture(scope="module")
 def tok():
-    from finetune.model.loading import load_tokenizer
+    from finetune.model.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer_config(), model_config())
 

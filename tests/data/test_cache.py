@@ -24,7 +24,7 @@ from finetune.data import PARALLEL_MIN_EXAMPLES, DataStats, build_samples, load_
 from finetune.data import cache as data_cache
 from finetune.data.cache import cache_inputs, cache_key, load_entry, prepare, save_entry
 from finetune.data.report import histogram_lines, pack_epoch0, token_accounting
-from finetune.model.loading import load_tokenizer
+from finetune.model.tokenizer import load_tokenizer
 from finetune.recipe import Recipe, validate
 
 QUICKSTART_TRAIN = REPO_ROOT / "examples" / "data" / "quickstart_train.jsonl"

@@ -20,7 +20,7 @@ from finetune.data.shards import Part
 from finetune.data.stats import DataStats
 from finetune.data.store import Samples, SplitWriter
 from finetune.errors import UserError
-from finetune.model.loading import load_tokenizer
+from finetune.model.tokenizer import load_tokenizer
 from finetune.recipe import Recipe, validate
 
 

@@ -19,7 +19,7 @@ from finetune.data.formats import MessageFields, to_example
 from finetune.data.image_files import STORE_FOLDER, store_dir, stored
 from finetune.data.samples import build_samples
 from finetune.data.sources import BadRow, RawRow, _undecoded
-from finetune.model.loading import load_tokenizer
+from finetune.model.tokenizer import load_tokenizer
 from finetune.recipe import DataConfig, load_recipe
 
 

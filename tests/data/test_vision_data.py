@@ -20,7 +20,7 @@ from finetune.data.stats import DataStats
 from finetune.data.tokenize import tokenize_example
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
-from finetune.model.loading import load_tokenizer
+from finetune.model.tokenizer import load_tokenizer
 from finetune.recipe import DataConfig, ModelConfig, TokenizerConfig
 
 

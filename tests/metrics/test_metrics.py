@@ -69,7 +69,8 @@ def test_logged_step_loss_equals_independent_recomputation(cli_run):
     step's rows through the plain HF forward, and torch's own cross_entropy summed over every target token.
     """
     from finetune.data import StepPlan, build_samples
-    from finetune.model.loading import load_model, load_tokenizer
+    from finetune.model.loading import load_model
+    from finetune.model.tokenizer import load_tokenizer
     from finetune.recipe import load_recipe
 
     out, _ = cli_run

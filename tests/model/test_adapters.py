@@ -20,7 +20,8 @@ from helpers import QUICKSTART, TINY
 from finetune.data import build_samples, collate, epoch_rows
 from finetune.dist import default_device
 from finetune.errors import UserError
-from finetune.model.loading import load_base, load_model, load_tokenizer, resolve_path, save_final
+from finetune.model.loading import load_base, load_model, save_final
+from finetune.model.tokenizer import load_tokenizer, resolve_path
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import load_recipe
 from finetune.train.optim import build_optimizer, parameter_groups

@@ -21,7 +21,8 @@ from finetune.attention import dispatch as attention
 from finetune.data.collate import collate_packed, collate_padded
 from finetune.errors import UserError
 from finetune.model import kernels
-from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.loading import load_model
+from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, LossConfig, ModelConfig, Recipe, TokenizerConfig, features
 from finetune.versions import FEATURE_PACKAGES

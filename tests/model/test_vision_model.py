@@ -17,7 +17,8 @@ from finetune.data.sources import RawRow
 from finetune.data.tokenize import tokenize_example
 from finetune.errors import UserError
 from finetune.model.architectures import packing_refusal
-from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.loading import load_model
+from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, DataConfig, ModelConfig, load_recipe
 from finetune.train.loop import train

@@ -20,7 +20,8 @@ from finetune.data.tokenize import tokenize_example
 from finetune.labels import IGNORE_INDEX
 from finetune.model.architectures import VLM_PACKED, packing_refusal
 from finetune.model.isolation import check_packable, check_packing_isolation
-from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.loading import load_model
+from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, DataConfig
 

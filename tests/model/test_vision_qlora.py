@@ -16,7 +16,8 @@ from finetune.data.collate import collate
 from finetune.data.formats import MessageFields, to_example
 from finetune.data.sources import RawRow
 from finetune.data.tokenize import tokenize_example
-from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.loading import load_model
+from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, DataConfig, load_recipe
 

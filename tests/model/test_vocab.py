@@ -10,7 +10,8 @@ from conftest import TINY_MODEL_CONFIG, TOKENIZER_DIR
 
 from finetune import templates
 from finetune.errors import UserError
-from finetune.model.loading import load_model, load_tokenizer, output_layer
+from finetune.model.loading import load_model, output_layer
+from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.recipe import AdapterConfig, ModelConfig, TokenizerConfig, validate
 

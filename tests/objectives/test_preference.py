@@ -149,7 +149,8 @@ def test_a_reference_replaced_at_its_path_is_computed_again(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from finetune.data import build_samples
-    from finetune.model.loading import load_model, load_tokenizer
+    from finetune.model.loading import load_model
+    from finetune.model.tokenizer import load_tokenizer
     from finetune.objectives.reference import attach_reference_logps
 
     base = _recipe("train.objective=dpo", f"data.cache_dir={tmp_path / 'cache'}", "datasets.0.max_rows=8",
@@ -192,7 +193,7 @@ def test_a_pair_dropped_as_too_long_is_named_fresh_and_from_the_cache(truncation
 
     from finetune import dist
     from finetune.data.report import preprocess
-    from finetune.model.loading import load_tokenizer
+    from finetune.model.tokenizer import load_tokenizer
     from finetune.objectives.rows import DatasetRows
     from finetune.recipe import validate
 
@@ -251,7 +252,8 @@ def test_a_resume_refuses_a_dpo_reference_whose_weights_changed(tmp_path):
     resume."""
     import json
 
-    from finetune.model.loading import load_model, load_tokenizer
+    from finetune.model.loading import load_model
+    from finetune.model.tokenizer import load_tokenizer
     from finetune.objectives.reference import weights_digest
 
     base = _recipe("train.objective=dpo")

@@ -10,7 +10,8 @@ from helpers import QUICKSTART, TINY, eval_lines, final_weights, run_cli, train_
 
 from finetune.data import StepPlan
 from finetune.errors import UserError
-from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.loading import load_model
+from finetune.model.tokenizer import load_tokenizer
 from finetune.recipe import TrainConfig, validate
 from finetune.run.directory import read_recipe
 from finetune.train.optim import lr_factor, warmup_steps

@@ -29,7 +29,8 @@ from finetune.data.collate import collate
 from finetune.data.pack import pack_samples
 from finetune.loss.fused import resolve_impl
 from finetune.metrics import WeightSamples, update_ratio, update_sums, weight_sample
-from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.loading import load_model
+from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives.sft import SFT
 from finetune.recipe import AdapterConfig, DataConfig, LossConfig, ModelConfig, TokenizerConfig, TrainConfig
