@@ -21,6 +21,7 @@ Why best-fit rather than first-fit decreasing, and how the (seed, epoch) determi
 
 from __future__ import annotations
 
+import array
 import bisect
 import hashlib
 import heapq
@@ -159,46 +160,62 @@ def plan_packing(lengths: np.ndarray, pairs: np.ndarray, max_seq_len: int, *, se
               "dropped_tokens": int(lengths[dropped].sum())}
     kept = np.flatnonzero(~dropped)
     rng = _rng(seed, epoch)
-    bins = _best_fit(np.minimum(lengths[kept], max_seq_len), max_seq_len, rng)
-    rng.shuffle(bins)  # row order changes per epoch; contents are fixed for this (seed, epoch)
-    sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
-    starts = np.zeros(len(bins) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=starts[1:])
-    members = kept[np.fromiter((k for b in bins for k in b), dtype=np.int64, count=int(starts[-1]))]
+    order, row, n_rows = _best_fit(np.minimum(lengths[kept], max_seq_len), max_seq_len, rng)
+    # Row order changes per epoch; contents are fixed for this (seed, epoch). The rows' new order is drawn as
+    # shuffling a list of them would draw it (the same calls), so plans are what they were when rows were lists.
+    shuffled = array.array("q", range(n_rows))
+    rng.shuffle(shuffled)
+    rank = np.empty(n_rows, dtype=np.int64)
+    rank[np.frombuffer(shuffled, dtype=np.int64)] = np.arange(n_rows)
+    key = rank[row]
+    members = kept[order[np.argsort(key, kind="stable")]]  # each row's samples stay in placement order
+    starts = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(key, minlength=n_rows), out=starts[1:])
     return PackPlan(members, starts, max_seq_len, counts)
 
 
-def _best_fit(lengths: np.ndarray, max_seq_len: int, rng: random.Random) -> list[list[int]]:
-    """Rows as lists of positions in `lengths`: longest first, each into the row where it fits tightest (the
-    least free capacity that holds it; of equal ones, the row opened first)."""
-    # Ties broken by a seeded permutation so equal-length samples regroup per epoch.
-    tie = list(range(len(lengths)))
+# Samples placed per block: their lengths and rows are Python lists one block at a time, never for the corpus
+# (10M samples as Python ints held ~1.2 GB).
+_BLOCK = 1 << 16
+
+
+def _best_fit(lengths: np.ndarray, max_seq_len: int,
+              rng: random.Random) -> tuple[np.ndarray, np.ndarray, int]:
+    """(positions in `lengths` in placement order, the row each goes to, how many rows), rows numbered as they
+    open: longest
+    first, each into the row where it fits tightest (the least free capacity that holds it; of equal ones, the
+    row opened first)."""
+    # Ties broken by a seeded permutation so equal-length samples regroup per epoch (an array, shuffled with the
+    # same draws as a list: the same permutation in 8 bytes a sample).
+    tie = array.array("q", range(len(lengths)))
     rng.shuffle(tie)
-    order = np.lexsort((np.array(tie, dtype=np.int64), -lengths)).tolist() if len(tie) else []
-    sizes = lengths.tolist()
+    order = np.lexsort((np.frombuffer(tie, dtype=np.int64), -lengths)) if len(tie) else np.zeros(0, np.int64)
+    del tie
+    row_of = np.empty(len(order), dtype=np.int64)
     # Rows with free capacity c wait in by_free[c], a heap of row indices; `caps` lists the capacities that have
     # any, sorted. The tightest row for a sample of length n: the first row of the first capacity >= n.
     by_free: list[list[int]] = [[] for _ in range(max_seq_len + 1)]
     caps: list[int] = []
-    bins: list[list[int]] = []  # sample positions per row, in placement order
-    for k in order:
-        n = sizes[k]
-        pos = bisect.bisect_left(caps, n)
-        if pos < len(caps):
-            cap = caps[pos]
-            row = heapq.heappop(by_free[cap])
-            if not by_free[cap]:
-                caps.pop(pos)
-            bins[row].append(k)
-        else:
-            row, cap = len(bins), max_seq_len
-            bins.append([k])
-        cap -= n
-        if cap > 0:  # a full row takes nothing more
-            if not by_free[cap]:
-                bisect.insort(caps, cap)
-            heapq.heappush(by_free[cap], row)
-    return bins
+    opened = 0
+    for first in range(0, len(order), _BLOCK):
+        rows = []
+        for n in lengths[order[first:first + _BLOCK]].tolist():
+            pos = bisect.bisect_left(caps, n)
+            if pos < len(caps):
+                cap = caps[pos]
+                row = heapq.heappop(by_free[cap])
+                if not by_free[cap]:
+                    caps.pop(pos)
+            else:
+                row, cap, opened = opened, max_seq_len, opened + 1
+            rows.append(row)
+            cap -= n
+            if cap > 0:  # a full row takes nothing more
+                if not by_free[cap]:
+                    bisect.insort(caps, cap)
+                heapq.heappush(by_free[cap], row)
+        row_of[first:first + len(rows)] = rows
+    return order, row_of, opened
 
 
 def packed_row(samples: Sequence[dict], members: Sequence[int], max_seq_len: int) -> dict:

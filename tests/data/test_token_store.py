@@ -213,3 +213,34 @@ def test_the_step_plan_over_the_store_equals_the_plan_over_lists(tmp_path, packi
     assert mapped.total == listed.total > 0
     assert [mapped.step(s) for s in range(mapped.total)] == [listed.step(s) for s in range(listed.total)]
     assert pack_epoch0(back, recipe) == pack_epoch0(samples, recipe)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plan_in_blocks_equals_the_previous_best_fit(monkeypatch, seed):
+    """Placed a block of samples at a time (a small block here: many blocks), the plan is still the one before."""
+    from finetune.data import pack
+
+    monkeypatch.setattr(pack, "_BLOCK", 7)
+    lengths = np.random.default_rng(seed).integers(0, 300, size=3000)
+    lengths[::50] = 700  # over max_seq_len: cut
+    plan = plan_packing(lengths, np.zeros(len(lengths), bool), 512, seed=seed, epoch=1)
+    kept = [i for i, n in enumerate(lengths.tolist()) if n]
+    rng = _rng(seed, 1)
+    bins = _old_best_fit([min(int(lengths[i]), 512) for i in kept], 512, rng)
+    rng.shuffle(bins)
+    assert [plan.row(r).tolist() for r in range(len(plan))] == [[kept[k] for k in b] for b in bins]
+
+
+def test_read_range_reads_what_the_memory_map_holds(tmp_path):
+    """The statistics read a memory-mapped split from its file (store.read_range), so that a pass over it does not
+    leave it all mapped: the same values as the map's slice, for any range."""
+    from finetune.data.store import read_range
+
+    for dtype in (np.int32, np.uint8, np.int64):
+        values = np.random.default_rng(0).integers(-100, 100, size=1000).astype(dtype)
+        np.save(tmp_path / "a.npy", values)
+        mapped = np.load(tmp_path / "a.npy", mmap_mode="r")
+        for start, end in ((0, 1000), (0, 0), (17, 18), (333, 999), (999, 1000)):
+            got = read_range(mapped, start, end)
+            assert not isinstance(got, np.memmap) and got.dtype == dtype
+            assert np.array_equal(got, mapped[start:end]) and np.array_equal(read_range(values, start, end), got)
