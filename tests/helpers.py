@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from conftest import TINY_MODEL_CONFIG
@@ -172,3 +173,21 @@ def file_size_limit(nbytes: int) -> Iterator[None]:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its chat-template renderings (delegates everything else)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.renders = 0
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self.renders += 1
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)

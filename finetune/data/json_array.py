@@ -134,20 +134,8 @@ def field_items(handle: BinaryIO, field: str, max_item_chars: int) -> Iterator[t
     decoder = json.JSONDecoder()
     if text.skip_ws() != "{":
         raise text.error("Expecting value", text.pos)  # first_character said otherwise: a changing file
-    text.pos += 1
-    listed, first = False, True
-    while True:
-        char = text.skip_ws()
-        if char == "}" and first:
-            break
-        if not first:
-            if char == "}":
-                break
-            if char != ",":
-                raise text.error("Expecting ',' delimiter", text.pos)
-            text.pos += 1
-            char = text.skip_ws()
-        first = False
+    listed = False
+    for char in _members(text, "}"):
         if char != '"':
             raise text.error("Expecting property name enclosed in double quotes", text.pos)
         at = text.where(text.pos)  # now: reading on may drop the text before it from the buffer
@@ -162,7 +150,6 @@ def field_items(handle: BinaryIO, field: str, max_item_chars: int) -> Iterator[t
             yield from _items(text, decoder, max_item_chars)
         else:
             _, text.pos = _decode_item(text, decoder, max_item_chars)
-    text.pos += 1
     if text.skip_ws():
         raise text.error("Extra data", text.pos)
     if not listed:
@@ -171,23 +158,30 @@ def field_items(handle: BinaryIO, field: str, max_item_chars: int) -> Iterator[t
 
 def _items(text: _Text, decoder: json.JSONDecoder, limit: int) -> Iterator[tuple[Any, int]]:
     """The items of the array opening at text.pos, each with its line; leaves text.pos after its `]`."""
+    for _ in _members(text, "]"):
+        line, _ = text.where(text.pos)
+        item, text.pos = _decode_item(text, decoder, limit)
+        yield item, line
+
+
+def _members(text: _Text, closing: str) -> Iterator[str]:
+    """Walk the members of the array or object opening at text.pos, its commas checked: yields each member's
+    first character with text.pos at it (the caller reads the member), and leaves text.pos after `closing`."""
     text.pos += 1
     first = True
     while True:
         char = text.skip_ws()
-        if char == "]" and first:
+        if char == closing and first:
             break
         if not first:
-            if char == "]":
+            if char == closing:
                 break
             if char != ",":
                 raise text.error("Expecting ',' delimiter", text.pos)
             text.pos += 1
-            text.skip_ws()
+            char = text.skip_ws()
         first = False
-        line, _ = text.where(text.pos)
-        item, text.pos = _decode_item(text, decoder, limit)
-        yield item, line
+        yield char
     text.pos += 1
 
 

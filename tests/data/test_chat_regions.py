@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
 
 import pytest
 from chat_families import FAMILIES, FAMILY, conversations, random_conversation
+from helpers import CountingTokenizer
 
 from finetune.data.chat_regions import find_regions, regions_at_once, regions_one_by_one
 from finetune.data.chat_spans import chat_layout, render_chat
@@ -32,24 +32,6 @@ def long_chat(n_messages: int) -> list[dict[str, str]]:
         msgs += [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
                  {"role": "assistant", "content": f"It is {2 * i}."}]
     return msgs
-
-
-class CountingTokenizer:
-    """A tokenizer that counts its chat-template renderings (delegates everything else)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.renders = 0
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        self.renders += 1
-        return self.inner.apply_chat_template(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __len__(self) -> int:
-        return len(self.inner)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from chat_families import FAMILY
+from helpers import CountingTokenizer
 
 from finetune.data.chat_regions import SentinelRenders, Sentinels, find_regions, regions_one_by_one
 from finetune.data.chat_spans import chat_layout, render_chat
@@ -30,24 +31,7 @@ def chat(question: str, answer: str, system: str | None = None) -> list[dict[str
 ROWS = [chat("What is 2 * 5?", "10"), chat("Reverse: bread, leaf", "leaf, bread"), chat("Say hi", "hi there")]
 
 
-class Counting:
-    """A tokenizer that counts its chat-template renderings."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.renders = inner, 0
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        self.renders += 1
-        return self.inner.apply_chat_template(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-
-def renders(tokenizer: Counting, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None,
+def renders(tokenizer: CountingTokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None,
             tools: list[dict[str, Any]] | None = None) -> int:
     """How many renderings chat_layout made for one conversation (its assistant turns asked for)."""
     before = tokenizer.renders
@@ -55,13 +39,13 @@ def renders(tokenizer: Counting, messages: list[dict[str, Any]], kwargs: dict[st
     return tokenizer.renders - before
 
 
-def primed(template: str | None = None) -> Counting:
+def primed(template: str | None = None) -> CountingTokenizer:
     """A counting tokenizer with an empty cache of its own, the template's probes (cached for all) already made."""
     inner = QWEN.build()
     if template is not None:
         inner.chat_template = template
-    chat_layout(Counting(inner), ROWS[0], [1])
-    return Counting(inner)
+    chat_layout(CountingTokenizer(inner), ROWS[0], [1])
+    return CountingTokenizer(inner)
 
 
 def test_rows_of_one_shape_render_the_sentinel_version_once():
@@ -82,7 +66,7 @@ def test_tokenizers_never_share_entries():
 
 @pytest.mark.parametrize("change", ["template", "kwargs", "tools"])
 def test_templates_kwargs_and_tools_never_share_entries(change):
-    def layout(tokenizer: Counting, variant: int, messages: list[dict[str, str]]) -> int:
+    def layout(tokenizer: CountingTokenizer, variant: int, messages: list[dict[str, str]]) -> int:
         if change == "template":
             tokenizer.inner.chat_template = (QWEN.build().chat_template, PLAIN)[variant]
             return renders(tokenizer, messages)
