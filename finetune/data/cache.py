@@ -108,6 +108,9 @@ class Prepared:
     samples_key: str | None = None
     """The content of the training samples' inputs (data files, tokenizer, options; not the eval files): what a
     resume compares instead of file paths, so a run moved to another machine or directory can continue."""
+    images_key: str | None = None
+    """The bytes of the training samples' image files (None: no images), which samples_key leaves out: an image
+    changed under the same path gets a rebuilt entry under the same key, and a resume must see it."""
 
 
 # --- the key ------------------------------------------------------------------------------------------------
@@ -349,6 +352,20 @@ def load_entry(entry: Path, key: str, *, verify: bool = True) -> dict[str, tuple
         raise CacheError(f"unreadable ({type(e).__name__}: {e})") from None
 
 
+def images_key(train: Sequence[dict], entry: Path | None = None) -> str | None:
+    """Prepared.images_key: a digest of the image files the training samples name, as the entry recorded them
+    (their SHA-256 taken when it was written, checked when it is loaded), or read now for samples not from one."""
+    if isinstance(train, Samples):
+        paths = sorted(train.image_paths)
+        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8")) if paths and entry is not None else {}
+        recorded = meta.get("images", {})
+        digests = {path: recorded.get(path) or file_sha256(Path(path)) for path in paths}
+    else:
+        paths = sorted({item["path"] for s in train for item in s.get("images", {}).get("items", [])})
+        digests = {path: file_sha256(Path(path)) for path in paths}
+    return cache_key({"images": digests}) if digests else None
+
+
 def _unrecorded(paths: Sequence[str], meta: dict[str, Any]) -> str | None:
     recorded = meta.get("images", {})
     missing = next((p for p in paths if p not in recorded), None)
@@ -391,7 +408,7 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
             (train, train_stats), (evals, eval_stats) = loaded["train"], loaded["eval"]
             return Prepared(train, evals, train_stats, eval_stats, True, entry,
                             f"using cached preprocessed data from {entry} "
-                            f"(loaded in {time.perf_counter() - start:.2f} s)", samples_key)
+                            f"(loaded in {time.perf_counter() - start:.2f} s)", samples_key, images_key(train, entry))
         except CacheError as e:
             broken = True
             notes.append(f"ignoring the cached data at {entry}: {e}; tokenizing again")
@@ -404,10 +421,12 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
         notes.append(f"warning: could not write the data cache under {root} ({getattr(e, 'strerror', None) or e}); "
                      f"continuing without it. Set {CACHE_ENV} (or data.cache_dir) to a writable directory.")
         train, evals, train_stats, eval_stats = build_samples(recipe, tokenizer)
-        return Prepared(train, evals, train_stats, eval_stats, False, None, "\n".join(notes), samples_key)
+        return Prepared(train, evals, train_stats, eval_stats, False, None, "\n".join(notes), samples_key,
+                        images_key(train))
     (train, train_stats), (evals, eval_stats) = loaded["train"], loaded["eval"]
     seconds = time.perf_counter() - start
     rows, tokens = train_stats.rows_read + eval_stats.rows_read, train_stats.input_tokens + eval_stats.input_tokens
     notes.append(f"tokenized in {seconds:.1f} s ({rows / seconds:,.0f} rows/s, {tokens / seconds:,.0f} tokens/s); "
                  f"cached at {written} (runs with the same data, tokenizer and data settings reuse it)")
-    return Prepared(train, evals, train_stats, eval_stats, False, written, "\n".join(notes), samples_key)
+    return Prepared(train, evals, train_stats, eval_stats, False, written, "\n".join(notes), samples_key,
+                    images_key(train, written))

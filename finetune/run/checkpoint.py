@@ -270,14 +270,15 @@ def _load_unsharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 # --- what a checkpoint records about the run, and resuming from it -------------------------------------------
 
 def trainer_state(recipe: Recipe, *, step: int, epoch: int, samples_key: str | None, global_batch: int,
-                  world_size: int, tokens_seen: int, samples_seen: int, reference: str | None = None
-                  ) -> dict[str, Any]:
+                  world_size: int, tokens_seen: int, samples_seen: int, reference: str | None = None,
+                  images_key: str | None = None) -> dict[str, Any]:
     """trainer_state.json: where the run stands, and what it was, so a resume can refuse a different training.
     `reference`: the digest of a reference model loaded from a path (grpo.reference, dpo.reference), which a
-    resume loads again."""
+    resume loads again; `images_key`: the training images' bytes (data/cache.py images_key)."""
     return {"step": step, "epoch": epoch, "recipe_hash": recipe_hash(recipe), "training_keys": training_keys(recipe),
             "samples_key": samples_key, "global_batch": global_batch, "world_size": world_size,
-            "tokens_seen": tokens_seen, "samples_seen": samples_seen, "reference_digest": reference}
+            "tokens_seen": tokens_seen, "samples_seen": samples_seen, "reference_digest": reference,
+            **({"images_key": images_key} if images_key else {})}
 
 
 def resume_path(recipe: Recipe, out: Path, warn: Callable[[str], Any], deep: bool = True) -> Path | None:
@@ -309,7 +310,8 @@ _CONTENT_KEYED = re.compile(r"^(datasets\.\d+\.path|tokenizer\.path|grpo\.replay
 
 
 def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int,
-                        samples_key: str | None = None, reference: str | None = None) -> None:
+                        samples_key: str | None = None, reference: str | None = None,
+                        images_key: str | None = None) -> None:
     """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
     may change; so may the paths of the data and tokenizer when their content (samples_key) has not, and the path
     of the objective's reference (grpo.reference, dpo.reference) when its weights (`reference`, their digest)
@@ -326,6 +328,9 @@ def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int
                and not (same_content and _CONTENT_KEYED.match(k)) and not (same_reference and k == ref_key)]
     if samples_key is not None and state.get("samples_key") not in (None, samples_key):
         changed.append("  - the training data or tokenizer content (files changed, though their paths may not have)")
+    if images_key is not None and state.get("images_key") not in (None, images_key):
+        changed.append("  - the training images' bytes (image files changed, though their paths did not; put the "
+                       "originals back)")
     if reference is not None and state.get("reference_digest") not in (None, reference):
         changed.append(f"  - the weights of the reference model at {ref_key} {now.get(ref_key)}: sha256 "
                        f"{state['reference_digest'][:16]}... when the run started, {reference[:16]}... now (the model "

@@ -117,6 +117,7 @@ class Run:
     n_params: int
     eval_every: int | None  # optimizer steps between evals (eval.every_steps or every_epochs, resolved)
     checkpoint_every: int | None
+    images_key: str | None = None  # the training images' bytes, recorded in checkpoints (None: no images)
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
@@ -173,7 +174,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     if resume_from is not None:
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
         checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key,
-                                       getattr(parts.objective, "reference_digest", None))
+                                       getattr(parts.objective, "reference_digest", None), parts.images_key)
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
         if isinstance(plan, RolloutPlan) and (note := plan.restore(checkpoint.rollout_state(resume_from), start.step,
                                                                     str(resume_from))):
@@ -183,7 +184,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
                            start, resumed=resume_from is not None) if world.is_main else None
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
                plan, parts.evals, parts.samples_key, logger, start, n_params,
-               plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every)
+               plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every, parts.images_key)
 
 
 def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpointing: bool, replaced: list[str],
@@ -409,7 +410,8 @@ def _save_checkpoint(run: Run, done: Progress, epoch: int) -> None:
     state = checkpoint.trainer_state(run.recipe, step=done.step, epoch=epoch, samples_key=run.samples_key,
                                      global_batch=run.plan.global_batch, world_size=run.world.size,
                                      tokens_seen=done.tokens_seen, samples_seen=done.samples_seen,
-                                     reference=getattr(run.objective, "reference_digest", None))
+                                     reference=getattr(run.objective, "reference_digest", None),
+                                     images_key=run.images_key)
     rollouts = run.plan.resume_state(done.step) if isinstance(run.plan, RolloutPlan) else None
     checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
                     run.recipe.checkpoint.keep_last, rollouts)

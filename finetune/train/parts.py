@@ -44,6 +44,7 @@ class Parts:
     impl: str
     objective: Objective
     net: CausalLMWithLoss
+    images_key: str | None = None  # the training images' bytes (Prepared.images_key), recorded in checkpoints
 
 
 def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Callable[[str], Any], *,
@@ -74,7 +75,7 @@ def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Cal
     objective.prepare(chosen, lm, Preparation(recipe, tokenizer, impl, device, prepared.samples_key, fresh_model, say))
     net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl, recipe.model.packed_attention)
     return Parts(recipe, device, tokenizer, prepared.train, prepared.evals, prepared.train_stats,
-                 prepared.samples_key, lm, impl, objective, net)
+                 prepared.samples_key, lm, impl, objective, net, prepared.images_key)
 
 
 def plan_for(recipe: Recipe, parts: Parts, world: dist.World, world_size: int | None = None) -> StepPlan | RolloutPlan:

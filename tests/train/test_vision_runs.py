@@ -95,3 +95,26 @@ def test_two_ranks_with_images_equal_one_process(recipe_file, one_process, tmp_p
     assert set(got) == set(want) and any(name.startswith("visual.blocks.") for name in want)
     for name in want:
         assert rel_diff(got[name], want[name]) <= 1e-5, (name, rel_diff(got[name], want[name]))
+
+
+def test_a_resume_after_an_image_changed_is_refused(tmp_path):
+    """An image file rewritten under its own name (same size, other pixels) changes the training data, though no
+    path or recipe key does: the data cache rebuilds its entry under the same key, and the resume must be refused
+    as for changed text, not continue on other data."""
+    from PIL import Image
+
+    from finetune.errors import UserError
+    from finetune.train.loop import train
+
+    data = write_data(tmp_path / "data", n=8)
+    (tmp_path / "vlm.yaml").write_text(recipe_yaml(data))
+    args = [f"output_dir={tmp_path / 'run'}", "train.max_steps=4", "checkpoint.every_steps=2",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    train(load_recipe(tmp_path / "vlm.yaml", args))
+    shutil.rmtree(tmp_path / "run" / "final")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-4")
+    image = next((data.parent / "images").glob("*.png"))
+    size = Image.open(image).size
+    Image.new("RGB", size, "olive").save(image)
+    with pytest.raises(UserError, match="the training images' bytes"):
+        train(load_recipe(tmp_path / "vlm.yaml", [*args, "resume=auto"]))
