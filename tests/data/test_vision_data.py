@@ -171,17 +171,30 @@ def test_gemma3_layout_is_gemma3_processors_own(gemma3_tok, folder):
         assert sum(t in vision_ids for t in sample["input_ids"]) == 6
 
 
-def test_gemma3_cut_inside_an_image_drops_the_sample(gemma3_tok, folder):
+def _assert_cut_only_outside_the_image(tok, folder) -> None:
+    """A max_seq_len that ends inside the image's tokens drops the sample (saying why); at either edge it is kept."""
     row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
-    full = tokenize_example(_example(row, folder), gemma3_tok)
-    item = full["images"]["items"][0]
+    item = tokenize_example(_example(row, folder), tok)["images"]["items"][0]
     for length, kept in ((item["start"] + 1, False), (item["start"] + item["length"] - 1, False),
                          (item["start"], True), (item["start"] + item["length"], True)):
         stats = DataStats()
-        samples = tokenize_examples([_example(row, folder)], gemma3_tok, DataConfig(max_seq_len=length), stats)
+        samples = tokenize_examples([_example(row, folder)], tok, DataConfig(max_seq_len=length), stats)
         assert bool(samples) == kept, length
         if not kept:
             assert "inside the tokens of image 0" in stats.dropped_examples[0]
+
+
+def _assert_a_flipped_image_is_refused(tok, folder, message: str) -> None:
+    """yellow.png (16 x 48) replaced by a 48 x 16 image after tokenizing: as many features, the grid the other way;
+    collate refuses the sample rather than feed it pixels of another layout."""
+    sample = tokenize_example(_example(_row(_image("yellow.png")), folder), tok)
+    Image.new("RGB", (48, 16), "yellow").save(folder / "images" / "yellow.png")
+    with pytest.raises(UserError, match=message):
+        collate([sample], DataConfig(packing=False), tok.pad_token_id)
+
+
+def test_gemma3_cut_inside_an_image_drops_the_sample(gemma3_tok, folder):
+    _assert_cut_only_outside_the_image(gemma3_tok, folder)
 
 
 def test_gemma3_processor_settings_it_cannot_lay_out_are_refused(folder):
@@ -253,18 +266,10 @@ def test_smolvlm_layout_is_smolvlm_processors_own(smolvlm_tok, folder):
 
 
 def test_smolvlm_cuts_changed_images_and_settings_it_cannot_lay_out(smolvlm_tok, folder):
-    row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
-    full = tokenize_example(_example(row, folder), smolvlm_tok)
-    item = full["images"]["items"][0]
-    for length, kept in ((item["start"] + 1, False), (item["start"] + item["length"] - 1, False),
-                         (item["start"], True), (item["start"] + item["length"], True)):
-        samples = tokenize_examples([_example(row, folder)], smolvlm_tok, DataConfig(max_seq_len=length), DataStats())
-        assert bool(samples) == kept, length
-    # yellow.png (16 x 48: 2 x 1 tiles) replaced by a 48 x 16 image: as many features, tiles the other way
-    sample = tokenize_example(_example(_row(_image("yellow.png")), folder), smolvlm_tok)
-    Image.new("RGB", (48, 16), "yellow").save(folder / "images" / "yellow.png")
-    with pytest.raises(UserError, match="yellow.png is split into a 1x2 grid and its sample was laid out for 2x1"):
-        collate([sample], DataConfig(packing=False), smolvlm_tok.pad_token_id)
+    _assert_cut_only_outside_the_image(smolvlm_tok, folder)
+    # yellow.png: 2 x 1 tiles, then 1 x 2
+    _assert_a_flipped_image_is_refused(smolvlm_tok, folder,
+                                       "yellow.png is split into a 1x2 grid and its sample was laid out for 2x1")
     for overrides, message in (({"max_image_size": {"longest_edge": 64}}, "takes 32x32 tiles"),
                                ({"size": {"height": 64, "width": 64}}, "size must be {longest_edge: N}")):
         tok = load_tokenizer(tokenizer_config("smolvlm"), model_config("smolvlm").model_copy(
@@ -332,17 +337,10 @@ def test_mistral3_layout_is_pixtral_processors_own(mistral3_tok, folder):
 
 
 def test_mistral3_cuts_changed_images_and_settings_it_cannot_lay_out(mistral3_tok, folder):
-    row = _row(_text("Hi"), _image("green.png"), _text("what color is this one?"))
-    item = tokenize_example(_example(row, folder), mistral3_tok)["images"]["items"][0]
-    for length, kept in ((item["start"] + 1, False), (item["start"] + item["length"] - 1, False),
-                         (item["start"], True), (item["start"] + item["length"], True)):
-        samples = tokenize_examples([_example(row, folder)], mistral3_tok, DataConfig(max_seq_len=length), DataStats())
-        assert bool(samples) == kept, length
-    # yellow.png (16 x 48: 3 x 1 merged patches) replaced by a 48 x 16 image: as many features, the other way
-    sample = tokenize_example(_example(_row(_image("yellow.png")), folder), mistral3_tok)
-    Image.new("RGB", (48, 16), "yellow").save(folder / "images" / "yellow.png")
-    with pytest.raises(UserError, match="yellow.png is split into a 1x3 grid and its sample was laid out for 3x1"):
-        collate([sample], DataConfig(packing=False), mistral3_tok.pad_token_id)
+    _assert_cut_only_outside_the_image(mistral3_tok, folder)
+    # yellow.png: 3 x 1 merged patches, then 1 x 3
+    _assert_a_flipped_image_is_refused(mistral3_tok, folder,
+                                       "yellow.png is split into a 1x3 grid and its sample was laid out for 3x1")
     for overrides, message in (({"do_resize": False}, "laid out for do_resize: true"),
                                ({"size": {"shortest_edge": 64}}, "size must be {longest_edge: N}"),
                                ({"patch_size": {"height": 8, "width": 8}}, "patch_size: mistral3's layout needs")):
