@@ -340,6 +340,7 @@ def load_entry(entry: Path, key: str, *, verify: bool = True) -> dict[str, tuple
                                                                       samples.lengths)
                                                or _unrecorded(samples.image_paths, meta)):
                 raise CacheError(f"the {split} images: {problem}")
+            samples.image_digests = {path: meta["images"][path] for path in samples.image_paths}
             known = {f.name for f in fields(DataStats)}
             stats = DataStats(**{k: v for k, v in info["stats"].items() if k in known})
             out[split] = (samples, stats)
@@ -352,16 +353,13 @@ def load_entry(entry: Path, key: str, *, verify: bool = True) -> dict[str, tuple
         raise CacheError(f"unreadable ({type(e).__name__}: {e})") from None
 
 
-def images_key(train: Sequence[dict], entry: Path | None = None) -> str | None:
+def images_key(train: Sequence[dict]) -> str | None:
     """Prepared.images_key: a digest of the image files the training samples name, as the entry recorded them
     (their SHA-256 taken when it was written, checked when it is loaded), or read now for samples not from one."""
     if isinstance(train, Samples):
-        paths = sorted(train.image_paths)
-        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8")) if paths and entry is not None else {}
-        recorded = meta.get("images", {})
-        digests = {path: recorded.get(path) or file_sha256(Path(path)) for path in paths}
+        digests = train.image_digests
     else:
-        paths = sorted({item["path"] for s in train for item in s.get("images", {}).get("items", [])})
+        paths = {item["path"] for s in train for item in s.get("images", {}).get("items", [])}
         digests = {path: file_sha256(Path(path)) for path in paths}
     return cache_key({"images": digests}) if digests else None
 
@@ -408,7 +406,7 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
             (train, train_stats), (evals, eval_stats) = loaded["train"], loaded["eval"]
             return Prepared(train, evals, train_stats, eval_stats, True, entry,
                             f"using cached preprocessed data from {entry} "
-                            f"(loaded in {time.perf_counter() - start:.2f} s)", samples_key, images_key(train, entry))
+                            f"(loaded in {time.perf_counter() - start:.2f} s)", samples_key, images_key(train))
         except CacheError as e:
             broken = True
             notes.append(f"ignoring the cached data at {entry}: {e}; tokenizing again")
@@ -429,4 +427,4 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
     notes.append(f"tokenized in {seconds:.1f} s ({rows / seconds:,.0f} rows/s, {tokens / seconds:,.0f} tokens/s); "
                  f"cached at {written} (runs with the same data, tokenizer and data settings reuse it)")
     return Prepared(train, evals, train_stats, eval_stats, False, written, "\n".join(notes), samples_key,
-                    images_key(train, written))
+                    images_key(train))

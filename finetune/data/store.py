@@ -200,6 +200,8 @@ class Samples(Sequence):
         self.ids, self.labels, self.offsets, self.docs, self.mask = ids, labels, offsets, docs, mask
         self.lengths = np.diff(offsets)
         self.images, self.image_paths, self.image_layout = images, list(image_paths), image_layout
+        self.image_digests: dict[str, str] = {}
+        """Each image file's SHA-256 as the cache entry recorded it (set by cache.load_entry)."""
         self._extras: dict[int, dict[str, Any]] = {}
 
     @classmethod
