@@ -5,6 +5,7 @@ number of workers; the rows are consumed as they are tokenized, never all at onc
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -130,3 +131,31 @@ def test_every_core_tokenizes_by_default():
     assert DataConfig().num_proc is None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert workers_for(DataConfig()) == cores and workers_for(DataConfig(num_proc=3)) == 3
+
+
+class FreezeWatched(list):
+    """A sink that notes how many objects the collector skipped (gc.freeze) when each sample arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen: list[int] = []
+
+    def append(self, sample: dict) -> None:
+        self.frozen.append(gc.get_freeze_count())
+        super().append(sample)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_collector_skips_the_old_heap_while_tokenizing_and_gets_it_back(tmp_path, tokenizer, workers):
+    data = write_rows(tmp_path / "rows.jsonl", 600, {40: LONE_SURROGATE})
+    examples = load_examples(recipe_for(tmp_path, data).datasets, "error", DataStats())
+    assert gc.get_freeze_count() == 0
+    out = FreezeWatched()
+    job = Job(tokenizer, DataConfig(max_seq_len=24), "skip", {})
+    assert tokenize_stream([examples[i:i + 100] for i in range(0, 600, 100)], job, DataStats(), out, workers) is None
+    # The tokenizer and the imports alone are tens of thousands of objects.
+    assert len(out) == 599 and min(out.frozen) > 10_000
+    assert gc.get_freeze_count() == 0
+    failing = Job(tokenizer, DataConfig(max_seq_len=24), "error", {})
+    failure = tokenize_stream([examples[i:i + 100] for i in range(0, 600, 100)], failing, DataStats(), [], workers)
+    assert isinstance(failure, BadRow) and gc.get_freeze_count() == 0
