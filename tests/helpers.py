@@ -94,10 +94,11 @@ def one_thread() -> Iterator[None]:
 
 
 def assert_resume_checks_reference_weights(args: list[str], run: Path, reference: Path, key: str,
-                                           moved: Path) -> None:
-    """A reference model (`key`: dpo.reference, grpo.reference) is identified by its weights on resume: `run`
-    (`finetune` + args) resumed from its step-1 checkpoint with one weight changed at `reference` exits 2 naming
-    it and trains nothing; the same weights moved to `moved` (another path) resume."""
+                                           moved: Path | None, said: str | None = None) -> None:
+    """A model a resume loads again (`key`: dpo.reference, grpo.reference, model.path) is identified by its weights:
+    `run` (`finetune` + args) resumed from its step-1 checkpoint with one weight changed at `reference` exits 2 with
+    `said` (default: naming the reference at `key`) and trains nothing; put back, or moved to `moved` (another path:
+    the same weights), it resumes."""
     def resume_from_step_1(path: Path) -> subprocess.CompletedProcess:
         shutil.rmtree(run / "final", ignore_errors=True)
         shutil.rmtree(run / "checkpoints" / "step-2", ignore_errors=True)
@@ -110,11 +111,12 @@ def assert_resume_checks_reference_weights(args: list[str], run: Path, reference
     save_file(weights, str(file), metadata={"format": "pt"})
     done = resume_from_step_1(reference)  # the same path, other weights
     assert done.returncode == 2, done.stderr[-3000:]
-    assert f"the weights of the reference model at {key} {reference}" in done.stderr
+    assert (said or f"the weights of the reference model at {key} {reference}") in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and not (run / "checkpoints" / "step-2").exists()
     file.write_bytes(original)
-    moved = reference.rename(moved)  # another path, the same weights
-    done = resume_from_step_1(moved)
+    if moved is not None:
+        reference = reference.rename(moved)  # another path, the same weights
+    done = resume_from_step_1(reference)
     assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
     assert (run / "checkpoints" / "step-2").exists()
 

@@ -68,14 +68,16 @@ class GRPO:
         recipe, path = setting.recipe, self.cfg.reference
         if path == "auto" and hasattr(lm, "disable_adapter"):
             self._adapter_off, ref = lm, lm
-        elif path == "auto" and setting.fresh_model:
-            ref = copy.deepcopy(lm)
         else:
-            cfg = recipe.model if path == "auto" else recipe.model.model_copy(
-                update={"path": path, "init": "pretrained", "gguf_file": None})
-            ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device).to(setting.device)
-            if path != "auto":  # identified by content: a resume against other weights at the path is refused
-                self.reference_digest = weights_digest(ref)
+            if path == "auto" and setting.fresh_model:
+                ref = copy.deepcopy(lm)
+            else:
+                cfg = recipe.model if path == "auto" else recipe.model.model_copy(
+                    update={"path": path, "init": "pretrained", "gguf_file": None})
+                ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device).to(setting.device)
+            # Identified by content: a resume loads it again (auto: from model.path), and against other weights
+            # there it is refused.
+            self.reference_digest = weights_digest(ref)
         if ref is not lm:
             ref.requires_grad_(False).eval()
         self._reference = CausalLMWithLoss.for_recipe(ref, recipe.loss, setting.impl, recipe.model.packed_attention)

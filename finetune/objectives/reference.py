@@ -42,7 +42,8 @@ def attach_reference_logps(recipe: Recipe, splits: dict[str, list[dict]], lm: to
                            impl: str, device: torch.device, *, samples_key: str | None, fresh_model: bool,
                            say: Any = print) -> str | None:
     """Give every pair sample of every split its reference log-probabilities (sample["ref_logps"]); returns the
-    digest of the reference's weights when dpo.reference is a path (None for auto), which checkpoints record.
+    digest of the reference's weights (None for auto with an adapter, or without a data cache), which checkpoints
+    record: a resume loads it again, from dpo.reference's path or, for auto without an adapter, from model.path.
 
     `lm` is the policy as loaded; `fresh_model` says it has not trained yet (False on a resume, where the
     reference for auto without an adapter is loaded again). The reference is loaded (or switched on) first: the
@@ -67,7 +68,8 @@ def attach_reference_logps(recipe: Recipe, splits: dict[str, list[dict]], lm: to
     for name, samples in splits.items():
         for sample, ref_logps in zip(samples, cached[name].tolist()):
             sample["ref_logps"] = ref_logps
-    return digest if recipe.dpo.reference != "auto" else None
+    # auto with an adapter is the policy's frozen base, which checkpoints record anyway (model/digest.py).
+    return digest if recipe.dpo.reference != "auto" or not hasattr(lm, "disable_adapter") else None
 
 
 @contextlib.contextmanager

@@ -271,14 +271,15 @@ def _load_unsharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
 def trainer_state(recipe: Recipe, *, step: int, epoch: int, samples_key: str | None, global_batch: int,
                   world_size: int, tokens_seen: int, samples_seen: int, reference: str | None = None,
-                  images_key: str | None = None) -> dict[str, Any]:
+                  images_key: str | None = None, frozen: str | None = None) -> dict[str, Any]:
     """trainer_state.json: where the run stands, and what it was, so a resume can refuse a different training.
-    `reference`: the digest of a reference model loaded from a path (grpo.reference, dpo.reference), which a
-    resume loads again; `images_key`: the training images' bytes (data/cache.py images_key)."""
+    `reference`: the digest of the objective's reference model (grpo.reference, dpo.reference), which a resume
+    loads again; `images_key`: the training images' bytes (data/cache.py images_key); `frozen`: the digest of the
+    frozen weights, which a resume loads from model.path again (model/digest.py)."""
     return {"step": step, "epoch": epoch, "recipe_hash": recipe_hash(recipe), "training_keys": training_keys(recipe),
             "samples_key": samples_key, "global_batch": global_batch, "world_size": world_size,
             "tokens_seen": tokens_seen, "samples_seen": samples_seen, "reference_digest": reference,
-            **({"images_key": images_key} if images_key else {})}
+            **({"images_key": images_key} if images_key else {}), **({"frozen_digest": frozen} if frozen else {})}
 
 
 def resume_path(recipe: Recipe, out: Path, warn: Callable[[str], Any], deep: bool = True) -> Path | None:
@@ -311,11 +312,12 @@ _CONTENT_KEYED = re.compile(r"^(datasets\.\d+\.path|tokenizer\.path|grpo\.replay
 
 def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int,
                         samples_key: str | None = None, reference: str | None = None,
-                        images_key: str | None = None) -> None:
+                        images_key: str | None = None, frozen: str | None = None) -> None:
     """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
     may change; so may the paths of the data and tokenizer when their content (samples_key) has not, and the path
     of the objective's reference (grpo.reference, dpo.reference) when its weights (`reference`, their digest)
-    have not."""
+    have not. The weights a resume loads from model.path again (`frozen`; the reference when it is auto) must be
+    those the run started from."""
     ref_key = f"{recipe.train.objective}.reference"
     # A key the checkpoint's finetune did not have yet counts as its default (it could not have been set).
     saved, now = dict(state.get("training_keys", {})), training_keys(recipe)
@@ -332,9 +334,15 @@ def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int
         changed.append("  - the training images' bytes (image files changed, though their paths did not; put the "
                        "originals back)")
     if reference is not None and state.get("reference_digest") not in (None, reference):
-        changed.append(f"  - the weights of the reference model at {ref_key} {now.get(ref_key)}: sha256 "
+        where = (f"model.path {recipe.model.path} ({ref_key}: auto)" if now.get(ref_key) == "auto"
+                 else f"{ref_key} {now.get(ref_key)}")
+        changed.append(f"  - the weights of the reference model at {where}: sha256 "
                        f"{state['reference_digest'][:16]}... when the run started, {reference[:16]}... now (the model "
                        "there changed; put the original back)")
+    if frozen is not None and state.get("frozen_digest") not in (None, frozen):
+        changed.append(f"  - the frozen weights loaded from model.path {recipe.model.path} (an adapter's base, or "
+                       f"parameters that do not train): sha256 {state['frozen_digest'][:16]}... when the run started, "
+                       f"{frozen[:16]}... now (the model there changed; put the original back)")
     if state.get("global_batch", global_batch) != global_batch:
         changed.append(f"  - global batch (micro_batch_size x gradient_accumulation_steps x world size): "
                        f"{state['global_batch']} -> {global_batch}")

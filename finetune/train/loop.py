@@ -37,6 +37,7 @@ from finetune.metrics import (
     peak_memory_mb,
 )
 from finetune.model import kernels as model_kernels
+from finetune.model.digest import frozen_digest
 from finetune.model.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
 from finetune.model.loading import count_parameters, save_final
 from finetune.objectives import Objective
@@ -118,6 +119,7 @@ class Run:
     eval_every: int | None  # optimizer steps between evals (eval.every_steps or every_epochs, resolved)
     checkpoint_every: int | None
     images_key: str | None = None  # the training images' bytes, recorded in checkpoints (None: no images)
+    frozen: str | None = None  # the weights a resume loads from model.path again (model/digest.py), recorded too
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
@@ -157,6 +159,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     parts = load_parts(recipe, world, device, lambda m: console.print(m, markup=False, highlight=False),
                        fresh_model=resume_from is None,
                        check_model=lambda lm, tokenizer: compiled.append(_check_model(recipe, lm, tokenizer, console)))
+    # Before any wrapping shards the parameters; on rank 0 only, as every rank loaded the same weights.
+    frozen = dist.from_main(frozen_digest(parts.lm) if world.is_main else None)
     plan = plan_for(recipe, parts, world)
     if plan.note:
         console.print(plan.note)
@@ -174,7 +178,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     if resume_from is not None:
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
         checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key,
-                                       getattr(parts.objective, "reference_digest", None), parts.images_key)
+                                       getattr(parts.objective, "reference_digest", None), parts.images_key,
+                                       frozen=frozen)
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
         if isinstance(plan, RolloutPlan) and (note := plan.restore(checkpoint.rollout_state(resume_from), start.step,
                                                                     str(resume_from))):
@@ -184,7 +189,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
                            start, resumed=resume_from is not None) if world.is_main else None
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
                plan, parts.evals, parts.samples_key, logger, start, n_params,
-               plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every, parts.images_key)
+               plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every, parts.images_key,
+               frozen)
 
 
 def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpointing: bool, replaced: list[str],
@@ -411,7 +417,7 @@ def _save_checkpoint(run: Run, done: Progress, epoch: int) -> None:
                                      global_batch=run.plan.global_batch, world_size=run.world.size,
                                      tokens_seen=done.tokens_seen, samples_seen=done.samples_seen,
                                      reference=getattr(run.objective, "reference_digest", None),
-                                     images_key=run.images_key)
+                                     images_key=run.images_key, frozen=run.frozen)
     rollouts = run.plan.resume_state(done.step) if isinstance(run.plan, RolloutPlan) else None
     checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
                     run.recipe.checkpoint.keep_last, rollouts)

@@ -270,6 +270,28 @@ def test_a_resume_refuses_a_dpo_reference_whose_weights_changed(tmp_path):
     assert_resume_checks_reference_weights(args, run, reference, "dpo.reference", tmp_path / "reference-moved")
 
 
+def test_a_resume_refuses_a_dpo_auto_reference_whose_model_path_changed(tmp_path):
+    """dpo.reference: auto without an adapter is the model at model.path as loaded, loaded again from there on a
+    resume (the policy comes from the checkpoint): its weights are recorded too. One weight changed at model.path
+    between the run and its resume -> exit 2 naming model.path, nothing trained; put back, it resumes."""
+    from finetune.model.loading import load_model
+    from finetune.model.tokenizer import load_tokenizer
+
+    base = _recipe("train.objective=dpo")
+    start = tmp_path / "start"
+    load_model(base.model, base.adapter, load_tokenizer(base.tokenizer, base.model), 7, "cpu").save_pretrained(start)
+    run = tmp_path / "run"
+    args = ["train", str(QUICKSTART), *TINY, *PREF, "train.objective=dpo", "datasets.0.max_rows=32",
+            "eval_datasets.0.max_rows=4", "train.micro_batch_size=4", "train.max_steps=2", "checkpoint.every_steps=1",
+            f"model.path={start}", "model.init=pretrained", "model.config=null", f"output_dir={run}",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_resume_checks_reference_weights(args, run, start, "model.path", None,
+                                           said=f"the weights of the reference model at model.path {start} "
+                                                "(dpo.reference: auto)")
+
+
 @pytest.mark.slow
 def test_the_dpo_example_learns_past_0_9_after_the_quickstart(tmp_path):
     """examples/yaml/quickstart-dpo.yaml's two commands (the quickstart's SFT, then DPO from its model): eval

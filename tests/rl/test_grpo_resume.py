@@ -83,6 +83,11 @@ def test_replay_resume_inside_a_batchs_iterations_is_bitwise_identical(tmp_path)
     assert state["batch"] == 1 and len(state["rows"]) == 8
     assert all(len(r["rollout"]["logprobs"]) == len(r["input_ids"]) - r["rollout"]["prompt_length"]
                for r in state["rows"])
+    # grpo.reference auto without an adapter is loaded again from model.path on resume: its weights are recorded
+    # (the same digest in every checkpoint: the reference never trains).
+    digests = {json.loads((straight / "checkpoints" / f"step-{s}" / "trainer_state.json").read_text())
+               ["reference_digest"] for s in range(1, 5)}
+    assert len(digests) == 1 and len(next(iter(digests)) or "") == 64
     _resume_from(straight, 3, tmp_path / "resumed", replayed(replay))
     _assert_bitwise(straight, tmp_path / "resumed")
 

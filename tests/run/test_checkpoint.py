@@ -91,3 +91,20 @@ def test_a_key_the_checkpoint_predates_counts_as_its_default(tmp_path):
     with pytest.raises(UserError, match=r"train\.warmup_ratio: None -> 0\.1"):
         checkpoint.check_resume_recipe(validate({**raw, "train": {**raw["train"], "warmup_ratio": 0.1}}), state, 2,
                                        "abc")
+
+
+def test_the_frozen_weights_must_be_those_the_run_started_from(tmp_path):
+    """frozen_digest (model/digest.py): recorded only when something is frozen; a resume over other frozen weights is
+    refused naming model.path; a checkpoint written before it was recorded resumes as before."""
+    recipe = validate(tiny_recipe(tmp_path / "run", tmp_path / "train.jsonl"))
+    kwargs = {"step": 3, "epoch": 0, "samples_key": "abc", "global_batch": 2, "world_size": 1, "tokens_seen": 0,
+              "samples_seen": 0}
+    assert "frozen_digest" not in checkpoint.trainer_state(recipe, **kwargs)
+    state = checkpoint.trainer_state(recipe, **kwargs, frozen="f" * 64)
+    assert state["frozen_digest"] == "f" * 64
+    checkpoint.check_resume_recipe(recipe, state, 2, "abc", frozen="f" * 64)
+    with pytest.raises(UserError, match=r"the frozen weights loaded from model\.path .*ffffffffffffffff\.\.\. when the "
+                                        r"run started, 0000000000000000\.\.\. now"):
+        checkpoint.check_resume_recipe(recipe, state, 2, "abc", frozen="0" * 64)
+    older = checkpoint.trainer_state(recipe, **kwargs)
+    checkpoint.check_resume_recipe(recipe, older, 2, "abc", frozen="0" * 64)

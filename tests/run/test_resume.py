@@ -13,7 +13,16 @@ import time
 
 import pytest
 import torch
-from helpers import QUICKSTART, ROOT, TEST_ENV, TINY, final_weights, run_cli, train_lines
+from helpers import (
+    QUICKSTART,
+    ROOT,
+    TEST_ENV,
+    TINY,
+    assert_resume_checks_reference_weights,
+    final_weights,
+    run_cli,
+    train_lines,
+)
 
 from finetune.run import checkpoint
 
@@ -212,3 +221,25 @@ def test_failed_checkpoint_write_keeps_the_last_checkpoint(tmp_path):
         checkpoint.save(tmp_path, 6, model, optimizer, scheduler, {**state, "step": 6}, keep_last=2)
     assert checkpoint.find_latest(tmp_path) == good
     assert not (tmp_path / "checkpoints" / "step-6").exists()
+
+
+def test_a_resume_refuses_an_adapter_base_whose_weights_changed(tmp_path):
+    """LoRA checkpoints hold the adapter only, so a resume loads the base from model.path again: its weights are
+    recorded by content (model/digest.py). One base weight changed there between the run and its resume -> exit 2
+    naming model.path, nothing trained (the adapter would go on over other weights); put back, it resumes."""
+    from finetune.model.loading import load_model
+    from finetune.model.tokenizer import load_tokenizer
+    from finetune.recipe import AdapterConfig, load_recipe
+
+    recipe = load_recipe(QUICKSTART, TINY)
+    base = tmp_path / "base"
+    load_model(recipe.model, AdapterConfig(), load_tokenizer(recipe.tokenizer, recipe.model), 7, "cpu").save_pretrained(base)
+    run = tmp_path / "run"
+    args = ["train", str(QUICKSTART), *TINY, f"model.path={base}", "model.init=pretrained", "model.config=null",
+            "adapter.type=lora", "train.max_steps=2", "checkpoint.every_steps=1", f"output_dir={run}"]
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads((run / "checkpoints" / "step-1" / "trainer_state.json").read_text())
+    assert len(state["frozen_digest"]) == 64
+    assert_resume_checks_reference_weights(args, run, base, "model.path", None,
+                                           said=f"the frozen weights loaded from model.path {base}")
