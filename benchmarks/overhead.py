@@ -184,7 +184,7 @@ class Ours:
 
     def step(self, micro: list) -> None:
         micro = [b.to(DEVICE) for b in micro]
-        counts, _, _ = step_counts(self.objective, micro, self.world, DEVICE)
+        counts = step_counts(self.objective, micro, self.world, DEVICE)[0]
         sums = forward_backward(self.net, self.objective, micro, counts, self.world, DEVICE)
         norm = clip_gradients(self.params, 1.0)
         figures = read_step(self.objective, sums, norm, counts, self.pending)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from finetune import __version__
 from finetune.errors import UserError
+from finetune.train.stop import EXIT_STOPPED, Stopped
 
 if TYPE_CHECKING:  # annotations only: the recipe module is imported by the commands that need it
     from finetune.recipe import Recipe
@@ -44,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Stopped as e:  # SIGTERM: a checkpoint of the last step was written
+        print(e, file=sys.stderr)
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

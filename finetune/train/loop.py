@@ -51,6 +51,7 @@ from finetune.train.parallel import gather_full_state, wrap_model
 from finetune.train.parts import Parts, load_parts, plan_for
 from finetune.train.plan import step_larger_than_epoch
 from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts, step_micro_batches
+from finetune.train.stop import Stopped, StopRequest
 
 
 def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = False,
@@ -65,7 +66,8 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
         run = setup(recipe, world, device, console, overwrite=overwrite, allow_unpinned=allow_unpinned)
         out = run.out.root
         try:
-            train_loop(run)
+            with StopRequest().watching() as stop:
+                stopped = train_loop(run, stop)
         except BaseException:
             if run.logger:
                 run.logger.close(ok=False)  # trackers record the run as failed
@@ -73,6 +75,8 @@ def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = Fal
         # The model goes while the process group lives: DDP's reducer holds the group, and destroying the reducer
         # after shutdown() had destroyed the group hung a gloo rank now and then at exit (seen in CI).
         del run
+    if stopped:  # raised after the process group closed cleanly: every rank stopped after the same step
+        raise Stopped(stopped)
     return out
 
 
@@ -264,8 +268,10 @@ def _open_run_dir(recipe: Recipe, out: RunDir, console: Console, replaced: list[
 
 # --- the loop ------------------------------------------------------------------------------------------------
 
-def train_loop(run: Run) -> None:
-    """Every optimizer step from the start (or the resumed step) to the end, then the final eval and save.
+def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
+    """Every optimizer step from the start (or the resumed step) to the end, then the final eval and save. Asked
+    to `stop` (SIGTERM: train/stop.py), the run ends after the step under way instead, with a checkpoint of it, and
+    what to tell the user is returned.
 
     A step reads the device once (step.read_step: the skip decision needs its loss and gradient norm); its update
     ratio is read with the next step's figures, so its metrics line is written then (or before an eval, a
@@ -285,7 +291,8 @@ def train_loop(run: Run) -> None:
         epoch, step_rows, micro = upcoming or _micro_batches(run, step, clock)
         upcoming = None
         # The step's counts over all micro-batches and ranks, known before any backward.
-        counts, seq_tokens, padded_tokens = step_counts(run.objective, micro, world, run.device)
+        counts, seq_tokens, padded_tokens, stopping = step_counts(run.objective, micro, world, run.device,
+                                                                  stop is not None and stop.requested)
         sums = forward_backward(run.net, run.objective, micro, counts, world, run.device)
         norm = clip_gradients(run.params, recipe.train.max_grad_norm or math.inf)
         if step + 1 < plan.total and plan.prefetch:
@@ -321,9 +328,10 @@ def train_loop(run: Run) -> None:
             **({"mfu": step_mfu} if step_mfu is not None else {}),
         }, ratio)
         ends = bad_streak >= recipe.train.max_bad_steps or done.step == plan.total
-        evals = run.eval_every and done.step % run.eval_every == 0 and done.step != plan.total
+        stops = stopping and not ends  # an eval now would spend the time the signal's sender gives to stop
+        evals = run.eval_every and done.step % run.eval_every == 0 and done.step != plan.total and not stops
         saves = run.checkpoint_every and done.step % run.checkpoint_every == 0
-        if ratio is None or ends or evals or saves:  # read now: a skipped step's ratio is 0, nothing to wait for
+        if ratio is None or ends or evals or saves or stops:  # read now: a skipped step's ratio is 0, nothing to wait for
             _write_line(run, pending, float(ratio) if ratio is not None else 0.0)
             pending = None
         if bad_streak >= recipe.train.max_bad_steps:  # after logging, so the metrics show the bad steps
@@ -332,10 +340,20 @@ def train_loop(run: Run) -> None:
                             "check the data, or use float32")
         if evals:
             _evaluate(run, done.step)
-        if saves:
-            _save_checkpoint(run, done, epoch)
+        if saves or stops:
+            saved = _save_checkpoint(run, done, epoch)
+        if stops:
+            return _stopped(run, done, saved)
     _evaluate(run, plan.total)
     _save_final(run)
+    return None
+
+
+def _stopped(run: Run, done: Progress, saved: Path) -> str:
+    """The trackers told the run did not end; what the user reads (every rank: some may not have had the signal)."""
+    if run.logger:
+        run.logger.close(ok=False)
+    return f"stopped on SIGTERM after step {done.step} of {run.plan.total}: {saved} (resume: auto continues from it)"
 
 
 @dataclass
@@ -412,15 +430,15 @@ def _evaluate(run: Run, step: int) -> None:
         run.logger.log(result.record(step))
 
 
-def _save_checkpoint(run: Run, done: Progress, epoch: int) -> None:
+def _save_checkpoint(run: Run, done: Progress, epoch: int) -> Path:
     state = checkpoint.trainer_state(run.recipe, step=done.step, epoch=epoch, samples_key=run.samples_key,
                                      global_batch=run.plan.global_batch, world_size=run.world.size,
                                      tokens_seen=done.tokens_seen, samples_seen=done.samples_seen,
                                      reference=getattr(run.objective, "reference_digest", None),
                                      images_key=run.images_key, frozen=run.frozen)
     rollouts = run.plan.resume_state(done.step) if isinstance(run.plan, RolloutPlan) else None
-    checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
-                    run.recipe.checkpoint.keep_last, rollouts)
+    return checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
+                           run.recipe.checkpoint.keep_last, rollouts)
 
 
 def _save_final(run: Run) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,18 +38,32 @@ def step_micro_batches(objective: Objective, step_rows: list[dict], recipe: Reci
     return micro
 
 
-def step_counts(objective: Objective, micro: list[MicroBatch], world: dist.World,
-                device: torch.device) -> tuple[dict[str, int], int, int]:
-    """(the objective's counts and the target tokens, real input tokens, tokens computed), each summed over the
-    step's micro-batches on every rank: host integers from the collated batches, one all-reduce under torchrun."""
+class StepCounts(NamedTuple):
+    """A step's counts over all its micro-batches and ranks (step_counts)."""
+
+    counts: dict[str, int]
+    """The objective's units and the target tokens."""
+    seq_tokens: int
+    """Real input tokens."""
+    padded_tokens: int
+    """Tokens computed, padding included."""
+    stop: bool = False
+    """Some rank was asked to stop (train/stop.py): every rank stops after this step."""
+
+
+def step_counts(objective: Objective, micro: list[MicroBatch], world: dist.World, device: torch.device,
+                stop: bool = False) -> StepCounts:
+    """The step's counts, each summed over the step's micro-batches on every rank: host integers from the collated
+    batches, one all-reduce under torchrun. `stop`, this rank's stop request, is summed with them, so that all
+    ranks agree on the step to stop after without a sync of its own."""
     names = [*objective.units, *(("tokens",) if "tokens" not in objective.units else ())]
     local = [sum((objective.counts(m) if u in objective.units else {"tokens": m.targets})[u] for m in micro)
              for u in names]
-    local += [sum(m.seq_tokens for m in micro), sum(m.padded_tokens for m in micro)]
+    local += [sum(m.seq_tokens for m in micro), sum(m.padded_tokens for m in micro), int(stop)]
     totals = local
     if world.distributed:  # the contract's one host sync before the backward: every rank needs the step's counts
         totals = [int(x) for x in dist.all_reduce_sum(torch.tensor(local, device=device)).tolist()]
-    return dict(zip(names, totals)), totals[-2], totals[-1]
+    return StepCounts(dict(zip(names, totals)), totals[-3], totals[-2], totals[-1] > 0)
 
 
 def forward_backward(net: torch.nn.Module, objective: Objective, micro: list[MicroBatch], counts: dict[str, int],

@@ -299,7 +299,7 @@ def _contract(packing: bool) -> dict[str, tuple[float, float]]:
         for size in sizes:
             starts.append(starts[-1] + size)
         micro = [collate(rows[a:b], data, StubTokenizer.pad_token_id) for a, b in zip(starts, starts[1:])]
-        counts, _, _ = step_counts(objective, micro, dist.World(), torch.device("cpu"))
+        counts = step_counts(objective, micro, dist.World(), torch.device("cpu"))[0]
         sums = forward_backward(net, objective, micro, counts, dist.World(), torch.device("cpu"))
         return float(sums[0]), _grads(model)
 

@@ -95,6 +95,33 @@ def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
     _assert_bitwise(straight, killed)
 
 
+def test_sigterm_ends_the_run_after_its_step_with_a_checkpoint_and_resume_continues(tmp_path):
+    """SIGTERM (a preempted spot instance, Kubernetes, Slurm, torchrun passing its own on) ends the run after the
+    step under way: that step's metrics line, a checkpoint of it (the recipe asked for none), exit 143 with a line
+    saying where. resume: auto then runs the rest; every step is logged once, and the run ends where the
+    uninterrupted one does, bit for bit."""
+    args = [*TINY, "train.max_steps=30"]
+    straight = tmp_path / "straight"
+    assert run_cli("train", str(QUICKSTART), f"output_dir={straight}", *args).returncode == 0
+    stopped = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "finetune", "train", str(QUICKSTART), f"output_dir={stopped}", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=TEST_ENV)
+    while proc.poll() is None and _line_count(stopped / "metrics.jsonl") < 3:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    steps = [r["step"] for r in train_lines(stopped)]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and last < 30, steps
+    assert f"stopped on SIGTERM after step {last} of 30: {stopped / 'checkpoints' / f'step-{last}'}" in err
+    assert "Traceback" not in err and not (stopped / "final").exists()
+    assert [p.name for p in checkpoint.complete_checkpoints(stopped / "checkpoints")] == [f"step-{last}"]
+    done = run_cli("train", str(QUICKSTART), f"output_dir={stopped}", *args, "resume=auto")
+    assert done.returncode == 0 and f"resumed from {stopped / 'checkpoints' / f'step-{last}'}" in done.stdout
+    _assert_bitwise(straight, stopped)
+
+
 def _line_count(path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 

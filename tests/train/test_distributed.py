@@ -219,6 +219,38 @@ def test_killing_one_rank_ends_the_run_quickly(tmp_path):
     assert elapsed < 30, f"the run took {elapsed:.1f}s to end after a rank died"
 
 
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """SIGTERM reaches ranks at different moments (torchrun passes its own on one worker after another), here only
+    rank 1: the request rides along in the step's counts, so both ranks finish the same step, write its checkpoint
+    together (a collective: ranks at different steps would hang there) and exit 143 within seconds."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "finetune",
+           "train", str(QUICKSTART), f"output_dir={run}", *TINY, "train.max_steps=100000", "train.epochs=null"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env("cpu", OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        metrics = run / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.1)
+        os.kill(_rank_pid(proc.pid, rank=1), signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        for pid in _worker_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    steps = [r["step"] for r in train_lines(run)]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)), steps
+    assert out.count(f"stopped on SIGTERM after step {last} of 100000") == 2, out[-3000:]  # both ranks
+    assert "exitcode  : 143" in out, out[-3000:]
+    from finetune.run import checkpoint
+
+    assert [p.name for p in checkpoint.complete_checkpoints(run / "checkpoints")] == [f"step-{last}"]
+
+
 def _worker_pids(root_pid: int) -> dict[int, int]:
     """{pid: rank} of the worker processes of the torchrun process `root_pid`."""
     workers = {}

@@ -84,7 +84,7 @@ def _steps(device: torch.device, n_steps: int, accumulation: int, around_step,
     world, objective, late, losses = dist.World(), SFT(), [], []
     for i in range(n_steps):
         micro = [b.to(device) for b in micro_batches[i * accumulation:(i + 1) * accumulation]]
-        counts, _, _ = step_counts(objective, micro, world, device)
+        counts = step_counts(objective, micro, world, device)[0]
         with around_step(i):
             sums = forward_backward(net, objective, micro, counts, world, device)
             norm = clip_gradients(params, 1.0)

@@ -1,0 +1,54 @@
+"""Stopping when asked: SIGTERM ends the run after the step it is in, with a checkpoint of that step.
+
+SIGTERM is what a preempted spot instance, Kubernetes, `docker stop`, Slurm (`--signal=TERM@120`, or at its
+time limit) and torchrun (passing its own on to every worker) send before they kill. Killed mid-run, a run loses
+everything since its last checkpoint; stopped this way it loses nothing, and `resume: auto` continues exactly.
+
+The handler only notes the signal. The ranks of a torchrun job may each get it during another step, so the note
+rides along in the step's counts, which every rank sums before its backward (step.py step_counts): all ranks see
+it at the same step, finish that step, write one checkpoint together and exit. A second SIGTERM is not caught: it
+ends the process at once, as it would have without us.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM,)
+EXIT_STOPPED = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended: schedulers requeue it
+
+
+class StopRequest:
+    """Whether a stop signal arrived while `watching`."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[StopRequest]:
+        """Catch the stop signals inside (the previous handlers come back after). Outside the main thread, where
+        Python cannot catch signals, nothing is caught."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+
+        def note(signum: int, _frame: FrameType | None) -> None:
+            self.requested = True
+            signal.signal(signum, previous[signum])  # a second one is not caught
+
+        for s in STOP_SIGNALS:
+            signal.signal(s, note)
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after writing a checkpoint (the CLI prints this and exits EXIT_STOPPED)."""
