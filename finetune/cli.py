@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune import __version__
-from finetune.errors import UserError
-from finetune.train.stop import EXIT_STOPPED, Stopped
+from finetune.errors import EXIT_STOPPED, Stopped, UserError
 
 if TYPE_CHECKING:  # annotations only: the recipe module is imported by the commands that need it
     from finetune.recipe import Recipe

@@ -1,4 +1,5 @@
-"""The one exception type that means "the user can fix this": the CLI prints it and exits 2."""
+"""What the CLI turns into a message and an exit status: UserError ("the user can fix this", exit 2), and Stopped (a
+run stopped on SIGTERM with a checkpoint, exit 143)."""
 
 
 class UserError(Exception):
@@ -7,6 +8,14 @@ class UserError(Exception):
     The message must name the key or file/line and say how to fix it. The CLI prints it without a
     traceback (unless --debug) and exits with status 2.
     """
+
+
+class Stopped(Exception):
+    """The run stopped on SIGTERM after writing a checkpoint (train/stop.py): the CLI prints this and exits
+    EXIT_STOPPED."""
+
+
+EXIT_STOPPED = 143  # 128 + SIGTERM: what a shell reports for a process SIGTERM ended; schedulers requeue it
 
 
 def first_line(e: BaseException) -> str:

@@ -9,6 +9,7 @@ from finetune.metrics.measures import (
     WeightSamples,
     flops_per_token,
     mfu,
+    model_depth_width,
     peak_flops,
     peak_memory_mb,
     update_ratio,
@@ -30,7 +31,6 @@ from finetune.metrics.sinks import (
 
 __all__ = [
     "INSTALL_HINT", "PEAK_BF16_FLOPS", "ConsoleSink", "JsonlSink", "MetricsLogger", "Sink", "Stopwatch", "WeightSamples",
-    "WeightSamples",
-    "flops_per_token", "format_window", "mfu", "open_sinks", "peak_flops", "peak_memory_mb", "scalars",
+    "flops_per_token", "format_window", "mfu", "model_depth_width", "open_sinks", "peak_flops", "peak_memory_mb", "scalars",
     "update_ratio", "update_sums", "warn", "weight_sample", "window_loss",
 ]

@@ -60,6 +60,12 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> 
     return 6.0 * n_params + 12.0 * n_layers * hidden * seq_len
 
 
+def model_depth_width(lm: Any) -> tuple[int | None, int | None]:
+    """(layers, hidden size) of the text model, for MFU; None where a config has no such figure (BLT's parts)."""
+    text = lm.config.get_text_config()
+    return getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
+
+
 def mfu(tokens_per_s: float, n_params: int, n_layers: int, hidden: int, seq_len: int,
         device: torch.device) -> float | None:
     """Model FLOPs utilization: achieved FLOP/s (tokens/s x `flops_per_token`) over the GPU's bf16 peak.

@@ -26,13 +26,14 @@ from finetune import dist, versions
 from finetune.attention.kernels import setting
 from finetune.batch import MicroBatch
 from finetune.data import StepPlan
-from finetune.errors import UserError
+from finetune.errors import Stopped, UserError
 from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import (
     MetricsLogger,
     Stopwatch,
     WeightSamples,
     mfu,
+    model_depth_width,
     open_sinks,
     peak_memory_mb,
 )
@@ -51,7 +52,7 @@ from finetune.train.parallel import gather_full_state, wrap_model
 from finetune.train.parts import Parts, load_parts, plan_for
 from finetune.train.plan import step_larger_than_epoch
 from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts, step_micro_batches
-from finetune.train.stop import Stopped, StopRequest
+from finetune.train.stop import StopRequest, stopped_message
 
 
 def train(recipe: Recipe, *, overwrite: bool = False, allow_unpinned: bool = False,
@@ -269,9 +270,8 @@ def _open_run_dir(recipe: Recipe, out: RunDir, console: Console, replaced: list[
 # --- the loop ------------------------------------------------------------------------------------------------
 
 def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
-    """Every optimizer step from the start (or the resumed step) to the end, then the final eval and save. Asked
-    to `stop` (SIGTERM: train/stop.py), the run ends after the step under way instead, with a checkpoint of it, and
-    what to tell the user is returned.
+    """Every optimizer step from the start (or the resumed step) to the end, then the final eval and save; asked to
+    `stop` (SIGTERM: train/stop.py), up to the step under way, with its checkpoint, returning what to tell the user.
 
     A step reads the device once (step.read_step: the skip decision needs its loss and gradient norm); its update
     ratio is read with the next step's figures, so its metrics line is written then (or before an eval, a
@@ -283,7 +283,7 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
         _evaluate(run, 0)
     run.net.train()  # once: an eval switches it back when done
     clock, bad_streak, pending = Stopwatch(), 0, None
-    depth_width = _depth_width(run.lm)
+    depth_width = model_depth_width(run.lm)
     upcoming = None
     for step in range(done.step, plan.total):
         clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
@@ -343,17 +343,12 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
         if saves or stops:
             saved = _save_checkpoint(run, done, epoch)
         if stops:
-            return _stopped(run, done, saved)
+            if run.logger:
+                run.logger.close(ok=False)  # trackers: the run did not end
+            return stopped_message(done.step, plan.total, saved)
     _evaluate(run, plan.total)
     _save_final(run)
     return None
-
-
-def _stopped(run: Run, done: Progress, saved: Path) -> str:
-    """The trackers told the run did not end; what the user reads (every rank: some may not have had the signal)."""
-    if run.logger:
-        run.logger.close(ok=False)
-    return f"stopped on SIGTERM after step {done.step} of {run.plan.total}: {saved} (resume: auto continues from it)"
 
 
 @dataclass
@@ -389,12 +384,6 @@ def _micro_batches(run: Run, step: int, clock: Stopwatch) -> tuple[int, list[dic
     micro = step_micro_batches(run.objective, step_rows, recipe, run.tokenizer.pad_token_id, world.size, world.rank,
                                run.device)
     return epoch, step_rows, micro
-
-
-def _depth_width(lm: torch.nn.Module) -> tuple[int | None, int | None]:
-    """(layers, hidden size) of the text model, for MFU; None where a config has no such figure (BLT's parts)."""
-    text = lm.config.get_text_config()
-    return getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
 
 
 def _report_skipped(console: Console, step: int, counts: dict[str, int], bad_streak: int) -> int:

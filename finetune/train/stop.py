@@ -16,10 +16,10 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM,)
-EXIT_STOPPED = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended: schedulers requeue it
 
 
 class StopRequest:
@@ -50,5 +50,6 @@ class StopRequest:
                 signal.signal(s, handler)
 
 
-class Stopped(Exception):
-    """The run stopped on a signal after writing a checkpoint (the CLI prints this and exits EXIT_STOPPED)."""
+def stopped_message(step: int, total: int, saved: Path) -> str:
+    """What every rank says (some may not have had the signal themselves)."""
+    return f"stopped on SIGTERM after step {step} of {total}: {saved} (resume: auto continues from it)"
