@@ -57,15 +57,19 @@ def find_targets(labels: torch.Tensor, device: torch.device | str | None = None)
     (a few microseconds, where each small torch op costs several), and the positions and the ids go to the device
     as one tensor, one copy."""
     host = labels.reshape(-1, labels.shape[-1]).cpu()
-    rows = host.numpy()
-    scored = np.zeros(rows.shape, dtype=bool)
-    scored[:, :-1] = rows[:, 1:] != IGNORE_INDEX
-    index = np.flatnonzero(scored)  # r * T + t: position t of row r scores labels[r, t + 1], flat r * T + t + 1
-    ids = rows.reshape(-1)[index + 1]
+    flat = host.numpy().reshape(-1)
+    scored = flat[1:] != IGNORE_INDEX  # flat position k scores flat[k + 1] ...
+    scored[host.shape[1] - 1::host.shape[1]] = False  # ... but a row's last position scores nothing
+    index = scored.nonzero()[0]
+    ids = flat[index + 1]
     low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-    # new_tensor: a tensor of the labels' own type (a subclass stays one, as the torch ops here kept it before).
-    both = to_device(host.new_tensor(np.stack([index, ids]), dtype=torch.int64), device)
-    return Targets(both[0], int(index.size), low, high, both[1])
+    # One int64 tensor, the positions then the ids, sharing numpy's memory (no copy on the host); a subclass of the
+    # labels' type stays one, as the torch ops here kept it before.
+    both = torch.from_numpy(np.concatenate((index, ids)).astype(np.int64, copy=False))
+    if type(host) is not torch.Tensor:
+        both = both.as_subclass(type(host))
+    both = to_device(both, device)
+    return Targets(both[:index.size], int(index.size), low, high, both[index.size:])
 
 
 # --- packed documents --------------------------------------------------------------------------------------------
