@@ -82,6 +82,21 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_
                                          **_template_inputs(template_kwargs, tools))
 
 
+def render_chats(tokenizer: Any, conversations: Sequence[Sequence[Mapping[str, Any]]],
+                 template_kwargs: Mapping[str, Any] | None) -> list[str] | None:
+    """render_chat of each conversation (none with tools of its own), in one call: transformers renders a batch
+    with the template's setup done once (19 us a quickstart row, against 27 rendered one by one). None when the
+    template refuses any of them: then each is rendered on its own, and the one refused is a bad row."""
+    if not conversations:
+        return []
+    try:
+        out = tokenizer.apply_chat_template([[dict(m) for m in c] for c in conversations], tokenize=False,
+                                            **_template_inputs(template_kwargs, None))
+    except Exception:
+        return None
+    return list(out) if isinstance(out, list) and len(out) == len(conversations) else None
+
+
 def _template_inputs(template_kwargs: Mapping[str, Any] | None,
                      tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
     """What render_chat passes the template besides the messages."""
@@ -313,8 +328,9 @@ def _sentinel_cache(tokenizer: Any, key: TemplateKey, template_kwargs: Mapping[s
 
 def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: Sequence[int],
                 template_kwargs: Mapping[str, Any] | None = None,
-                tools: Sequence[Mapping[str, Any]] | None = None) -> ChatLayout:
+                tools: Sequence[Mapping[str, Any]] | None = None, rendered: str | None = None) -> ChatLayout:
     """The rendering of `messages` (with the row's `tools`) and the trained span of each message index in `wanted`.
+    `rendered`: that rendering, when the caller made it already (render_chats).
 
     Raises TemplateNotLocal when two messages' regions overlap (the template is not local: reported rather
     than mis-masked); exceptions of the template itself (a refused conversation) pass through.
@@ -324,7 +340,7 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
     def render(part: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         return render_chat(tokenizer, part, template_kwargs, add_generation_prompt, tools)
 
-    full = render(msgs)
+    full = rendered if rendered is not None else render(msgs)
     key = template_key(tokenizer, template_kwargs)
     found = find_regions(render, msgs, full, tools, *_sentinel_cache(tokenizer, key, template_kwargs, tools))
     regions = list(found.regions)

@@ -35,7 +35,7 @@ from finetune.data.pairs import PairExample, fit_pair, pair_sample, tokenize_pai
 from finetune.data.sources import BadRow
 from finetune.data.stats import DataStats
 from finetune.data.store import SplitWriter
-from finetune.data.tokenize import tokenize_example
+from finetune.data.tokenize import render_ahead, tokenize_example
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
@@ -58,12 +58,12 @@ def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig
     """Tokenize examples into `samples` (appended; returned), truncating or dropping what is longer than
     max_seq_len, and count everything in `stats`. Preference pairs' completions end at `pair_end` (data/pairs.py)."""
     notes: Counter[str] = Counter()
-    for example in examples:
+    for example, rendered in zip(examples, render_ahead(examples, tokenizer, template_kwargs)):
         try:
             if isinstance(example, PairExample):
                 sides = tokenize_pair(example, tokenizer, template_kwargs, notes, pair_end)
             else:
-                sample = tokenize_example(example, tokenizer, template_kwargs, notes)
+                sample = tokenize_example(example, tokenizer, template_kwargs, notes, rendered)
         except BadRow as e:
             stats.bad_row(e, on_bad_row)
             continue

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from finetune.data.chat_spans import (
@@ -38,6 +38,7 @@ from finetune.data.chat_spans import (
     added_tokens,
     chat_layout,
     render_chat,
+    render_chats,
     trained_tokens,
 )
 from finetune.data.formats import Example
@@ -53,12 +54,13 @@ NOTE_ALTERED = "turns_text_changed"
 
 
 def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None,
-                     notes: Counter[str] | None = None) -> dict[str, list[int]]:
+                     notes: Counter[str] | None = None, rendered: str | None = None) -> dict[str, list[int]]:
     """Token ids and labels (unshifted) for one example.
 
     The first token's label is always IGNORE_INDEX: nothing predicts it, and a packed row then never trains
     one document's last token to predict the next document's first. `notes`, when given, counts what the
-    template did to the example's trained turns (NOTE_* keys).
+    template did to the example's trained turns (NOTE_* keys). `rendered`: a chat example's rendering, when made
+    already (render_ahead).
     """
     if example.completion is not None:
         ids, labels = _tokenize_prompted(example, tokenizer)
@@ -70,7 +72,7 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
         labels = list(ids)
     else:
         ids, labels, images = _tokenize_chat(example, tokenizer, template_kwargs,
-                                             notes if notes is not None else Counter())
+                                             notes if notes is not None else Counter(), rendered)
         if labels:
             labels[0] = IGNORE_INDEX
         return {"input_ids": ids, "labels": labels, **({"images": images} if images else {})}
@@ -148,8 +150,24 @@ def _tokenize_prompted(example: Example, tokenizer: Any) -> tuple[list[int], lis
     return prompt + completion, prompt_labels + completion
 
 
+def render_ahead(examples: Sequence[Any], tokenizer: Any, template_kwargs: Mapping[str, Any] | None
+                 ) -> list[str | None]:
+    """Each chat example's rendering, made for all of them in one call where they have no tools of their own (None
+    for the others, and for all when the template refuses one: each is then rendered by itself)."""
+    ahead: list[str | None] = [None] * len(examples)
+    if not getattr(tokenizer, "chat_template", None):
+        return ahead
+    chats = [i for i, e in enumerate(examples) if type(e) is Example and e.messages and e.text is None
+             and e.completion is None and not e.tools]
+    rendered = render_chats(tokenizer, [examples[i].messages for i in chats], template_kwargs)
+    for i, text in zip(chats, rendered or ()):
+        ahead[i] = text
+    return ahead
+
+
 def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
-                   notes: Counter[str]) -> tuple[list[int], list[int], dict[str, Any] | None]:
+                   notes: Counter[str], rendered: str | None = None
+                   ) -> tuple[list[int], list[int], dict[str, Any] | None]:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template; set tokenizer.chat_template in the recipe "
                         "(or use format: completion)")
@@ -162,7 +180,7 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
     # train_on_inputs trains everything; only messages marked train: false need locating, to be masked.
     wanted = [i for i, t in enumerate(trained) if t != example.train_on_inputs]
     try:
-        layout = chat_layout(tokenizer, messages, wanted, template_kwargs, example.tools)
+        layout = chat_layout(tokenizer, messages, wanted, template_kwargs, example.tools, rendered)
     except TemplateNotLocal as e:
         raise UserError(f"{example.origin}: {e}") from None
     except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
