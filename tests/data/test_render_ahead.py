@@ -22,7 +22,7 @@ from finetune.recipe import DataConfig
 def _conversations(family) -> list[list[dict]]:
     rng = random.Random(family.name)
     fixed = [*conversations(False).values(), *(conversations(True).values() if family.system_ok else ())]
-    return [*fixed, *(random_conversation(rng, family) for _ in range(20))]
+    return [*fixed, *(random_conversation(rng, family) for _ in range(8))]
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)

@@ -270,26 +270,40 @@ def test_a_resume_refuses_a_dpo_reference_whose_weights_changed(tmp_path):
     assert_resume_checks_reference_weights(args, run, reference, "dpo.reference", tmp_path / "reference-moved")
 
 
-def test_a_resume_refuses_a_dpo_auto_reference_whose_model_path_changed(tmp_path):
-    """dpo.reference: auto without an adapter is the model at model.path as loaded, loaded again from there on a
-    resume (the policy comes from the checkpoint): its weights are recorded too. One weight changed at model.path
-    between the run and its resume -> exit 2 naming model.path, nothing trained; put back, it resumes."""
+def test_dpo_auto_without_an_adapter_gives_checkpoints_the_digest_of_model_path(tmp_path):
+    """dpo.reference: auto without an adapter is the model at model.path as loaded; a resume (the policy from its
+    checkpoint) loads it from there again, so its digest goes into each checkpoint: the same weights give the same
+    digest on resume, one weight changed at model.path another (check_resume_recipe then refuses, naming model.path:
+    tests/run/test_checkpoint.py). With an adapter the reference is the frozen base, which frozen_digest records."""
+    from safetensors.torch import load_file, save_file
+
+    from finetune.data import build_samples
     from finetune.model.loading import load_model
     from finetune.model.tokenizer import load_tokenizer
+    from finetune.objectives.reference import attach_reference_logps, weights_digest
 
-    base = _recipe("train.objective=dpo")
+    keys = ("train.objective=dpo", f"data.cache_dir={tmp_path / 'cache'}", "datasets.0.max_rows=8",
+            "eval_datasets.0.max_rows=4")
+    base = _recipe(*keys)
+    tokenizer = load_tokenizer(base.tokenizer, base.model)
     start = tmp_path / "start"
-    load_model(base.model, base.adapter, load_tokenizer(base.tokenizer, base.model), 7, "cpu").save_pretrained(start)
-    run = tmp_path / "run"
-    args = ["train", str(QUICKSTART), *TINY, *PREF, "train.objective=dpo", "datasets.0.max_rows=32",
-            "eval_datasets.0.max_rows=4", "train.micro_batch_size=4", "train.max_steps=2", "checkpoint.every_steps=1",
-            f"model.path={start}", "model.init=pretrained", "model.config=null", f"output_dir={run}",
-            f"data.cache_dir={tmp_path / 'cache'}"]
-    done = run_cli(*args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_resume_checks_reference_weights(args, run, start, "model.path", None,
-                                           said=f"the weights of the reference model at model.path {start} "
-                                                "(dpo.reference: auto)")
+    load_model(base.model, base.adapter, tokenizer, 7, "cpu").save_pretrained(start)
+    recipe = _recipe(*keys, f"model.path={start}", "model.init=pretrained", "model.config=null")
+    samples = build_samples(recipe, tokenizer)[0]
+
+    def digest(recipe, fresh: bool) -> str | None:
+        policy = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, "cpu")
+        return attach_reference_logps(recipe, {"train": samples}, policy, tokenizer, "chunked", torch.device("cpu"),
+                                      samples_key="k" * 64, fresh_model=fresh, say=lambda _: None)
+
+    first = digest(recipe, fresh=True)
+    assert first == weights_digest(load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, "cpu"))
+    assert digest(recipe, fresh=False) == first
+    weights = load_file(str(start / "model.safetensors"))
+    weights[sorted(weights)[0]].view(-1)[0] += 1e-3
+    save_file(weights, str(start / "model.safetensors"), metadata={"format": "pt"})
+    assert digest(recipe, fresh=False) not in (None, first)
+    assert digest(_recipe(*keys, "adapter.type=lora"), fresh=True) is None
 
 
 @pytest.mark.slow

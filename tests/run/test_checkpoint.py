@@ -108,3 +108,15 @@ def test_the_frozen_weights_must_be_those_the_run_started_from(tmp_path):
         checkpoint.check_resume_recipe(recipe, state, 2, "abc", frozen="0" * 64)
     older = checkpoint.trainer_state(recipe, **kwargs)
     checkpoint.check_resume_recipe(recipe, older, 2, "abc", frozen="0" * 64)
+
+
+def test_a_changed_auto_reference_is_named_by_model_path(tmp_path):
+    raw = tiny_recipe(tmp_path / "run", tmp_path / "train.jsonl")
+    raw["datasets"][0]["format"] = "preference"
+    recipe = validate({**raw, "train": {**raw["train"], "objective": "dpo"}})
+    state = checkpoint.trainer_state(recipe, step=3, epoch=0, samples_key="abc", global_batch=2, world_size=1,
+                                     tokens_seen=0, samples_seen=0, reference="a" * 64)
+    checkpoint.check_resume_recipe(recipe, state, 2, "abc", reference="a" * 64)
+    with pytest.raises(UserError, match=r"the reference model at model\.path .* \(dpo\.reference: auto\): sha256 "
+                                        r"aaaaaaaaaaaaaaaa\.\.\. when the run started, bbbbbbbbbbbbbbbb\.\.\. now"):
+        checkpoint.check_resume_recipe(recipe, state, 2, "abc", reference="b" * 64)
