@@ -35,7 +35,8 @@ class StopRequest:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        # None: a handler set outside Python, which cannot be put back; the default is what it would do.
+        previous = {s: signal.getsignal(s) or signal.SIG_DFL for s in STOP_SIGNALS}
 
         def note(signum: int, _frame: FrameType | None) -> None:
             self.requested = True
