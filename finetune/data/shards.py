@@ -180,8 +180,8 @@ def _init_worker(tokenizer: Any, layout: ImageLayout | None) -> None:
         adopt(tokenizer, layout)
     # Each worker encodes one text at a time; the Rust thread pool would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # What the worker inherited (transformers, torch: ~200k objects) lives as long as it does: the collector need
-    # not walk it on every full collection (gc.freeze's documented use after fork).
+    # What the worker holds now (transformers, torch: ~200k objects) lives as long as it does: the collector need
+    # not walk it on every full collection. Under fork the parent's frozen_heap came along already; this is for spawn.
     gc.freeze()
 
 

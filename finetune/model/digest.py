@@ -1,4 +1,9 @@
-"""What a resume takes from model.path rather than from the checkpoint, identified by content.
+"""Weights identified by content: every byte of every tensor (a strided sample would miss a changed weight).
+
+`weights_digest`: a whole model as it will be run, buffers included; DPO's reference cache is keyed by it, and
+checkpoints record the objective's reference by it.
+
+`frozen_digest`: what a resume takes from model.path rather than from the checkpoint.
 
 A checkpoint holds the trainable parameters only (run/checkpoint.py). Everything frozen, the base of a LoRA or
 QLoRA adapter, a frozen vision tower, what train.trainable_parameters leaves out, is loaded again from model.path
@@ -6,10 +11,9 @@ when the run resumes. A model replaced at that path in between (a hub id whose n
 re-downloaded or re-converted folder) would silently continue the adapter on other weights; the digest recorded
 at the start lets the resume refuse that.
 
-Every byte of every frozen parameter is hashed (a strided sample would miss a changed weight), a few tensors at once
-on threads (hashlib lets go of the GIL): sha256 runs at ~1.1 GB/s a core (2.2 GB/s measured on 2 cores), so a 16 GB
-base takes seconds. Each tensor goes through in slices of SLICE_BYTES, so that a device's weights are never copied
-to the host whole.
+The frozen parameters are hashed a few tensors at once on threads (hashlib lets go of the GIL): sha256 runs at ~1.1
+GB/s a core (2.2 GB/s measured on 2 cores), so a 16 GB base takes seconds. Each tensor goes through in slices of
+SLICE_BYTES, so that a device's weights are never copied to the host whole.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -40,12 +45,28 @@ def frozen_digest(model: torch.nn.Module) -> str | None:
     return digest.hexdigest()
 
 
-def _tensor_digest(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes, fed a slice at a time (the value does not depend on the slices)."""
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of the weights as they will be run (sha256, hex): every tensor's name, shape, dtype and bytes, in
+    the state dict's order. Buffers count too (rotary tables)."""
     digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        _feed(digest, tensor.detach())
+    return digest.hexdigest()
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes."""
+    digest = hashlib.sha256()
+    _feed(digest, tensor)
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, tensor: torch.Tensor) -> None:
+    """A tensor's bytes into `digest`, a slice at a time (the value does not depend on the slices)."""
     flat = tensor.reshape(-1)
     step = max(1, SLICE_BYTES // max(1, flat.element_size()))
     for start in range(0, flat.numel(), step):
-        part = flat[start:start + step].to("cpu").contiguous().view(torch.uint8).numpy()
-        digest.update(memoryview(part))
-    return digest.hexdigest()
+        digest.update(memoryview(flat[start:start + step].to("cpu").contiguous().view(torch.uint8).numpy()))

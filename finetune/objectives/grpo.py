@@ -25,10 +25,10 @@ from finetune import dist
 from finetune.batch import MicroBatch
 from finetune.data.cache import Prepared
 from finetune.loss.logprobs import entropy_sum
+from finetune.model.digest import weights_digest
 from finetune.model.loading import load_model
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives.base import MicroResult, Planning, Preparation
-from finetune.objectives.reference import weights_digest
 from finetune.recipe import AdapterConfig, GRPOConfig, Recipe
 from finetune.rl.plan import RolloutPlan
 from finetune.rl.sources import rollout_plan, rollout_samples
@@ -68,18 +68,17 @@ class GRPO:
         recipe, path = setting.recipe, self.cfg.reference
         if path == "auto" and hasattr(lm, "disable_adapter"):
             self._adapter_off, ref = lm, lm
+        elif path == "auto" and setting.fresh_model:
+            ref = copy.deepcopy(lm)
         else:
-            if path == "auto" and setting.fresh_model:
-                ref = copy.deepcopy(lm)
-            else:
-                cfg = recipe.model if path == "auto" else recipe.model.model_copy(
-                    update={"path": path, "init": "pretrained", "gguf_file": None})
-                ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device).to(setting.device)
+            cfg = recipe.model if path == "auto" else recipe.model.model_copy(
+                update={"path": path, "init": "pretrained", "gguf_file": None})
+            ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device).to(setting.device)
+        if ref is not lm:
+            ref.requires_grad_(False).eval()
             # Identified by content: a resume loads it again (auto: from model.path), and against other weights
             # there it is refused.
             self.reference_digest = weights_digest(ref)
-        if ref is not lm:
-            ref.requires_grad_(False).eval()
         self._reference = CausalLMWithLoss.for_recipe(ref, recipe.loss, setting.impl, recipe.model.packed_attention)
         what = ("the policy with its adapter off" if self._adapter_off is not None
                 else "the model as loaded (a frozen copy)" if ref is not lm and path == "auto" and setting.fresh_model

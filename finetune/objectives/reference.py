@@ -30,6 +30,7 @@ import torch
 from finetune import dist
 from finetune.data import collate, rank_micro_batches
 from finetune.data.cache import cache_root
+from finetune.model.digest import weights_digest
 from finetune.model.loading import load_model
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives.pairs import pair_logps
@@ -111,21 +112,6 @@ def _compute(net: CausalLMWithLoss, samples: list[dict], recipe: Recipe, pad_id:
                 out[index] = torch.stack([p.chosen, p.rejected], dim=1).double()
     net.train(training)
     return dist.all_reduce_sum(out).cpu().numpy()
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """A digest of the weights as they will be run (sha256, hex): every tensor's name, shape, dtype and every byte of it (one
-    changed weight changes the digest; a strided sample would miss it). Buffers count too (rotary tables). DPO's
-    reference cache is keyed by it; a GRPO run records its grpo.reference's in its checkpoints."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        flat = tensor.detach().reshape(-1)
-        if flat.numel():
-            digest.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _cache_key(recipe: Recipe, samples_key: str | None, digest: str | None) -> str | None:

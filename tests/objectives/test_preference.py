@@ -252,9 +252,9 @@ def test_a_resume_refuses_a_dpo_reference_whose_weights_changed(tmp_path):
     resume."""
     import json
 
+    from finetune.model.digest import weights_digest
     from finetune.model.loading import load_model
     from finetune.model.tokenizer import load_tokenizer
-    from finetune.objectives.reference import weights_digest
 
     base = _recipe("train.objective=dpo")
     reference = tmp_path / "reference"
@@ -278,9 +278,10 @@ def test_dpo_auto_without_an_adapter_gives_checkpoints_the_digest_of_model_path(
     from safetensors.torch import load_file, save_file
 
     from finetune.data import build_samples
+    from finetune.model.digest import weights_digest
     from finetune.model.loading import load_model
     from finetune.model.tokenizer import load_tokenizer
-    from finetune.objectives.reference import attach_reference_logps, weights_digest
+    from finetune.objectives.reference import attach_reference_logps
 
     keys = ("train.objective=dpo", f"data.cache_dir={tmp_path / 'cache'}", "datasets.0.max_rows=8",
             "eval_datasets.0.max_rows=4")

@@ -226,7 +226,7 @@ def test_a_resume_refuses_a_reference_whose_weights_changed(inputs):
     continues."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.objectives.reference import weights_digest
+    from finetune.model.digest import weights_digest
 
     work, policy, replay = inputs
     reference = bench.write_model(work / "reference", seed=1, base=policy)
