@@ -30,7 +30,7 @@ test: $(STAMP)
 
 # On a CUDA machine: the whole suite with the gpu tests, bf16 LoRA and QLoRA CLI runs, the GPU benchmark (smoke);
 # one verdict, exit 1 on failure or without CUDA. No install step: a GPU machine brings its own environment
-# (../shared/gpu/README.md); .venv's python when there is one, else python3. STAGES=suite or STAGES=lora,qlora,bench
+# (../shared/gpu/README.md); .venv's python when there is one, else python3. STAGES=suite or STAGES=lora,qlora,liger,compile,bench
 # runs a part (a GPU machine may limit one command's time).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:

@@ -2,7 +2,7 @@
 and TRL's SFTTrainer on the same model and data when `trl` imports.
 
     python3 benchmarks/gpu_throughput.py [--model DIR] [--steps 30] [--seq 2048] [--micro 4] [--data lognormal]
-                                         [--rows default,per-doc,...] [--long] [--smoke] [--list]
+                                         [--rows default,per-doc,...] [--long] [--smoke] [--list] [--logs DIR]
 
 Every row is the quickstart recipe with the model swapped: bf16, packed rows of --seq tokens, loss `auto` (chunked),
 AdamW, micro-batch --micro, no accumulation, no eval; a row changes one thing:
@@ -140,9 +140,17 @@ def run_ours(name: str, a: argparse.Namespace, model: str, data: Path) -> dict[s
     with tempfile.TemporaryDirectory(prefix="gpu-throughput-") as tmp:
         cmd, env = row_command(name, a, model, data, str(Path(tmp) / "run"))
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        keep_log(a, name, done)
         if done.returncode != 0:
             return f"exit {done.returncode}: " + " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
         return summarize(Path(tmp) / "run" / "metrics.jsonl")
+
+
+def keep_log(a: argparse.Namespace, name: str, done: subprocess.CompletedProcess) -> None:
+    """The row's whole output in --logs DIR/NAME.log: a failure on a lent GPU machine must be readable afterwards."""
+    if a.logs:
+        Path(a.logs).mkdir(parents=True, exist_ok=True)
+        (Path(a.logs) / f"{name}.log").write_text(f"{done.stdout}\n--- stderr ---\n{done.stderr}")
 
 
 # --- TRL -------------------------------------------------------------------------------------------------------
@@ -163,6 +171,7 @@ def run_trl(name: str, a: argparse.Namespace, model: str, data: Path) -> dict[st
         cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", mode, "--model", model,
                "--data-file", str(data), "--seq", str(a.seq), "--micro", str(micro), "--steps", str(a.steps), "--out", str(out)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        keep_log(a, name, done)
         if done.returncode != 0:
             return f"exit {done.returncode}: " + " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])
         result = json.loads(out.read_text())
@@ -277,6 +286,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", help=f"comma-separated rows of {', '.join([*ROWS, *LONG_ROWS, *TRL_ROWS])}")
     p.add_argument("--long", action="store_true", help="add the rows of 16384-token packed rows")
     p.add_argument("--smoke", action="store_true", help="the default row, 2 layers, 6 steps of 1024 tokens")
+    p.add_argument("--logs", help="write each row's whole output to LOGS/ROW.log")
     p.add_argument("--list", action="store_true", help="print each row's command and exit (no GPU needed)")
     p.add_argument("--print-overrides", action="store_true", help="print the recipe overrides and exit")
     p.add_argument("--trl-worker", choices=sorted(set(TRL_ROWS.values())), help=argparse.SUPPRESS)

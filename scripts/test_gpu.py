@@ -1,11 +1,13 @@
 """`make test-gpu`: what a CUDA machine must pass, in stages, ending with one verdict line.
 
-    python3 scripts/test_gpu.py [--only suite,lora,qlora,bench] [--out runs/test-gpu] [--pytest-args "..."]
+    python3 scripts/test_gpu.py [--only suite,lora,qlora,liger,compile,bench] [--out runs/test-gpu] [--pytest-args "..."]
 
 Stages (all by default, in this order):
   suite  the whole test suite with the `gpu` tests (pytest -q; -n 8 when pytest-xdist is installed);
   lora   `finetune train` of the quickstart in bf16 with LoRA, 20 steps on the GPU: exit 0, finite and falling loss;
   qlora  the same with QLoRA (an NF4 base through bitsandbytes);
+  liger  the LoRA run with model.liger_kernels: true (the opt-ins run here until they become defaults);
+  compile  the quickstart in bf16, all weights, with train.compile: true;
   bench  benchmarks/gpu_throughput.py --smoke (the default recipe path on a 2-layer Llama-1B-shaped model).
 Each stage's output goes to OUT/STAGE.log; its last lines are shown when it fails. The verdict is the last line:
 `test-gpu: PASS (...)` with exit 0, or `test-gpu: FAIL (...)` with exit 1. Without CUDA nothing runs: the verdict
@@ -27,7 +29,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "yaml" / "quickstart.yaml"
-STAGES = ("suite", "lora", "qlora", "bench")
+STAGES = ("suite", "lora", "qlora", "liger", "compile", "bench")
+# stage -> the recipe overrides of its CLI run, beside RUN_ARGS
+TRAIN_STAGES = {"lora": ["adapter.type=lora"], "qlora": ["adapter.type=qlora"],
+                "liger": ["adapter.type=lora", "model.liger_kernels=true"], "compile": ["train.compile=true"]}
 RUN_ARGS = ["model.dtype=bfloat16", "train.max_steps=20", "train.lr=1e-2", "eval.every_steps=null",
             "eval.at_start=true", "logging.every_steps=5"]
 
@@ -77,10 +82,10 @@ def stage_suite(out: Path, pytest_args: list[str]) -> tuple[bool, str]:
     return done.returncode == 0, summary.strip("= ") or f"pytest exit {done.returncode}"
 
 
-def stage_train(out: Path, adapter: str) -> tuple[bool, str]:
-    run_dir = out / f"{adapter}-run"
+def stage_train(out: Path, stage: str) -> tuple[bool, str]:
+    run_dir = out / f"{stage}-run"
     done = run([sys.executable, "-m", "finetune", "train", str(QUICKSTART), f"output_dir={run_dir}",
-                f"adapter.type={adapter}", *RUN_ARGS, "--overwrite"], out / f"{adapter}.log")
+                *TRAIN_STAGES[stage], *RUN_ARGS, "--overwrite"], out / f"{stage}.log")
     if done.returncode != 0:
         return False, f"exit {done.returncode}"
     return check_run(run_dir, done.stdout)
