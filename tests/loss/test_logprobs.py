@@ -54,11 +54,20 @@ def test_logprobs_are_the_negative_cross_entropy_of_the_shifted_targets():
 
 
 def test_gradcheck():
-    hidden, weight, bias, labels = _inputs()
+    # Smaller than _inputs (two rows of 6 tokens, vocab 12): gradcheck perturbs every input element one at a time,
+    # and chunks of 5 still split the 8 kept tokens across the row boundary.
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(12, 8, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True)
+    bias = (torch.randn(12, generator=g, dtype=torch.float64) * 0.1).requires_grad_(True)
+    labels = torch.randint(0, 12, (2, 6), generator=g)
+    labels[0, :2] = IGNORE_INDEX
+    labels[1, 3] = IGNORE_INDEX
 
     def f(h, w, b):
         return token_logprobs(h, w, labels, b, chunk_size=5, softcap=2.0)[0]
 
+    assert f(hidden, weight, bias).numel() == 8  # 10 shifted targets, 2 of them ignored
     assert torch.autograd.gradcheck(f, (hidden, weight, bias))
 
 
