@@ -58,6 +58,10 @@ class Regions:
 
     regions: tuple[Region | None, ...]
     calls_not_rendered: tuple[int, ...]
+    verbatim_shape: Hashable | None = None
+    """The conversation's shape (its SentinelRenders key) when every message's content is written verbatim and none
+    is empty (regions_by_content): the rendering is then the shape's own text with the contents put in, so the
+    text between two regions is the same for every conversation of this shape. None otherwise."""
 
 
 # --- sentinels ---------------------------------------------------------------------------------------------
@@ -331,7 +335,7 @@ def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, t
             return None
         if cache is not None and key is not None:
             cache.put(key, sentinels)
-    return _at_once(render, messages, replaced, full, c, sentinels)
+    return _at_once(render, messages, replaced, full, c, sentinels, key)
 
 
 def _sentinels(render: Render, replaced: list[dict[str, Any]], c: str) -> Sentinels | None:
@@ -346,10 +350,10 @@ def _sentinels(render: Render, replaced: list[dict[str, Any]], c: str) -> Sentin
 
 
 def _at_once(render: Render, messages: list[dict[str, Any]], replaced: list[dict[str, Any]], full: str, c: str,
-             sentinels: Sentinels) -> Regions | None:
-    """regions_at_once from the rendering with every message replaced."""
+             sentinels: Sentinels, shape: Hashable | None = None) -> Regions | None:
+    """regions_at_once from the rendering with every message replaced (`shape`: its cache key, or None)."""
     every, marks = sentinels.every, sentinels.marks
-    by_content = regions_by_content(messages, full, every, marks)
+    by_content = regions_by_content(messages, full, every, marks, shape)
     if by_content is not None:
         return by_content
     order = marks.order
@@ -376,21 +380,24 @@ def _at_once(render: Render, messages: list[dict[str, Any]], replaced: list[dict
     return _rebuilt(messages, full, every, order, stretch, real, marks)
 
 
-def regions_by_content(messages: list[dict[str, Any]], full: str, every: str, marks: _Marks) -> Regions | None:
+def regions_by_content(messages: list[dict[str, Any]], full: str, every: str, marks: _Marks,
+                       shape: Hashable | None = None) -> Regions | None:
     """Two renderings (the real one and `every`): when no message has reasoning or tool calls and swapping each
     message's sentinel in `every` for its content, verbatim, gives the real rendering character for character,
-    the regions are where the contents landed. None otherwise (then regions_at_once decides)."""
+    the regions are where the contents landed. None otherwise (then regions_at_once decides). `shape`, every's
+    cache key, becomes the regions' verbatim_shape when no content is empty."""
     for m in messages:
         if m.get("tool_calls") or not isinstance(m.get("content"), str) or \
                 any(isinstance(m.get(k), str) and m[k] for k in REASONING_FIELDS):
             return None
     stretch = {j: marks.spans[j] for j in marks.order}
     real = {j: messages[j]["content"] for j in marks.order}
-    return _rebuilt(messages, full, every, marks.order, stretch, real, marks)
+    verbatim = shape if shape is not None and all(m["content"] for m in messages) else None
+    return _rebuilt(messages, full, every, marks.order, stretch, real, marks, verbatim)
 
 
 def _rebuilt(messages: list[dict[str, Any]], full: str, every: str, order: Sequence[int], stretch: dict[int, Region],
-             real: dict[int, str], marks: _Marks) -> Regions | None:
+             real: dict[int, str], marks: _Marks, verbatim_shape: Hashable | None = None) -> Regions | None:
     """The regions in the real rendering, if swapping every stretch of `every` for its real text gives it exactly."""
     regions: list[Region | None] = [None] * len(messages)
     parts, at, length = [], 0, 0
@@ -407,7 +414,8 @@ def _rebuilt(messages: list[dict[str, Any]], full: str, every: str, order: Seque
     parts.append(every[at:])
     if "".join(parts) != full:
         return None
-    return Regions(tuple(regions), _calls_missing(messages, lambda j: marks.calls.get(j, frozenset())))
+    return Regions(tuple(regions), _calls_missing(messages, lambda j: marks.calls.get(j, frozenset())),
+                   verbatim_shape)
 
 
 def find_regions(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None,

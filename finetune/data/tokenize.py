@@ -194,13 +194,26 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
         text, turns = placed.text, moved_turns(turns, placed)
     encoded = encode(tokenizer, example.origin, text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
-    in_spans = trained_tokens(encoded["offset_mapping"], turns)
-    labels = [t if flag != example.train_on_inputs else IGNORE_INDEX for t, flag in zip(ids, in_spans)]
+    labels = _labels(ids, trained_tokens(encoded["offset_mapping"], turns), example.train_on_inputs)
     images = None
     if vision is not None:  # image and vision tokens are never trained, whatever train_on_inputs says
         images = finish(example.origin, ids, labels, encoded["offset_mapping"], example.images, placed, vision)
     _take_notes(notes, tokenizer, messages, layout, example.train_on_inputs)
     return ids, labels, images
+
+
+def _labels(ids: list[int], spans: Sequence[tuple[int, int]], train_on_inputs: bool) -> list[int]:
+    """The ids inside the turns' token ranges and IGNORE_INDEX elsewhere; with train_on_inputs the other way round
+    (the turns are then the messages marked train: false)."""
+    if train_on_inputs:
+        labels = list(ids)
+        for a, b in spans:
+            labels[a:b] = [IGNORE_INDEX] * (b - a)
+        return labels
+    labels = [IGNORE_INDEX] * len(ids)
+    for a, b in spans:
+        labels[a:b] = ids[a:b]
+    return labels
 
 
 def _check_tools_rendered(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
@@ -230,7 +243,7 @@ def _take_notes(notes: Counter[str], tokenizer: Any, messages: list[dict[str, An
                 train_on_inputs: bool) -> None:
     """Count what the template did to the trained turns, and text that spells a special token."""
     notes[NOTE_UNRENDERED] += len(layout.unrendered)
-    if not train_on_inputs:
+    if not train_on_inputs and not layout.verbatim:  # verbatim: each turn holds its content as written
         for turn in layout.turns:
             message = messages[turn.message_index]
             rendered = layout.text[turn.start:turn.end]

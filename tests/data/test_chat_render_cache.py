@@ -1,16 +1,22 @@
 """The cache of sentinel renderings (chat_regions.SentinelRenders, one per tokenizer: chat_spans.py): rows of one
 shape render the rendering with every message replaced once; tokenizers, templates, kwargs and tools never share
 an entry; a template that is not a pure substitution still gets exactly the regions of rendering afresh; and a
-template whose output can change between calls (a date) is never kept.
+template whose output can change between calls (a date) is never kept. The turn plans kept beside it (rows whose
+contents the template writes verbatim take their turns' starts and ends from the first row of their shape) give
+every family's layouts exactly.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import random
+
 import pytest
-from chat_families import FAMILY
+from chat_families import FAMILIES, FAMILY, FRAGMENTS, USER_ONLY, conversations, random_conversation
 from helpers import CountingTokenizer
+
+from finetune.data import chat_spans
 
 from finetune.data.chat_regions import SentinelRenders, Sentinels, find_regions, regions_one_by_one
 from finetune.data.chat_spans import chat_layout, render_chat
@@ -129,3 +135,42 @@ def test_the_cache_is_bounded():
     # Nothing is kept without a scope, or for messages that are not plain data (a repr need not tell them apart).
     assert cache.key(None, "\ue000", [{"role": "user"}]) is None
     assert cache.key("scope", "\ue000", [{"role": "user", "content": object()}]) is None
+
+
+def _same_shape(rng: random.Random, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with other contents (user text that spells control tokens too), its roles and fields kept."""
+    out = []
+    for m in messages:
+        pool = FRAGMENTS + USER_ONLY if m["role"] == "user" else FRAGMENTS
+        out.append({**m, "content": "".join(rng.choices(pool, k=rng.randint(1, 5))) + "x"})
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_turn_plans_give_the_layouts_of_a_fresh_tokenizer(family):
+    # Each shape twice or more with other contents: the later rows take the first one's plan. A fresh wrapper
+    # (its own caches) lays every row out from scratch. The wanted sets: the assistant turns, and every message.
+    inner = family.build()
+    kept = CountingTokenizer(inner)
+    rng = random.Random(f"plans-{family.name}")
+    shapes = [m for s in (False, True) if s <= family.system_ok for m in conversations(s).values()]
+    shapes += [random_conversation(rng, family) for _ in range(6)]
+    verbatim = 0
+    for shape in shapes:
+        for messages in (shape, _same_shape(rng, shape), _same_shape(rng, shape)):
+            for wanted in ([i for i, m in enumerate(messages) if m["role"] == "assistant"], range(len(messages))):
+                try:
+                    fresh = chat_layout(CountingTokenizer(inner), messages, wanted, family.kwargs)
+                except Exception as e:  # a conversation the template refuses: refused the same way with plans
+                    with pytest.raises(type(e)):
+                        chat_layout(kept, messages, wanted, family.kwargs)
+                    continue
+                assert chat_layout(kept, messages, wanted, family.kwargs) == fresh, messages
+                verbatim += fresh.verbatim
+    if verbatim and _probes_header(inner, family.kwargs):
+        assert len(chat_spans._PLANS[kept]._entries) > 0  # the plans were used, not only made
+    family.build()
+
+
+def _probes_header(tokenizer: Any, kwargs: Any) -> str:
+    return chat_spans._probes(tokenizer, kwargs)[0]
