@@ -8,16 +8,14 @@ every family's layouts exactly.
 
 from __future__ import annotations
 
-from typing import Any
-
 import random
+from typing import Any
 
 import pytest
 from chat_families import FAMILIES, FAMILY, FRAGMENTS, USER_ONLY, conversations, random_conversation
 from helpers import CountingTokenizer
 
 from finetune.data import chat_spans
-
 from finetune.data.chat_regions import SentinelRenders, Sentinels, find_regions, regions_one_by_one
 from finetune.data.chat_spans import chat_layout, render_chat
 
