@@ -152,7 +152,7 @@ def test_turn_plans_give_the_layouts_of_a_fresh_tokenizer(family):
     kept = CountingTokenizer(inner)
     rng = random.Random(f"plans-{family.name}")
     shapes = [m for s in (False, True) if s <= family.system_ok for m in conversations(s).values()]
-    shapes += [random_conversation(rng, family) for _ in range(6)]
+    shapes += [random_conversation(rng, family) for _ in range(3)]
     verbatim = 0
     for shape in shapes:
         for messages in (shape, _same_shape(rng, shape), _same_shape(rng, shape)):
