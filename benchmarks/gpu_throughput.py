@@ -22,7 +22,7 @@ AdamW, micro-batch --micro, no accumulation, no eval; a row changes one thing:
   liger+compile both
   trl-padded, trl-bfd, trl-wrapped   TRL's SFTTrainer (bf16, Liger when installed, sdpa): padded micro 16, bfd
                 padding-free packing (isolated), wrapped packing (documents attend to each other); only when `trl`
-                imports (`bash ../shared/gpu/prepare.sh --trl` carries it)
+                imports (`bash scripts/prepare_gpu.sh --trl` carries it)
 --long adds `long` and `long-sdpa-mask`: packed rows of 16384 tokens, micro 1, gradient checkpointing, default vs
 sdpa-mask. --data lognormal (default): chat rows whose lengths follow a lognormal with median ~100 tokens, long
 tail to 2048 (benchmarks/packing.py's generator); quickstart: examples/data/quickstart_train.jsonl.
@@ -107,7 +107,7 @@ def model_dir(given: str | None, smoke: bool) -> str:
     maker = next((m for m in MAKERS if m.is_file()), None)
     if maker is None:
         raise SystemExit(f"no --model and no make_llama1b.py at {' or '.join(map(str, MAKERS))}: "
-                         "run `bash ../shared/gpu/prepare.sh`, or pass --model DIR")
+                         "run `bash scripts/prepare_gpu.sh`, or pass --model DIR")
     subprocess.run([sys.executable, str(maker), str(target), *(["--layers", "2"] if smoke else [])], check=True)
     return str(target)
 

@@ -81,3 +81,17 @@ def test_benchmark_overrides_make_a_valid_recipe(tmp_path):
     r = run_cli("validate", str(QUICKSTART), *done.stdout.split())
     assert r.returncode == 0, r.stderr
     assert f"path: {model}" in r.stdout and "dtype: bfloat16" in r.stdout and "max_seq_len: 2048" in r.stdout
+
+
+def test_the_device_session_script_names_stages_and_rows_that_exist():
+    # scripts/gpu_session.sh runs on a lent GPU machine, where a renamed stage or row would cost a call's minutes.
+    import re
+
+    text = (ROOT / "scripts" / "gpu_session.sh").read_text()
+    stages = re.search(r'\{STAGES:-([\w,]+)', text).group(1).split(",")
+    rows = re.search(r'\{ROWS:-([\w,+-]+)', text).group(1).split(",")
+    assert set(stages) <= set(test_gpu.STAGES) - {"suite", "bench"}, stages
+    assert set(rows) <= {*gpu_throughput.ROWS, *gpu_throughput.LONG_ROWS, *gpu_throughput.TRL_ROWS}, rows
+    for script in ("scripts/gpu_session.sh", "scripts/prepare_gpu.sh"):
+        done = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
