@@ -94,7 +94,10 @@ def _trained(origin: str, messages: tuple[dict[str, Any], ...], flags: tuple[boo
 
 
 def _is_empty(message: dict[str, Any]) -> bool:
-    texts = [*part_texts(message.get("content")), *(message.get(k) for k in REASONING_FIELDS)]
+    content = message.get("content")
+    if isinstance(content, str) and content.strip():  # nearly every row: the content alone decides
+        return False
+    texts = [*part_texts(content), *(message.get(k) for k in REASONING_FIELDS)]
     return not message.get("tool_calls") and not any(isinstance(t, str) and t.strip() for t in texts)
 
 
