@@ -5,6 +5,9 @@ checkpoints record the objective's reference by it.
 
 `frozen_digest`: what a resume takes from model.path rather than from the checkpoint.
 
+`config_digest`: the model's configuration, without where it was loaded from; with the frozen digest (and the
+tokenizer's content, in the samples' cache key) it tells a model moved to another model.path from another model.
+
 A checkpoint holds the trainable parameters only (run/checkpoint.py). Everything frozen, the base of a LoRA or
 QLoRA adapter, a frozen vision tower, what train.trainable_parameters leaves out, is loaded again from model.path
 when the run resumes. A model replaced at that path in between (a hub id whose newest revision changed, a
@@ -19,6 +22,7 @@ SLICE_BYTES, so that a device's weights are never copied to the host whole.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,6 +47,21 @@ def frozen_digest(model: torch.nn.Module) -> str | None:
     for (name, tensor), value in zip(frozen, hashed):
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}{value}".encode())
     return digest.hexdigest()
+
+
+# Where and by what a config was written, not what it says: a moved or re-saved model keeps its digest.
+_PROVENANCE = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+
+
+def config_digest(config: Any) -> str:
+    """sha256 (hex) of a transformers config as a dict (sub-configs included), its provenance keys left out."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items() if k not in _PROVENANCE}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    text = json.dumps(plain(config.to_dict()), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def weights_digest(model: torch.nn.Module) -> str:

@@ -271,15 +271,18 @@ def _load_unsharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
 def trainer_state(recipe: Recipe, *, step: int, epoch: int, samples_key: str | None, global_batch: int,
                   world_size: int, tokens_seen: int, samples_seen: int, reference: str | None = None,
-                  images_key: str | None = None, frozen: str | None = None) -> dict[str, Any]:
+                  images_key: str | None = None, frozen: str | None = None,
+                  config: str | None = None) -> dict[str, Any]:
     """trainer_state.json: where the run stands, and what it was, so a resume can refuse a different training.
     `reference`: the digest of the objective's reference model (grpo.reference, dpo.reference), which a resume
     loads again; `images_key`: the training images' bytes (data/cache.py images_key); `frozen`: the digest of the
-    frozen weights, which a resume loads from model.path again (model/digest.py)."""
+    frozen weights, which a resume loads from model.path again, and `config` that of the model's config
+    (model/digest.py)."""
     return {"step": step, "epoch": epoch, "recipe_hash": recipe_hash(recipe), "training_keys": training_keys(recipe),
             "samples_key": samples_key, "global_batch": global_batch, "world_size": world_size,
             "tokens_seen": tokens_seen, "samples_seen": samples_seen, "reference_digest": reference,
-            **({"images_key": images_key} if images_key else {}), **({"frozen_digest": frozen} if frozen else {})}
+            **({"images_key": images_key} if images_key else {}), **({"frozen_digest": frozen} if frozen else {}),
+            **({"config_digest": config} if config else {})}
 
 
 def resume_path(recipe: Recipe, out: Path, warn: Callable[[str], Any], deep: bool = True) -> Path | None:
@@ -310,14 +313,25 @@ BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps
 _CONTENT_KEYED = re.compile(r"^(datasets\.\d+\.path|tokenizer\.path|grpo\.replay)$")
 
 
+def _same_model(recipe: Recipe, state: dict[str, Any], same_content: bool, frozen: str | None,
+                config: str | None) -> bool:
+    """Whether everything a resume takes from model.path is what the run started from, wherever it lies now: the
+    config, the frozen weights (none for full fine-tuning: the checkpoint holds them all), and the tokenizer when it
+    comes from there (its content is in the samples' key). Never with code shipped with the model
+    (trust_remote_code), which no digest covers."""
+    return (config is not None and state.get("config_digest") == config and state.get("frozen_digest") == frozen
+            and (recipe.tokenizer.path is not None or same_content) and not recipe.model.trust_remote_code)
+
+
 def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int,
                         samples_key: str | None = None, reference: str | None = None,
-                        images_key: str | None = None, frozen: str | None = None) -> None:
+                        images_key: str | None = None, frozen: str | None = None,
+                        config: str | None = None) -> None:
     """Refuse a resume whose recipe changes the training, naming each changed key. The split of the global batch
-    may change; so may the paths of the data and tokenizer when their content (samples_key) has not, and the path
+    may change; so may the paths of the data and tokenizer when their content (samples_key) has not, the path
     of the objective's reference (grpo.reference, dpo.reference) when its weights (`reference`, their digest)
-    have not. The weights a resume loads from model.path again (`frozen`; the reference when it is auto) must be
-    those the run started from."""
+    have not, and model.path when what the resume takes from it has not (_same_model). The weights a resume loads
+    from model.path again (`frozen`; the reference when it is auto) must be those the run started from."""
     ref_key = f"{recipe.train.objective}.reference"
     # A key the checkpoint's finetune did not have yet counts as its default (it could not have been set).
     saved, now = dict(state.get("training_keys", {})), training_keys(recipe)
@@ -325,9 +339,11 @@ def check_resume_recipe(recipe: Recipe, state: dict[str, Any], global_batch: int
     saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
     same_content = samples_key is not None and state.get("samples_key") == samples_key
     same_reference = reference is not None and state.get("reference_digest") == reference
+    same_model = _same_model(recipe, state, same_content, frozen, config)
     changed = [f"  - {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
                if saved.get(k) != now.get(k) and k not in BATCH_SPLIT_KEYS
-               and not (same_content and _CONTENT_KEYED.match(k)) and not (same_reference and k == ref_key)]
+               and not (same_content and _CONTENT_KEYED.match(k)) and not (same_reference and k == ref_key)
+               and not (same_model and k == "model.path")]
     if samples_key is not None and state.get("samples_key") not in (None, samples_key):
         changed.append("  - the training data or tokenizer content (files changed, though their paths may not have)")
     if images_key is not None and state.get("images_key") not in (None, images_key):

@@ -38,7 +38,7 @@ from finetune.metrics import (
     peak_memory_mb,
 )
 from finetune.model import kernels as model_kernels
-from finetune.model.digest import frozen_digest
+from finetune.model.digest import config_digest, frozen_digest
 from finetune.model.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
 from finetune.model.loading import count_parameters, save_final
 from finetune.objectives import Objective
@@ -184,7 +184,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
         checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key,
                                        getattr(parts.objective, "reference_digest", None), parts.images_key,
-                                       frozen=frozen)
+                                       frozen=frozen, config=config_digest(lm.config))
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
         if isinstance(plan, RolloutPlan) and (note := plan.restore(checkpoint.rollout_state(resume_from), start.step,
                                                                     str(resume_from))):
@@ -424,7 +424,8 @@ def _save_checkpoint(run: Run, done: Progress, epoch: int) -> Path:
                                      global_batch=run.plan.global_batch, world_size=run.world.size,
                                      tokens_seen=done.tokens_seen, samples_seen=done.samples_seen,
                                      reference=getattr(run.objective, "reference_digest", None),
-                                     images_key=run.images_key, frozen=run.frozen)
+                                     images_key=run.images_key, frozen=run.frozen,
+                                     config=config_digest(run.lm.config))
     rollouts = run.plan.resume_state(done.step) if isinstance(run.plan, RolloutPlan) else None
     return checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
                            run.recipe.checkpoint.keep_last, rollouts)

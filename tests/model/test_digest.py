@@ -51,3 +51,19 @@ def test_the_values_count_not_their_layout_but_the_dtype_does():
     assert not model[2].weight.is_contiguous() and frozen_digest(model) == before
     model[2].weight.data = model[2].weight.data.to(torch.bfloat16)
     assert frozen_digest(model) != before
+
+
+def test_the_config_digest_ignores_where_a_config_was_written_not_what_it_says(tmp_path):
+    from transformers import AutoConfig, LlamaConfig
+
+    from finetune.model.digest import config_digest
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=100)
+    for where in ("a", "b"):
+        config.save_pretrained(tmp_path / where)
+    a, b = (AutoConfig.from_pretrained(tmp_path / where) for where in ("a", "b"))
+    assert a.to_dict()["_name_or_path"] != b.to_dict()["_name_or_path"]
+    assert config_digest(a) == config_digest(b) == config_digest(config)
+    b.rope_parameters = {**b.rope_parameters, "rope_theta": 1234.0}
+    assert config_digest(b) != config_digest(a)

@@ -110,6 +110,43 @@ def test_the_frozen_weights_must_be_those_the_run_started_from(tmp_path):
     checkpoint.check_resume_recipe(recipe, older, 2, "abc", frozen="0" * 64)
 
 
+def test_model_path_may_move_when_what_a_resume_takes_from_it_has_not(tmp_path):
+    """model.path may change on resume when the config (config_digest), the frozen weights and the tokenizer (from
+    tokenizer.path, or by content through the samples' key) are those the run started from; never with
+    trust_remote_code, nor from a checkpoint that recorded no config digest."""
+    raw = tiny_recipe(tmp_path / "run", tmp_path / "train.jsonl")
+    raw["model"] = {**raw["model"], "path": str(tmp_path / "old"), "init": "pretrained", "config": None}
+
+    def recipe(path: str, **model: object):
+        return validate({**raw, "model": {**raw["model"], "path": path, **model}})
+
+    kwargs = {"step": 3, "epoch": 0, "samples_key": "abc", "global_batch": 2, "world_size": 1, "tokens_seen": 0,
+              "samples_seen": 0}
+    state = checkpoint.trainer_state(recipe(str(tmp_path / "old")), **kwargs, frozen="f" * 64, config="c" * 64)
+    assert state["config_digest"] == "c" * 64
+    moved = recipe(str(tmp_path / "new"))
+    checkpoint.check_resume_recipe(moved, state, 2, "abc", frozen="f" * 64, config="c" * 64)
+    refused = r"model\.path: '.*old' -> '.*new'"
+    for frozen, config, samples_key in (("f" * 64, "d" * 64, "abc"), ("0" * 64, "c" * 64, "abc"),
+                                        ("f" * 64, None, "abc")):
+        with pytest.raises(UserError, match=refused):
+            checkpoint.check_resume_recipe(moved, state, 2, samples_key, frozen=frozen, config=config)
+    # The tokenizer from tokenizer.path: the samples' key need not vouch for it; from model.path, it must.
+    checkpoint.check_resume_recipe(moved, state, 2, None, frozen="f" * 64, config="c" * 64)
+    raw["tokenizer"] = {**raw["tokenizer"], "path": None}
+    state = checkpoint.trainer_state(recipe(str(tmp_path / "old")), **kwargs, frozen="f" * 64, config="c" * 64)
+    checkpoint.check_resume_recipe(recipe(str(tmp_path / "new")), state, 2, "abc", frozen="f" * 64, config="c" * 64)
+    with pytest.raises(UserError, match=refused):
+        checkpoint.check_resume_recipe(recipe(str(tmp_path / "new")), state, 2, None, frozen="f" * 64,
+                                       config="c" * 64)
+    with pytest.raises(UserError, match=refused):
+        checkpoint.check_resume_recipe(recipe(str(tmp_path / "new"), trust_remote_code=True), state, 2, "abc",
+                                       frozen="f" * 64, config="c" * 64)
+    older = checkpoint.trainer_state(recipe(str(tmp_path / "old")), **kwargs, frozen="f" * 64)
+    with pytest.raises(UserError, match=refused):
+        checkpoint.check_resume_recipe(moved, older, 2, "abc", frozen="f" * 64, config="c" * 64)
+
+
 def test_a_changed_auto_reference_is_named_by_model_path(tmp_path):
     raw = tiny_recipe(tmp_path / "run", tmp_path / "train.jsonl")
     raw["datasets"][0]["format"] = "preference"

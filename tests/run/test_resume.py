@@ -251,8 +251,8 @@ def test_failed_checkpoint_write_keeps_the_last_checkpoint(tmp_path):
 def test_a_resume_refuses_an_adapter_base_whose_weights_changed(tmp_path):
     """LoRA checkpoints hold the adapter only, so a resume loads the base from model.path again: its weights are
     recorded by content (model/digest.py). One base weight changed there between the run and its resume -> exit 2
-    naming model.path, nothing trained (the adapter would go on over other weights). (Put back, a resume goes on:
-    the same check, shown for references by assert_resume_checks_reference_weights.)"""
+    naming model.path, nothing trained (the adapter would go on over other weights). The original base moved to
+    another model.path: the resume goes on from there (config, frozen weights and tokenizer are the run's)."""
     from finetune.model.loading import load_model
     from finetune.model.tokenizer import load_tokenizer
     from finetune.recipe import AdapterConfig, load_recipe
@@ -268,6 +268,8 @@ def test_a_resume_refuses_an_adapter_base_whose_weights_changed(tmp_path):
     state = json.loads((run / "checkpoints" / "step-1" / "trainer_state.json").read_text())
     assert len(state["frozen_digest"]) == 64
     shutil.rmtree(run / "final")
+    moved = tmp_path / "moved"
+    shutil.copytree(base, moved)
     file = base / "model.safetensors"
     weights = load_file(str(file))
     weights[sorted(weights)[0]].view(-1)[0] += 1e-3
@@ -275,3 +277,6 @@ def test_a_resume_refuses_an_adapter_base_whose_weights_changed(tmp_path):
     done = run_cli(*args, "resume=auto")
     assert done.returncode == 2 and f"the frozen weights loaded from model.path {base}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not (run / "checkpoints" / "step-2").exists()
+    done = run_cli(*args, "train.max_steps=1", f"model.path={moved}", "resume=auto")
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
+    assert (run / "final" / "adapter_model.safetensors").is_file()
