@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.errors import UserError
@@ -58,10 +58,11 @@ class Regions:
 
     regions: tuple[Region | None, ...]
     calls_not_rendered: tuple[int, ...]
-    verbatim_shape: Hashable | None = None
-    """The conversation's shape (its SentinelRenders key) when every message's content is written verbatim and none
-    is empty (regions_by_content): the rendering is then the shape's own text with the contents put in, so the
-    text between two regions is the same for every conversation of this shape. None otherwise."""
+    verbatim_shape: Sentinels | None = field(default=None, compare=False)
+    """The shape's kept rendering (SentinelRenders' entry) when every message's content is written verbatim and
+    none is empty (regions_by_content): the rendering is then that entry's text with the contents put in, so the
+    text between two regions is the same for every conversation of this shape. None otherwise, and when nothing
+    is kept."""
 
 
 # --- sentinels ---------------------------------------------------------------------------------------------
@@ -200,10 +201,12 @@ SentinelKey = tuple[Hashable, str, str]
 
 @dataclass(frozen=True)
 class Sentinels:
-    """The rendering with every message replaced (`every`), and its sentinels."""
+    """The rendering with every message replaced (`every`), and its sentinels. `plans`: what chat_spans.py derives
+    once per shape (its turn plans), kept here so that it leaves the cache with the entry."""
 
     every: str
     marks: _Marks
+    plans: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 class SentinelRenders:
@@ -335,7 +338,7 @@ def regions_at_once(render: Render, messages: list[dict[str, Any]], full: str, t
             return None
         if cache is not None and key is not None:
             cache.put(key, sentinels)
-    return _at_once(render, messages, replaced, full, c, sentinels, key)
+    return _at_once(render, messages, replaced, full, c, sentinels, sentinels if key is not None else None)
 
 
 def _sentinels(render: Render, replaced: list[dict[str, Any]], c: str) -> Sentinels | None:
@@ -350,8 +353,8 @@ def _sentinels(render: Render, replaced: list[dict[str, Any]], c: str) -> Sentin
 
 
 def _at_once(render: Render, messages: list[dict[str, Any]], replaced: list[dict[str, Any]], full: str, c: str,
-             sentinels: Sentinels, shape: Hashable | None = None) -> Regions | None:
-    """regions_at_once from the rendering with every message replaced (`shape`: its cache key, or None)."""
+             sentinels: Sentinels, shape: Sentinels | None = None) -> Regions | None:
+    """regions_at_once from the rendering with every message replaced (`shape`: it, when the cache keeps it)."""
     every, marks = sentinels.every, sentinels.marks
     by_content = regions_by_content(messages, full, every, marks, shape)
     if by_content is not None:
@@ -381,11 +384,11 @@ def _at_once(render: Render, messages: list[dict[str, Any]], replaced: list[dict
 
 
 def regions_by_content(messages: list[dict[str, Any]], full: str, every: str, marks: _Marks,
-                       shape: Hashable | None = None) -> Regions | None:
+                       shape: Sentinels | None = None) -> Regions | None:
     """Two renderings (the real one and `every`): when no message has reasoning or tool calls and swapping each
     message's sentinel in `every` for its content, verbatim, gives the real rendering character for character,
-    the regions are where the contents landed. None otherwise (then regions_at_once decides). `shape`, every's
-    cache key, becomes the regions' verbatim_shape when no content is empty."""
+    the regions are where the contents landed. None otherwise (then regions_at_once decides). `shape`, the kept
+    entry of `every`, becomes the regions' verbatim_shape when no content is empty."""
     for m in messages:
         if m.get("tool_calls") or not isinstance(m.get("content"), str) or \
                 any(isinstance(m.get(k), str) and m[k] for k in REASONING_FIELDS):
@@ -397,7 +400,7 @@ def regions_by_content(messages: list[dict[str, Any]], full: str, every: str, ma
 
 
 def _rebuilt(messages: list[dict[str, Any]], full: str, every: str, order: Sequence[int], stretch: dict[int, Region],
-             real: dict[int, str], marks: _Marks, verbatim_shape: Hashable | None = None) -> Regions | None:
+             real: dict[int, str], marks: _Marks, verbatim_shape: Sentinels | None = None) -> Regions | None:
     """The regions in the real rendering, if swapping every stretch of `every` for its real text gives it exactly."""
     regions: list[Region | None] = [None] * len(messages)
     parts, at, length = [], 0, 0

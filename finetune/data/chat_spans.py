@@ -16,7 +16,6 @@ for each tested family.
 from __future__ import annotations
 
 import bisect
-import collections
 import functools
 import json
 import operator
@@ -299,6 +298,7 @@ class _Neighbours:
 
 
 _SENTINEL_RENDERS: weakref.WeakKeyDictionary[Any, SentinelRenders] = weakref.WeakKeyDictionary()
+PLANS_PER_SHAPE = 16
 
 
 # What a template can read that changes between calls: transformers' clock, Jinja's random filter and lorem ipsum.
@@ -347,8 +347,9 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
     full = rendered if rendered is not None else render(msgs)
     key = template_key(tokenizer, template_kwargs)
     found = find_regions(render, msgs, full, tools, *_sentinel_cache(tokenizer, key, template_kwargs, tools))
-    plans, plan_key = _plans(tokenizer, found, wanted)
-    plan = plans.get(plan_key) if plan_key is not None else None
+    shape = found.verbatim_shape  # the shape's kept rendering, where its plans live
+    plan_key = (tuple(sorted(set(wanted))), len(tokenizer)) if shape is not None else None  # markers: added tokens
+    plan = shape.plans.get(plan_key) if shape is not None else None
     if plan is not None:
         return plan.layout(full, found)
     regions = list(found.regions)
@@ -366,10 +367,11 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
         start = _turn_start(ctx, i, lo, p) if msgs[i]["role"] == "assistant" else p
         end, marker = _turn_end(ctx, q, hi)
         turns.append(TurnSpan(i, start, p, q, end, marker))
-    layout = ChatLayout(full, tuple(turns), tuple(unrendered), found.calls_not_rendered,
-                        found.verbatim_shape is not None)
-    if plan_key is not None and ctx.header:  # without a header, a turn's start can depend on its row's text
-        plans.put(plan_key, _Plan.of(layout))
+    layout = ChatLayout(full, tuple(turns), tuple(unrendered), found.calls_not_rendered, shape is not None)
+    # Without a header, a turn's start can depend on its row's text. A few wanted sets per shape: per-message
+    # train flags could otherwise make one plan per combination.
+    if shape is not None and ctx.header and len(shape.plans) < PLANS_PER_SHAPE:
+        shape.plans[plan_key] = _Plan.of(layout)
     return layout
 
 
@@ -378,9 +380,10 @@ class _Plan:
     """The turns of every conversation of one shape whose contents the template writes verbatim, for one set of
     wanted messages: per turn, how far its start lies before its content and its end after it. Both are found by
     searching the template's own text between the contents (the assistant header before, the end-of-turn marker
-    after), which is the same in every rendering of the shape (Regions.verbatim_shape), so the first row's layout
-    gives every other's from its regions. Templates without an assistant header are left out: their turn starts
-    are found by rendering the row's own prefix."""
+    after), which is the same in every rendering of the shape (Regions.verbatim_shape, whose `plans` keep them by
+    wanted messages and vocabulary size), so the first row's layout gives every other's from its regions.
+    Templates without an assistant header are left out: their turn starts are found by rendering the row's own
+    prefix."""
 
     turns: tuple[tuple[int, int, int, str], ...]
     """(message index, content start - turn start, turn end - content end, marker)."""
@@ -398,42 +401,6 @@ class _Plan:
             p, q = found.regions[i]
             turns.append(TurnSpan(i, p - before, p, q, q + after, marker))
         return ChatLayout(full, tuple(turns), self.unrendered, self.calls_not_rendered, True)
-
-
-class _PlanCache:
-    """A tokenizer's plans, the least recently used dropped past `size` (a plan is a few numbers per turn)."""
-
-    def __init__(self, size: int = 4096) -> None:
-        self.size, self._entries = size, collections.OrderedDict()
-
-    def get(self, key: Hashable) -> _Plan | None:
-        found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
-        return found
-
-    def put(self, key: Hashable, plan: _Plan) -> None:
-        self._entries[key] = plan
-        if len(self._entries) > self.size:
-            self._entries.popitem(last=False)
-
-
-_PLANS: weakref.WeakKeyDictionary[Any, _PlanCache] = weakref.WeakKeyDictionary()
-
-
-def _plans(tokenizer: Any, found: Any, wanted: Sequence[int]) -> tuple[_PlanCache, Hashable | None]:
-    """The tokenizer's plans and this conversation's key among them: its shape (which holds the template, the
-    special tokens and the template's inputs), the wanted messages and the vocabulary's size (the end-of-turn
-    markers are added tokens); no key when the contents are not all verbatim."""
-    try:
-        plans = _PLANS.get(tokenizer)
-        if plans is None:
-            plans = _PLANS[tokenizer] = _PlanCache()
-    except TypeError:  # a tokenizer that takes no weak reference: nothing kept
-        return _PlanCache(0), None
-    if found.verbatim_shape is None:
-        return plans, None
-    return plans, (found.verbatim_shape, tuple(sorted(set(wanted))), len(tokenizer))
 
 
 def trained_tokens(offsets: Sequence[tuple[int, int]], turns: Sequence[TurnSpan]) -> list[tuple[int, int]]:

@@ -165,8 +165,8 @@ def test_turn_plans_give_the_layouts_of_a_fresh_tokenizer(family):
                     continue
                 assert chat_layout(kept, messages, wanted, family.kwargs) == fresh, messages
                 verbatim += fresh.verbatim
-    if verbatim and _probes_header(inner, family.kwargs):
-        assert len(chat_spans._PLANS[kept]._entries) > 0  # the plans were used, not only made
+    if verbatim and _probes_header(inner, family.kwargs):  # plans were made, and kept with the shapes' entries
+        assert any(entry.plans for entry, _ in chat_spans._SENTINEL_RENDERS[kept]._entries.values())
     family.build()
 
 
