@@ -64,6 +64,15 @@ def test_unknown_stage_is_refused():
         test_gpu.main(["--only", "suite,nope"])
 
 
+@pytest.mark.parametrize("stage", sorted(test_gpu.TRAIN_STAGES))
+def test_each_cli_stage_runs_a_valid_recipe(tmp_path, stage):
+    # A typo in a stage's overrides would be found only on a lent GPU machine, at the cost of a call.
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(QUICKSTART, [f"output_dir={tmp_path}", *test_gpu.TRAIN_STAGES[stage], *test_gpu.RUN_ARGS])
+    assert recipe.model.dtype == "bfloat16" and recipe.train.max_steps == 20
+
+
 def test_benchmark_summary_skips_the_warmup(tmp_path):
     figures = gpu_throughput.summarize(_metrics(tmp_path, [3.0, 2.0, 1.5, 1.2, 1.1]) / "metrics.jsonl")
     assert figures["steps"] == 5 and figures["last_loss"] == 1.1
