@@ -27,6 +27,7 @@ from typing import Any
 
 from finetune.data.chat_regions import (
     REASONING_FIELDS,
+    Regions,
     SentinelRenders,
     TemplateNotLocal,
     common_prefix,
@@ -395,7 +396,7 @@ class _Plan:
         return cls(tuple((t.message_index, t.content_start - t.start, t.end - t.content_end, t.marker)
                          for t in layout.turns), layout.unrendered, layout.calls_not_rendered)
 
-    def layout(self, full: str, found: Any) -> ChatLayout:
+    def layout(self, full: str, found: Regions) -> ChatLayout:
         turns = []
         for i, before, after, marker in self.turns:
             p, q = found.regions[i]

@@ -70,14 +70,19 @@ def attach_reference_logps(recipe: Recipe, splits: dict[str, list[dict]], lm: to
         for sample, ref_logps in zip(samples, cached[name].tolist()):
             sample["ref_logps"] = ref_logps
     # auto with an adapter is the policy's frozen base, which checkpoints record anyway (model/digest.py).
-    return digest if recipe.dpo.reference != "auto" or not hasattr(lm, "disable_adapter") else None
+    return None if _adapter_off(recipe, lm) else digest
+
+
+def _adapter_off(recipe: Recipe, lm: torch.nn.Module) -> bool:
+    """Whether the reference is the policy with its adapter switched off (dpo.reference auto, LoRA/QLoRA)."""
+    return recipe.dpo.reference == "auto" and hasattr(lm, "disable_adapter")
 
 
 @contextlib.contextmanager
 def _reference(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, device: torch.device,
                fresh_model: bool) -> Iterator[torch.nn.Module]:
     path = recipe.dpo.reference
-    if path == "auto" and hasattr(lm, "disable_adapter"):
+    if _adapter_off(recipe, lm):
         with lm.disable_adapter():
             yield lm
     elif path == "auto" and fresh_model:

@@ -125,6 +125,7 @@ class Run:
     checkpoint_every: int | None
     images_key: str | None = None  # the training images' bytes, recorded in checkpoints (None: no images)
     frozen: str | None = None  # the weights a resume loads from model.path again (model/digest.py), recorded too
+    config: str | None = None  # the model's config by content (model/digest.py): with `frozen`, a moved model.path
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
@@ -166,6 +167,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
                        check_model=lambda lm, tokenizer: compiled.append(_check_model(recipe, lm, tokenizer, console)))
     # Before any wrapping shards the parameters; on rank 0 only, as every rank loaded the same weights.
     frozen = dist.from_main(frozen_digest(parts.lm) if world.is_main else None)
+    config = config_digest(parts.lm.config)  # once: checkpoints record it, a resume compares it
     plan = plan_for(recipe, parts, world)
     if plan.note:
         console.print(plan.note)
@@ -184,7 +186,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
         checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key,
                                        getattr(parts.objective, "reference_digest", None), parts.images_key,
-                                       frozen=frozen, config=config_digest(lm.config))
+                                       frozen=frozen, config=config)
         start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
         if isinstance(plan, RolloutPlan) and (note := plan.restore(checkpoint.rollout_state(resume_from), start.step,
                                                                     str(resume_from))):
@@ -195,7 +197,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
                plan, parts.evals, parts.samples_key, logger, start, n_params,
                plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every, parts.images_key,
-               frozen)
+               frozen, config)
 
 
 def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpointing: bool, replaced: list[str],
@@ -424,8 +426,7 @@ def _save_checkpoint(run: Run, done: Progress, epoch: int) -> Path:
                                      global_batch=run.plan.global_batch, world_size=run.world.size,
                                      tokens_seen=done.tokens_seen, samples_seen=done.samples_seen,
                                      reference=getattr(run.objective, "reference_digest", None),
-                                     images_key=run.images_key, frozen=run.frozen,
-                                     config=config_digest(run.lm.config))
+                                     images_key=run.images_key, frozen=run.frozen, config=run.config)
     rollouts = run.plan.resume_state(done.step) if isinstance(run.plan, RolloutPlan) else None
     return checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
                            run.recipe.checkpoint.keep_last, rollouts)
