@@ -34,6 +34,7 @@ from typing import Any
 from finetune.data.chat_spans import (
     REASONING_FIELDS,
     ChatLayout,
+    EncodingOffsets,
     TemplateNotLocal,
     added_tokens,
     chat_layout,
@@ -89,7 +90,7 @@ def encode(tokenizer: Any, origin: str, text: str, add_special_tokens: bool,
         backend = _plain_backend(tokenizer)
         if backend is not None:
             encoding = backend.encode(text, add_special_tokens=add_special_tokens)
-            ids, offsets = encoding.ids, encoding.offsets
+            ids, offsets = encoding.ids, EncodingOffsets(encoding) if return_offsets_mapping else None
         else:
             called = tokenizer(text, add_special_tokens=add_special_tokens,
                                return_offsets_mapping=return_offsets_mapping)

@@ -3,12 +3,14 @@ ids and offsets on every tokenizer family the chat tests know, and the plain cal
 
 from __future__ import annotations
 
+import bisect
 import random
 
 import pytest
 from chat_families import FRAGMENTS, USER_ONLY, _base_tokenizer
 from conftest import TOKENIZER_DIR
 
+from finetune.data.chat_spans import EncodingOffsets
 from finetune.data.sources import BadRow
 from finetune.data.tokenize import _plain_backend, encode
 
@@ -59,3 +61,18 @@ def test_text_the_backend_refuses_is_still_a_bad_row(tokenizer):
     with pytest.raises(BadRow, match="^o: the tokenizer cannot encode this row: the text holds a lone surrogate"):
         encode(tokenizer, "o", "a\ud800b", False)
 
+
+
+@pytest.mark.parametrize("key", ["qwen2.5", "smollm2", "phi3.5", "gpt-oss"])
+def test_offsets_read_token_by_token_find_the_tokens_that_bisection_over_all_offsets_finds(key):
+    # EncodingOffsets.first_at starts at the token the Encoding says covers a character and walks: it must land
+    # where bisect_left over every token's start does, at every character of every text (multi-byte characters
+    # split into several tokens of one offset included), and at the end of the text.
+    tokenizer = _base_tokenizer(key)
+    for text in [*texts(), "héllo… 日本語 😀😀 <|im_end|>x"]:
+        offsets = encode(tokenizer, "o", text, False, return_offsets_mapping=True)["offset_mapping"]
+        assert isinstance(offsets, EncodingOffsets)
+        starts = [a for a, _ in list(offsets)]
+        assert [offsets[k] for k in range(len(offsets))] == list(offsets)
+        for pos in range(len(text) + 2):
+            assert offsets.first_at(pos) == bisect.bisect_left(starts, pos), (key, text, pos)
