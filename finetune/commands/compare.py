@@ -31,7 +31,7 @@ ABSENT = "[dim](absent)[/dim]"
 # Keys every pair of runs differs in by construction; the table's column headers already name the runs.
 IGNORED_KEYS = ("output_dir",)
 IGNORED_VERSION_KEYS = ("executable", "unpinned_warnings")
-# versions.json's run record (finetune/train/loop.py), shown in its own section: key -> row label.
+# versions.json's run record (finetune/train/setup.py), shown in its own section: key -> row label.
 RAN = {"loss": "loss", "attention": "attention", "packed_kernel": "packed kernel",
        "packed_kernel_why": "packed kernel: why"}
 

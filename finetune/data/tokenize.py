@@ -34,17 +34,16 @@ from typing import Any
 from finetune.data.chat_spans import (
     REASONING_FIELDS,
     ChatLayout,
-    EncodingOffsets,
     TemplateNotLocal,
     added_tokens,
     chat_layout,
     render_chat,
     render_chats,
-    trained_tokens,
 )
 from finetune.data.formats import Example
 from finetune.data.images import finish, layout_for, moved_turns, part_texts, place
 from finetune.data.sources import BadRow
+from finetune.data.token_ranges import EncodingOffsets, trained_tokens
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 

@@ -1,0 +1,214 @@
+"""Everything a training run needs before its first step, built once: `setup` checks the environment and the output
+directory, loads the data and the model, restores a checkpoint and opens the run directory, and returns a `Run`
+(loop.py then takes one optimizer step at a time)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from finetune import dist, versions
+from finetune.attention.kernels import setting
+from finetune.data import StepPlan
+from finetune.loss.fused import describe_impl, resolve_impl
+from finetune.metrics import MetricsLogger, WeightSamples, open_sinks
+from finetune.model import kernels as model_kernels
+from finetune.model.digest import config_digest, frozen_digest
+from finetune.model.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
+from finetune.model.loading import count_parameters
+from finetune.objectives import Objective
+from finetune.recipe import Recipe, features, to_yaml
+from finetune.rl.plan import RolloutPlan
+from finetune.run import atomic, checkpoint, startup
+from finetune.run.directory import RunDir, truncate_metrics, write_run_header
+from finetune.train.optim import build_optimizer, build_scheduler
+from finetune.train.parallel import wrap_model
+from finetune.train.parts import Parts, load_parts, plan_for
+from finetune.train.plan import step_larger_than_epoch
+
+
+@dataclass
+class Progress:
+    """Where the run stands: the optimizer steps done, and the real input tokens and samples trained on."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    samples_seen: int = 0
+
+
+@dataclass
+class Run:
+    """Everything the step loop needs, built once by `setup`."""
+
+    recipe: Recipe
+    world: dist.World
+    device: torch.device
+    console: Console
+    out: RunDir
+    tokenizer: Any
+    lm: torch.nn.Module  # the model (PEFT-wrapped with an adapter): what is saved
+    net: torch.nn.Module  # the model with its fused loss, DDP/FSDP-wrapped: what is run
+    objective: Objective
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    plan: StepPlan | RolloutPlan
+    eval_samples: list[dict]
+    samples_key: str | None  # the training data's identity, recorded in checkpoints
+    logger: MetricsLogger | None  # rank 0 only
+    start: Progress
+    n_params: int
+    eval_every: int | None  # optimizer steps between evals (eval.every_steps or every_epochs, resolved)
+    checkpoint_every: int | None
+    images_key: str | None = None  # the training images' bytes, recorded in checkpoints (None: no images)
+    frozen: str | None = None  # the weights a resume loads from model.path again (model/digest.py), recorded too
+    config: str | None = None  # the model's config by content (model/digest.py): with `frozen`, a moved model.path
+
+    @functools.cached_property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters, listed once (walking every parameter each step is host time per step)."""
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    @functools.cached_property
+    def weight_samples(self) -> WeightSamples:
+        """The samples the update ratio compares, their views made once."""
+        return WeightSamples(self.params)
+
+
+# --- setup -------------------------------------------------------------------------------------------------
+
+def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Console, *, overwrite: bool,
+          allow_unpinned: bool) -> Run:
+    """Check the environment and the output directory, load the data and the model, restore a checkpoint."""
+    out = RunDir(Path(recipe.output_dir))
+    impl = resolve_impl(recipe.loss.impl, device)
+    warnings = _enforce_versions(recipe, impl, allow_unpinned, console)
+    # Rank 0 verifies the checkpoints (their checksums) and checks the directory, holding the run lock; the other
+    # ranks take its answer. Checked now, before anything slow; an old run is only removed once everything loaded.
+    replaced: list[str] = []
+    resume_from = None
+    if world.is_main:
+        for done in [*atomic.restore_displaced(out.checkpoints, checkpoint.PREFIX),  # a kill mid-swap (atomic.py)
+                     *atomic.restore_displaced(out.root, out.final.name)]:
+            warn(console, f"{out.root}: {done}")
+        resume_from = checkpoint.resume_path(recipe, out.root, warn=lambda m: warn(console, m))
+        replaced = startup.check_output_dir(out.root, recipe, resume_from=resume_from, overwrite=overwrite)
+    resume_from = dist.from_main(resume_from)
+
+    torch.manual_seed(recipe.seed)
+    if recipe.model.trust_remote_code:  # said before the tokenizer and the model load, i.e. before that code runs
+        console.print("[yellow]model.trust_remote_code is on: running code shipped with the model[/yellow]")
+    compiled: list[int] = []
+    parts = load_parts(recipe, world, device, lambda m: console.print(m, markup=False, highlight=False),
+                       fresh_model=resume_from is None,
+                       check_model=lambda lm, tokenizer: compiled.append(_check_model(recipe, lm, tokenizer, console)))
+    # Before any wrapping shards the parameters; on rank 0 only, as every rank loaded the same weights.
+    frozen = dist.from_main(frozen_digest(parts.lm) if world.is_main else None)
+    config = config_digest(parts.lm.config)  # once: checkpoints record it, a resume compares it
+    plan = plan_for(recipe, parts, world)
+    if plan.note:
+        console.print(plan.note)
+    if isinstance(plan, StepPlan) and (oversized := step_larger_than_epoch(plan, world.size)) is not None:
+        warn(console, oversized)
+    checkpoint_every = plan.cadence(recipe.checkpoint.every_steps, recipe.checkpoint.every_epochs)
+    lm = parts.lm
+    if world.is_main:
+        _check_disk_room(recipe, out, lm, checkpoint_every is not None, replaced, resumed=resume_from is not None)
+    n_params, kernels_used = _report_model(recipe, parts, world, plan, compiled[0], console)
+    net = wrap_model(parts.net, recipe, world, device)
+    optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
+    scheduler = build_scheduler(optimizer, plan.total, recipe.train)
+    start = Progress()
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, lm, optimizer, scheduler)
+        checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key,
+                                       getattr(parts.objective, "reference_digest", None), parts.images_key,
+                                       frozen=frozen, config=config)
+        start = Progress(state["step"], state["tokens_seen"], state.get("samples_seen", 0))
+        if isinstance(plan, RolloutPlan) and (note := plan.restore(checkpoint.rollout_state(resume_from), start.step,
+                                                                    str(resume_from))):
+            warn(console, note)
+        console.print(f"resumed from {resume_from} at step {start.step}")
+    logger = _open_run_dir(recipe, out, console, replaced, versions.snapshot(warnings) | {"run": kernels_used}, plan,
+                           start, resumed=resume_from is not None) if world.is_main else None
+    return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
+               plan, parts.evals, parts.samples_key, logger, start, n_params,
+               plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every, parts.images_key,
+               frozen, config)
+
+
+def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpointing: bool, replaced: list[str],
+                     resumed: bool) -> None:
+    """keep_last + 1 checkpoints coexist while the newest is written (fewer to add when a resume has some)."""
+    on_disk = len(checkpoint.complete_checkpoints(out.checkpoints)) if resumed else 0
+    copies = startup.checkpoint_copies(recipe.checkpoint.keep_last, on_disk) if checkpointing else 0
+    startup.check_disk_room(out.root, lm, checkpoints=copies, reclaim=startup.tree_bytes(out.root, replaced))
+
+
+def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: Console) -> list[str]:
+    used = features(recipe)
+    if "liger" not in used and impl == "liger":
+        used.append("liger")  # whatever chose Liger, it is held to its pin
+    warnings = versions.enforce(versions.packages_for(used), allow_unpinned=allow_unpinned)
+    for w in warnings:
+        console.print(f"[yellow]warning: {w}[/yellow]")
+    return warnings
+
+
+def _check_model(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, console: Console) -> int:
+    """The loaded model, before anything runs it: compiled (train.compile; returns how many layers), and its packed
+    documents isolated from each other. Compiled first, so that the isolation check proves the compiled path."""
+    compiled = model_kernels.compile_layers(lm) if recipe.train.compile else 0
+    if recipe.data.packing:
+        check_packable(lm, tokenizer.pad_token_id)
+    if recipe.data.packing and recipe.data.packing_check:
+        err = check_packing_isolation(lm, len(tokenizer), kernel=setting(recipe.model.packed_attention))
+        console.print(f"packing isolation check passed (max logit difference {err:.1e})")
+    return compiled
+
+
+def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPlan, compiled: int,
+                  console: Console) -> tuple[int, dict[str, Any]]:
+    """Print what runs (parameters, loss, attention and its packed kernel, device, steps); returns the number of
+    parameters and the record of what runs (versions.json "run": the loss, the attention, the packed kernel and
+    why it was chosen), which `finetune runs compare` shows."""
+    lm, device = parts.lm, parts.device
+    trainable, total = count_parameters(lm)
+    attn = getattr(lm.config, "_attn_implementation", "?")
+    loss = describe_impl(parts.impl, device)  # says so where Liger runs in Triton's interpreter (a testing mode)
+    packed, record = "", {"loss": loss, "attention": attn, "packed_kernel": None, "packed_kernel_why": None}
+    if recipe.data.packing and is_ours(lm):
+        kernel, why = packed_attention(lm, device, setting(recipe.model.packed_attention))
+        packed = f"; packed rows: {kernel} ({why})"
+        record |= {"packed_kernel": kernel, "packed_kernel_why": why}
+    liger = f"; liger kernels: {model_kernels.liger_summary(lm)}" if recipe.model.liger_kernels else ""
+    compiled_note = f"; compiled: {compiled} decoder layers" if compiled else ""
+    console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {loss}; "
+                  f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
+                  f"{plan.global_batch} rows{packed}{liger}{compiled_note}")
+    return total, record
+
+
+def _open_run_dir(recipe: Recipe, out: RunDir, console: Console, replaced: list[str], snapshot: dict[str, Any],
+                  plan: StepPlan, start: Progress, *, resumed: bool) -> MetricsLogger:
+    """Rank 0, once everything has loaded: replace an earlier run (--overwrite), mark the directory as this run's,
+    record the recipe and the versions, drop metrics lines a resume re-runs, and open the metrics sinks."""
+    startup.remove_previous_run(out.root, replaced)
+    debris = [*atomic.remove_temporaries(out.checkpoints, checkpoint.PREFIX),
+              *atomic.remove_temporaries(out.root, out.final.name)]
+    if debris:
+        warn(console, f"removed what interrupted saves left in {out.root}: {', '.join(debris)}")
+    marker = startup.claim(out.root, recipe, fresh=not resumed)
+    console.print(f"run {marker.run_id} in {out.root}", markup=False, highlight=False)
+    write_run_header(out, to_yaml(recipe), snapshot)
+    if start.step:
+        truncate_metrics(out, start.step)
+    return open_sinks(out, recipe.logging, console, plan.total, start.step, config=recipe.model_dump(mode="json"))
+
+
+def warn(console: Console, message: str) -> None:
+    console.print(message, style="yellow", markup=False, highlight=False)
