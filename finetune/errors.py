@@ -15,6 +15,11 @@ class Stopped(Exception):
     EXIT_STOPPED."""
 
 
+class Interrupted(Exception):
+    """Generation cut short by the run's stop request (rl/generation.py): its rollouts are dropped, and the loop stops
+    the run after the steps done (it never reaches the CLI)."""
+
+
 EXIT_STOPPED = 143  # 128 + SIGTERM: what a shell reports for a process SIGTERM ended; schedulers requeue it
 
 

@@ -1,21 +1,33 @@
 """The generation seam: prompts in, sampled completions out. `HFGenerator` runs transformers' `generate` on the
 policy itself (adapters on, eval mode, KV cache, left-padded batches); a faster engine (vLLM on CUDA) can take its
-place by implementing `Generator`, without touching the objective or the plan."""
+place by implementing `Generator`, without touching the objective or the plan.
+
+A generator is handed `stop`, the run's stop request (SIGTERM, train/stop.py): it asks it between tokens and, once
+it says yes, raises `Interrupted` instead of returning, so that a preempted run stops within a token of the signal
+rather than after a whole batch's generation."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
+from finetune.errors import Interrupted
 from finetune.recipe import GRPOConfig
+
+StopAsked = Callable[[], bool]
+
+
+def never() -> bool:
+    return False
 
 
 class Generator(Protocol):
-    def generate(self, prompts: list[list[int]], greedy: bool = False) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], greedy: bool = False, stop: StopAsked = never) -> list[list[int]]:
         """One completion per prompt (repeat a prompt for a group): its token ids, cut after the first end
-        token (kept), at most max_new_tokens."""
+        token (kept), at most max_new_tokens. Raises Interrupted once `stop()` is true (asked between tokens)."""
         ...
 
 
@@ -28,17 +40,23 @@ class HFGenerator:
         self.pad_id = tokenizer.pad_token_id
         self.batch_size = batch_size
 
-    def generate(self, prompts: list[list[int]], greedy: bool = False) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], greedy: bool = False, stop: StopAsked = never) -> list[list[int]]:
         training = self.lm.training
         self.lm.eval()
+        out: list[list[int]] = []
         try:
             with torch.no_grad():
-                return [c for i in range(0, len(prompts), self.batch_size)
-                        for c in self._batch(prompts[i:i + self.batch_size], greedy)]
+                for i in range(0, len(prompts), self.batch_size):
+                    if stop():
+                        raise Interrupted
+                    out += self._batch(prompts[i:i + self.batch_size], greedy, stop)
         finally:
             self.lm.train(training)
+        if stop():  # asked during the last batch, which generate then cut short
+            raise Interrupted
+        return out
 
-    def _batch(self, prompts: list[list[int]], greedy: bool) -> list[list[int]]:
+    def _batch(self, prompts: list[list[int]], greedy: bool, stop: StopAsked) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -49,7 +67,8 @@ class HFGenerator:
                                                         "top_p": self.cfg.top_p, "top_k": 0}
         out = self.lm.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.end_ids,
-                               pad_token_id=self.pad_id, use_cache=True, **sampling)
+                               pad_token_id=self.pad_id, use_cache=True,
+                               stopping_criteria=StoppingCriteriaList([_Asking(stop)]), **sampling)
         return [self._cut(row) for row in out[:, width:].tolist()]
 
     def _cut(self, ids: list[int]) -> list[int]:
@@ -58,3 +77,13 @@ class HFGenerator:
             if t in self.end_ids:
                 return ids[:i + 1]
         return ids
+
+
+class _Asking(StoppingCriteria):
+    """Ends every sequence of the batch once the stop request is noted (transformers asks after each token)."""
+
+    def __init__(self, stop: StopAsked) -> None:
+        self.stop = stop
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.stop(), dtype=torch.bool, device=input_ids.device)

@@ -4,6 +4,9 @@ completions each, scored by the reward functions.
 Each rank generates and scores its own contiguous share of the step's prompts (whole groups), then the step's
 rollouts are gathered on every rank (all_gather_object, in rank order): every rank computes the same advantages
 and splits the same batch as a replay would, so the loss contract and the tests of replay mode cover it.
+
+`stop` is the run's stop request, handed to the generator: a generation it cuts short on any rank raises
+Interrupted on every rank (they agree before gathering), and nothing of that batch is used.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import Any
 import torch
 
 from finetune import dist
+from finetune.errors import Interrupted
 from finetune.recipe import Recipe
-from finetune.rl.generation import Generator
+from finetune.rl.generation import Generator, StopAsked, never
 from finetune.rl.prompts import Prompt
 from finetune.rl.rewards import Reward, score, total
 from finetune.rl.rollout import Rollout
@@ -35,6 +39,7 @@ class LiveRollouts:
         self.batches = full + (1 if rest and not recipe.data.drop_last else 0)
         self.figures: dict[str, float] = {}
         self._seconds = {"generate": 0.0, "reward": 0.0}  # the last rollouts_of call's
+        self.stop: StopAsked = never  # the run's stop request (the loop sets it)
 
     def _order(self, epoch: int) -> list[Prompt]:
         order = list(self.prompts)
@@ -50,7 +55,7 @@ class LiveRollouts:
         # Sampling is seeded by the run's seed, the batch and the rank: a resumed run generates the same rollouts.
         torch.manual_seed(hash((self.recipe.seed, index, self.world.rank)) % 2**63)
         self._seconds = {"generate": 0.0, "reward": 0.0}
-        rollouts = self.rollouts_of(mine) if mine else []
+        rollouts = self._agreed(mine, greedy=False)
         tokens = sum(len(r.completion_ids) for r in rollouts)
         if self.world.distributed:
             rollouts = dist.all_gather_objects(rollouts)
@@ -65,7 +70,7 @@ class LiveRollouts:
         n = 1 if greedy else self.group
         asked = [p for p in prompts for _ in range(n)]
         start = time.perf_counter()
-        completions = self.generator.generate([p.prompt_ids for p in asked], greedy=greedy)
+        completions = self.generator.generate([p.prompt_ids for p in asked], greedy=greedy, stop=self.stop)
         generated = time.perf_counter()
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         keys = sorted({k for p in asked for k in p.fields})
@@ -82,10 +87,21 @@ class LiveRollouts:
         """Mean reward of one greedy completion per held-out prompt (each rank its share, summed over ranks)."""
         share = -(-len(prompts) // self.world.size)
         mine = prompts[self.world.rank * share:(self.world.rank + 1) * share]
-        rollouts = self.rollouts_of(mine, greedy=True) if mine else []
+        rollouts = self._agreed(mine, greedy=True)
         if self.world.distributed:
             rollouts = dist.all_gather_objects(rollouts)
         scored = [r.reward for r in rollouts if r.reward == r.reward]  # NaN: unscored
         lengths = [len(r.completion_ids) for r in rollouts]
         return {"eval_reward": sum(scored) / max(len(scored), 1), "eval_prompts": len(rollouts),
                 "eval_completion_length": sum(lengths) / max(len(lengths), 1)}
+
+    def _agreed(self, prompts: list[Prompt], greedy: bool) -> list[Rollout]:
+        """rollouts_of this rank's prompts, or Interrupted on every rank when the generation was cut short on any
+        (a collective: each rank asks, those without prompts too)."""
+        try:
+            rollouts, cut = (self.rollouts_of(prompts, greedy) if prompts else []), False
+        except Interrupted:
+            rollouts, cut = [], True
+        if dist.any_rank(cut) if self.world.distributed else cut:
+            raise Interrupted
+        return rollouts

@@ -43,6 +43,8 @@ class RolloutPlan:
         self.total = min(total, t.max_steps) if t.max_steps else total
         self._current: tuple[int, list[dict], dict[str, float]] | None = None
         self.evaluator: Callable[[], dict[str, float]] | None = None  # held-out mean reward (generated rollouts)
+        # The run's stop request (the loop sets it), asked while rollouts are generated: Interrupted once it is true.
+        self.stop: Callable[[], bool] = lambda: False
         self.note = ""
 
     def steps_in_epoch(self, epoch: int) -> int:

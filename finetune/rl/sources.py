@@ -73,6 +73,7 @@ def rollout_plan(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, net: torch
     generator = HFGenerator(lm, tokenizer, g, ends, device, recipe.train.micro_batch_size * g.num_generations)
     live = LiveRollouts(prompts, recipe, world, generator, load_rewards(g.rewards), tokenizer, size)
     plan = RolloutPlan(live, live.batches, recipe, world_size, ends, scorer, prefetch=False)
+    live.stop = lambda: plan.stop()
     plan.evaluator = (lambda: live.evaluate(evals)) if evals else None
     plan.note = f"prompts: {len(prompts)} ({skipped} bad rows skipped), {len(evals)} held out"
     return plan

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from finetune import dist
 from finetune.batch import MicroBatch
-from finetune.errors import Stopped, UserError
+from finetune.errors import Interrupted, Stopped, UserError
 from finetune.metrics import Stopwatch, mfu, model_depth_width, peak_memory_mb
 from finetune.model.loading import save_final
 from finetune.recipe import Recipe
@@ -76,84 +76,96 @@ def _run_lock(recipe: Recipe, world: dist.World, console: Console) -> Iterator[N
 
 def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
     """Every optimizer step from the start (or the resumed step) to the end, then the final eval and save; asked to
-    `stop` (SIGTERM: train/stop.py), up to the step under way, with its checkpoint, returning what to tell the user.
-
-    A step reads the device once (step.read_step: the skip decision needs its loss and gradient norm); its update
-    ratio is read with the next step's figures, so its metrics line is written then (or before an eval, a
-    checkpoint or the end, whichever comes first). The next step's micro-batches are collated and copied to the
-    device while the device still works on this one."""
+    `stop` (SIGTERM: train/stop.py), up to the step under way (while generating rollouts: the steps done), with its
+    checkpoint, returning what to tell the user. A step reads the device once (step.read_step); its update ratio is
+    read with the next step's figures, so its metrics line is written then (or before an eval, a checkpoint or the
+    end). The next step's micro-batches are collated and copied to the device while it still works on this one."""
     recipe, world, plan = run.recipe, run.world, run.plan
     done = run.start
-    if done.step == 0 and recipe.eval.at_start:
-        _evaluate(run, 0)
-    run.net.train()  # once: an eval switches it back when done
-    clock, bad_streak, pending = Stopwatch(), 0, None
-    depth_width = model_depth_width(run.lm)
-    upcoming = None
-    for step in range(done.step, plan.total):
-        clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
-        # Collated ahead during the previous step, unless the rows depend on its update (generated rollouts).
-        epoch, step_rows, micro = upcoming or _micro_batches(run, step, clock)
+    if isinstance(plan, RolloutPlan) and stop is not None:
+        plan.stop = lambda: stop.requested  # asked between generated tokens
+    epoch, pending, saved = 0, None, None
+    try:
+        if done.step == 0 and recipe.eval.at_start:
+            _evaluate(run, 0)
+        run.net.train()  # once: an eval switches it back when done
+        clock, bad_streak = Stopwatch(), 0
+        depth_width = model_depth_width(run.lm)
         upcoming = None
-        # The step's counts over all micro-batches and ranks, known before any backward.
-        counts, seq_tokens, padded_tokens, stopping = step_counts(run.objective, micro, world, run.device,
-                                                                  stop is not None and stop.requested)
-        sums = forward_backward(run.net, run.objective, micro, counts, world, run.device)
-        norm = clip_gradients(run.params, recipe.train.max_grad_norm or math.inf)
-        if step + 1 < plan.total and plan.prefetch:
-            upcoming = _micro_batches(run, step + 1, clock)
-        figures = read_step(run.objective, sums, norm, counts, [pending.ratio] if pending else [])
-        if pending:
-            with clock.excluded():
-                _write_line(run, pending, figures.late[0])
-        healthy = figures.healthy(counts)
-        before = run.weight_samples.take() if healthy else None
-        if healthy:
-            run.optimizer.step()
-            bad_streak = 0
-        else:
-            bad_streak = _report_skipped(run.console, step, counts, bad_streak)
-        run.optimizer.zero_grad(set_to_none=True)
-        lr = run.scheduler.get_last_lr()[0]
-        run.scheduler.step()
-        ratio = _update_ratio(run, before) if before is not None else None
-        seconds = clock.lap()
-        done = Progress(step + 1, done.tokens_seen + seq_tokens, done.samples_seen + sum(
-            len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows))
-        step_mfu = mfu(seq_tokens / seconds / world.size, run.n_params, *depth_width,
-                       recipe.data.max_seq_len or 2048, run.device) if all(depth_width) else None
-        max_norm = recipe.train.max_grad_norm or math.inf
-        pending = _Line({
-            "step": done.step, "total_steps": plan.total, "epoch": epoch, "loss": figures.loss,
-            "grad_norm": figures.grad_norm, "grad_norm_clipped": min(figures.grad_norm, max_norm), "lr": lr,
-            **counts, **figures.metrics, "seq_tokens": seq_tokens, "padded_tokens": padded_tokens,
-            "tokens_seen": done.tokens_seen, "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
-            "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": 0.0, "skipped": not healthy,
-            "peak_memory_mb": peak_memory_mb(run.device), "elapsed_s": clock.elapsed, **plan.info(step),
-            **({"mfu": step_mfu} if step_mfu is not None else {}),
-        }, ratio)
-        ends = bad_streak >= recipe.train.max_bad_steps or done.step == plan.total
-        stops = stopping and not ends  # an eval now would spend the time the signal's sender gives to stop
-        evals = run.eval_every and done.step % run.eval_every == 0 and done.step != plan.total and not stops
-        saves = run.checkpoint_every and done.step % run.checkpoint_every == 0
-        if ratio is None or ends or evals or saves or stops:  # read now: a skipped step's ratio is 0, nothing to wait for
-            _write_line(run, pending, float(ratio) if ratio is not None else 0.0)
-            pending = None
-        if bad_streak >= recipe.train.max_bad_steps:  # after logging, so the metrics show the bad steps
-            raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient "
-                            f"(train.max_bad_steps = {recipe.train.max_bad_steps}); lower train.lr, "
-                            "check the data, or use float32")
-        if evals:
-            _evaluate(run, done.step)
-        if saves or stops:
-            saved = _save_checkpoint(run, done, epoch)
-        if stops:
-            if run.logger:
-                run.logger.close(ok=False)  # trackers: the run did not end
-            return stopped_message(done.step, plan.total, saved)
-    _evaluate(run, plan.total)
+        for step in range(done.step, plan.total):
+            clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
+            # Collated ahead during the previous step, unless the rows depend on its update (generated rollouts).
+            epoch, step_rows, micro = upcoming or _micro_batches(run, step, clock)
+            upcoming = None
+            # The step's counts over all micro-batches and ranks, known before any backward.
+            counts, seq_tokens, padded_tokens, stopping = step_counts(run.objective, micro, world, run.device,
+                                                                      stop is not None and stop.requested)
+            sums = forward_backward(run.net, run.objective, micro, counts, world, run.device)
+            norm = clip_gradients(run.params, recipe.train.max_grad_norm or math.inf)
+            if step + 1 < plan.total and plan.prefetch:
+                upcoming = _micro_batches(run, step + 1, clock)
+            figures = read_step(run.objective, sums, norm, counts, [pending.ratio] if pending else [])
+            if pending:
+                with clock.excluded():
+                    _write_line(run, pending, figures.late[0])
+            healthy = figures.healthy(counts)
+            before = run.weight_samples.take() if healthy else None
+            if healthy:
+                run.optimizer.step()
+                bad_streak = 0
+            else:
+                bad_streak = _report_skipped(run.console, step, counts, bad_streak)
+            run.optimizer.zero_grad(set_to_none=True)
+            lr = run.scheduler.get_last_lr()[0]
+            run.scheduler.step()
+            ratio = _update_ratio(run, before) if before is not None else None
+            seconds = clock.lap()
+            done = Progress(step + 1, done.tokens_seen + seq_tokens, done.samples_seen + sum(
+                len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows))
+            saved = None  # no checkpoint of this step yet
+            step_mfu = mfu(seq_tokens / seconds / world.size, run.n_params, *depth_width,
+                           recipe.data.max_seq_len or 2048, run.device) if all(depth_width) else None
+            max_norm = recipe.train.max_grad_norm or math.inf
+            pending = _Line({
+                "step": done.step, "total_steps": plan.total, "epoch": epoch, "loss": figures.loss,
+                "grad_norm": figures.grad_norm, "grad_norm_clipped": min(figures.grad_norm, max_norm), "lr": lr,
+                **counts, **figures.metrics, "seq_tokens": seq_tokens, "padded_tokens": padded_tokens,
+                "tokens_seen": done.tokens_seen, "samples": done.samples_seen, "tokens_per_s": seq_tokens / seconds,
+                "padded_tokens_per_s": padded_tokens / seconds, "update_ratio": 0.0, "skipped": not healthy,
+                "peak_memory_mb": peak_memory_mb(run.device), "elapsed_s": clock.elapsed, **plan.info(step),
+                **({"mfu": step_mfu} if step_mfu is not None else {}),
+            }, ratio)
+            ends = bad_streak >= recipe.train.max_bad_steps or done.step == plan.total
+            stops = stopping and not ends  # an eval now would spend the time the signal's sender gives to stop
+            evals = run.eval_every and done.step % run.eval_every == 0 and done.step != plan.total and not stops
+            saves = run.checkpoint_every and done.step % run.checkpoint_every == 0
+            if ratio is None or ends or evals or saves or stops:  # read now (a skipped step's ratio is 0)
+                _write_line(run, pending, float(ratio) if ratio is not None else 0.0)
+                pending = None
+            _check_bad_streak(bad_streak, recipe.train.max_bad_steps)  # after logging: the metrics show them
+            if evals:
+                _evaluate(run, done.step)
+            if saves or stops:
+                saved = _save_checkpoint(run, done, epoch)
+            if stops:
+                return _stop_between_steps(run, done, epoch, None, saved)
+        _evaluate(run, plan.total)
+    except Interrupted:  # a generation (GRPO's rollouts or its eval) cut short by the stop request
+        return _stop_between_steps(run, done, epoch, pending, saved)
     _save_final(run)
     return None
+
+
+def _stop_between_steps(run: Run, done: Progress, epoch: int, pending: _Line | None, saved: Path | None) -> str:
+    """Stopped after the steps done (train/stop.py): their last metrics line and checkpoint written (`saved`: the
+    step's checkpoint when written already; none when this process took no step); returns what to tell the user."""
+    if pending:
+        _write_line(run, pending, float(pending.ratio) if pending.ratio is not None else 0.0)
+    if saved is None and done.step > run.start.step:
+        saved = _save_checkpoint(run, done, epoch)
+    if run.logger:
+        run.logger.close(ok=False)  # trackers: the run did not end
+    return stopped_message(done.step, run.plan.total, saved)
 
 
 @dataclass
@@ -189,6 +201,12 @@ def _micro_batches(run: Run, step: int, clock: Stopwatch) -> tuple[int, list[dic
     micro = step_micro_batches(run.objective, step_rows, recipe, run.tokenizer.pad_token_id, world.size, world.rank,
                                run.device)
     return epoch, step_rows, micro
+
+
+def _check_bad_streak(bad_streak: int, most: int) -> None:
+    if bad_streak >= most:
+        raise UserError(f"{bad_streak} consecutive steps with a non-finite loss or gradient (train.max_bad_steps = "
+                        f"{most}); lower train.lr, check the data, or use float32")
 
 
 def _report_skipped(console: Console, step: int, counts: dict[str, int], bad_streak: int) -> int:

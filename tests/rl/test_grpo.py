@@ -391,9 +391,9 @@ def test_training_tokens_per_s_leaves_out_generation(tmp_path, monkeypatch):
 
     real = HFGenerator.generate
 
-    def slow(self, prompts, greedy=False):
+    def slow(self, prompts, greedy=False, **kwargs):
         time.sleep(2.0)
-        return real(self, prompts, greedy)
+        return real(self, prompts, greedy, **kwargs)
 
     monkeypatch.setattr(HFGenerator, "generate", slow)
     prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)

@@ -1,0 +1,122 @@
+"""SIGTERM during GRPO's generation: the generator asks the stop request between tokens and raises Interrupted
+instead of finishing the batch, every rank agrees, and the run stops after the steps done, with their checkpoint
+(train/stop.py). Before, a signal that came after a step's counts waited for the whole next batch's generation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from grpo_files import write_prompts
+from helpers import QUICKSTART, TINY, run_cli, train_lines
+
+from finetune import dist
+from finetune.errors import Interrupted
+from finetune.recipe import GRPOConfig
+from finetune.rl.generation import HFGenerator
+from finetune.rl.live import LiveRollouts
+from finetune.rl.prompts import Prompt
+from finetune.run import checkpoint
+
+
+def _tiny_lm() -> torch.nn.Module:
+    from conftest import TINY_MODEL_CONFIG
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = {k: v for k, v in TINY_MODEL_CONFIG.items() if k != "model_type"}
+    return LlamaForCausalLM(LlamaConfig(**config, vocab_size=1024))
+
+
+class _Pad:
+    pad_token_id = 0
+
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+def test_a_stop_request_cuts_the_generation_short_within_a_token():
+    lm = _tiny_lm()
+    forwards: list[int] = []
+    lm.register_forward_hook(lambda *_: forwards.append(1))
+    generator = HFGenerator(lm, _Pad(), GRPOConfig(max_new_tokens=40), {2}, torch.device("cpu"), batch_size=2)
+    with pytest.raises(Interrupted):
+        generator.generate(PROMPTS, stop=lambda: len(forwards) >= 3)
+    assert len(forwards) == 3 and lm.training  # asked after each token; the policy is back in training mode
+    forwards.clear()
+    with pytest.raises(Interrupted):
+        generator.generate(PROMPTS, stop=lambda: True)  # asked before the first batch too: nothing generated
+    assert forwards == []
+
+
+def test_a_stop_request_never_made_changes_no_sample():
+    lm = _tiny_lm().eval()
+    cfg = GRPOConfig(max_new_tokens=8)
+    generator = HFGenerator(lm, _Pad(), cfg, {2}, torch.device("cpu"), batch_size=4)
+    torch.manual_seed(3)
+    ours = generator.generate(PROMPTS[:2])
+    torch.manual_seed(3)
+    ids = torch.tensor([[0, 5, 6, 7], [0, 0, 8, 9]])
+    plain = lm.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=8, eos_token_id=[2],
+                        pad_token_id=0, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
+    assert ours == [generator._cut(row) for row in plain[:, 4:].tolist()]
+
+
+class _Cut:
+    def generate(self, prompts, greedy=False, stop=None):
+        raise Interrupted
+
+
+def test_rollouts_cut_short_are_interrupted_whole():
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(QUICKSTART, [*TINY, "train.objective=grpo", "grpo.num_generations=2", "eval_datasets=[]",
+                                      "datasets.0.format=prompt", "data.packing=false",
+                                      "grpo.rewards=[{function: length}]"])
+    prompts = [Prompt([{"role": "user", "content": "x"}], [5, 6], {}, f"row {i}") for i in range(4)]
+    live = LiveRollouts(prompts, recipe, dist.World(), _Cut(), [], None, 4)
+    with pytest.raises(Interrupted):
+        live(0)
+    with pytest.raises(Interrupted):
+        live.evaluate(prompts)
+
+
+@pytest.mark.parametrize(("call", "every"), [(2, None), (4, 1)], ids=["eval-1", "eval-2-checkpointing"])
+def test_sigterm_during_an_eval_stops_before_the_next_generation_and_resume_continues(tmp_path, call, every):
+    """The reward function sends SIGTERM on its `call`-th call: 2, the eval after step 1 (4: after step 2, with a
+    checkpoint every step, taken after the eval). Before, the next step's rollouts were then generated and trained
+    (the signal came after the step's counts); now the run stops after that step, with its checkpoint, and the next
+    generation never starts (no further reward call)."""
+    (tmp_path / "stop_rewards.py").write_text(
+        "import os, signal\n"
+        f"LOG = {str(tmp_path / 'calls')!r}\n"
+        "def length(prompts, completions, **kw):\n"
+        "    with open(LOG, 'a') as f:\n"
+        "        f.write('call\\n')\n"
+        f"    if len(open(LOG).read().splitlines()) == {call} and not os.environ.get('NO_STOP'):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return [float(len(c)) for c in completions]\n")
+    prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)
+    out = tmp_path / "run"
+    args = [*TINY, "data.packing=false", "train.objective=grpo", f"datasets.0.path={prompts}",
+            "datasets.0.format=prompt", f"eval_datasets=[{{path: {prompts}, format: prompt}}]",
+            "grpo.num_generations=4", "grpo.max_new_tokens=4", "grpo.rewards=[{function: 'stop_rewards:length'}]",
+            "train.micro_batch_size=4", "train.gradient_accumulation_steps=2", "train.max_steps=3",
+            "eval.every_steps=1", "eval.at_start=false", f"output_dir={out}",
+            *([f"checkpoint.every_steps={every}", "checkpoint.keep_last=5"] if every else [])]
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = run_cli("train", str(QUICKSTART), *args, env=env)
+    step = call // 2
+    assert r.returncode == 143, r.stderr[-3000:]
+    assert f"stopped on SIGTERM after step {step} of 3: {out / 'checkpoints' / f'step-{step}'}" in r.stderr, \
+        r.stderr[-2000:]
+    assert (tmp_path / "calls").read_text().splitlines() == ["call"] * call  # each step's rollouts and eval
+    assert [x["step"] for x in train_lines(out)] == list(range(1, step + 1))
+    assert [p.name for p in checkpoint.complete_checkpoints(out / "checkpoints")] == \
+        [f"step-{s}" for s in range(1, step + 1) if every or s == step]
+    if every:
+        return
+    r = run_cli("train", str(QUICKSTART), *args, "resume=auto", env={**env, "NO_STOP": "1"})
+    assert r.returncode == 0 and f"resumed from {out / 'checkpoints' / 'step-1'} at step 1" in r.stdout, r.stderr
+    assert [x["step"] for x in train_lines(out)] == [1, 2, 3] and (out / "final").is_dir()
