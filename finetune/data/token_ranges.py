@@ -57,7 +57,6 @@ class EncodingOffsets(Sequence[tuple[int, int]]):
         return k
 
 
-
 def trained_tokens(offsets: Sequence[tuple[int, int]], turns: Sequence[TurnSpan]) -> list[tuple[int, int]]:
     """The tokens trained, as index ranges [a, b) in turn order: a token is trained when its first character lies in
     a turn's span (the offsets' starts never decrease, so each turn's tokens are one range, found by bisection)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,8 +82,7 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
     end). The next step's micro-batches are collated and copied to the device while it still works on this one."""
     recipe, world, plan = run.recipe, run.world, run.plan
     done = run.start
-    if isinstance(plan, RolloutPlan) and stop is not None:
-        plan.stop = lambda: stop.requested  # asked between generated tokens
+    _watch_generation(plan, stop, lambda: done.step)
     epoch, pending, saved = 0, None, None
     try:
         if done.step == 0 and recipe.eval.at_start:
@@ -154,6 +153,14 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
         return _stop_between_steps(run, done, epoch, pending, saved)
     _save_final(run)
     return None
+
+
+def _watch_generation(plan: Any, stop: StopRequest | None, steps_done: Callable[[], int]) -> None:
+    """Generation (GRPO) asks the stop request between tokens once the run has a step to stop after. Before that, a
+    fresh run generates and trains step 1 and stops after it, with its checkpoint: stopped with none, a requeued
+    `resume: auto` would find nothing to resume."""
+    if isinstance(plan, RolloutPlan) and stop is not None:
+        plan.stop = lambda: stop.requested and steps_done() > 0
 
 
 def _stop_between_steps(run: Run, done: Progress, epoch: int, pending: _Line | None, saved: Path | None) -> str:

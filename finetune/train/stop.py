@@ -9,10 +9,10 @@ rides along in the step's counts, which every rank sums before its backward (ste
 it at the same step, finish that step, write one checkpoint together and exit. A second SIGTERM is not caught: it
 ends the process at once, as it would have without us.
 
-Generated rollouts (GRPO) are made before their step's counts, and one batch's generation can take minutes: the
-generator asks the note between tokens and, once it is set, stops and raises errors.Interrupted (rl/live.py has every
-rank agree). The rollouts are dropped, the run stops after the steps done, and a resume generates the same ones
-again (their sampling is seeded by the batch).
+Generated rollouts (GRPO) are made before their step's counts, and one batch's generation can take minutes: once
+the run has a step to stop after, the generator asks the note between tokens and, once it is set, stops and raises
+errors.Interrupted (rl/live.py has every rank agree). The rollouts are dropped, the run stops after the steps done,
+and a resume generates the same ones again (their sampling is seeded by the batch).
 """
 
 from __future__ import annotations
@@ -57,11 +57,9 @@ class StopRequest:
 
 
 def stopped_message(step: int, total: int, saved: Path | None) -> str:
-    """What every rank says (some may not have had the signal themselves). `saved`: the checkpoint of step `step`,
-    None when this process took no step (stopped while generating the first step's rollouts, or an eval before it)."""
+    """What every rank says (some may not have had the signal themselves). `saved`: the checkpoint of step `step`;
+    None when a resumed run stopped (generating) before taking a step of its own."""
     if saved is not None:
         return f"stopped on SIGTERM after step {step} of {total}: {saved} (resume: auto continues from it)"
-    if step:
-        return (f"stopped on SIGTERM after step {step} of {total}, before another step: the checkpoint this run "
-                "resumed from holds it (resume: auto continues from it)")
-    return f"stopped on SIGTERM before step 1 of {total}: nothing was trained or saved"
+    return (f"stopped on SIGTERM after step {step} of {total}, before another step: the checkpoint this run resumed "
+            "from holds it (resume: auto continues from it)")

@@ -62,7 +62,6 @@ def test_text_the_backend_refuses_is_still_a_bad_row(tokenizer):
         encode(tokenizer, "o", "a\ud800b", False)
 
 
-
 @pytest.mark.parametrize("key", ["qwen2.5", "smollm2", "phi3.5", "gpt-oss"])
 def test_offsets_read_token_by_token_find_the_tokens_that_bisection_over_all_offsets_finds(key):
     # EncodingOffsets.first_at starts at the token the Encoding says covers a character and walks: it must land

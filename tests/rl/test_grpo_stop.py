@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from grpo_files import write_prompts
-from helpers import QUICKSTART, TINY, run_cli, train_lines
+from helpers import QUICKSTART, TINY, final_weights, run_cli, train_lines
 
 from finetune import dist
 from finetune.errors import Interrupted
@@ -82,41 +82,60 @@ def test_rollouts_cut_short_are_interrupted_whole():
         live.evaluate(prompts)
 
 
-@pytest.mark.parametrize(("call", "every"), [(2, None), (4, 1)], ids=["eval-1", "eval-2-checkpointing"])
-def test_sigterm_during_an_eval_stops_before_the_next_generation_and_resume_continues(tmp_path, call, every):
-    """The reward function sends SIGTERM on its `call`-th call: 2, the eval after step 1 (4: after step 2, with a
-    checkpoint every step, taken after the eval). Before, the next step's rollouts were then generated and trained
-    (the signal came after the step's counts); now the run stops after that step, with its checkpoint, and the next
-    generation never starts (no further reward call)."""
-    (tmp_path / "stop_rewards.py").write_text(
-        "import os, signal\n"
-        f"LOG = {str(tmp_path / 'calls')!r}\n"
-        "def length(prompts, completions, **kw):\n"
-        "    with open(LOG, 'a') as f:\n"
-        "        f.write('call\\n')\n"
-        f"    if len(open(LOG).read().splitlines()) == {call} and not os.environ.get('NO_STOP'):\n"
-        "        os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return [float(len(c)) for c in completions]\n")
+REWARDS = """import os, signal
+LOG = {log!r}
+def length(prompts, completions, **kw):
+    with open(LOG, 'a') as f:
+        f.write('call\\n')
+    if len(open(LOG).read().splitlines()) == {call} and not os.environ.get('NO_STOP'):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return [float(len(c)) for c in completions]
+"""
+
+
+def _args(tmp_path, out, every, at_start) -> list[str]:
     prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)
-    out = tmp_path / "run"
-    args = [*TINY, "data.packing=false", "train.objective=grpo", f"datasets.0.path={prompts}",
+    return [*TINY, "data.packing=false", "train.objective=grpo", f"datasets.0.path={prompts}",
             "datasets.0.format=prompt", f"eval_datasets=[{{path: {prompts}, format: prompt}}]",
             "grpo.num_generations=4", "grpo.max_new_tokens=4", "grpo.rewards=[{function: 'stop_rewards:length'}]",
             "train.micro_batch_size=4", "train.gradient_accumulation_steps=2", "train.max_steps=3",
-            "eval.every_steps=1", "eval.at_start=false", f"output_dir={out}",
+            "eval.every_steps=1", f"eval.at_start={str(at_start).lower()}", f"output_dir={out}",
+            "model.config.attention_dropout=0.1",  # the RNG's state must come back too
             *([f"checkpoint.every_steps={every}", "checkpoint.keep_last=5"] if every else [])]
+
+
+@pytest.mark.parametrize(("call", "every", "at_start", "step"), [(2, None, False, 1), (4, 1, False, 2), (1, None, True, 1)],
+                         ids=["eval-1", "eval-2-checkpointing", "eval-at-start"])
+def test_sigterm_during_an_eval_stops_before_the_next_generation_and_resume_continues(tmp_path, call, every,
+                                                                                       at_start, step):
+    """The reward function sends SIGTERM on its `call`-th call, an eval's: 2, the eval after step 1 (4: after step 2,
+    with a checkpoint every step, taken after the eval). Before, the next step's rollouts were then generated and
+    trained (the signal came after the step's counts); now the run stops after that step, with its checkpoint, and
+    the next generation never starts (no further reward call). Stopped in the eval at the start, before any step, a
+    fresh run still trains step 1 and stops after it (with no checkpoint, a requeued resume: auto would fail). The
+    resumed run ends where the uninterrupted one does, bit for bit."""
+    (tmp_path / "stop_rewards.py").write_text(REWARDS.format(log=str(tmp_path / "calls"), call=call))
+    out = tmp_path / "run"
+    args = _args(tmp_path, out, every, at_start)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     r = run_cli("train", str(QUICKSTART), *args, env=env)
-    step = call // 2
     assert r.returncode == 143, r.stderr[-3000:]
     assert f"stopped on SIGTERM after step {step} of 3: {out / 'checkpoints' / f'step-{step}'}" in r.stderr, \
         r.stderr[-2000:]
-    assert (tmp_path / "calls").read_text().splitlines() == ["call"] * call  # each step's rollouts and eval
+    made = (step + 1) if at_start else 2 * step  # each step's rollouts and its eval (and the one at the start)
+    assert (tmp_path / "calls").read_text().splitlines() == ["call"] * made
     assert [x["step"] for x in train_lines(out)] == list(range(1, step + 1))
     assert [p.name for p in checkpoint.complete_checkpoints(out / "checkpoints")] == \
         [f"step-{s}" for s in range(1, step + 1) if every or s == step]
     if every:
         return
-    r = run_cli("train", str(QUICKSTART), *args, "resume=auto", env={**env, "NO_STOP": "1"})
-    assert r.returncode == 0 and f"resumed from {out / 'checkpoints' / 'step-1'} at step 1" in r.stdout, r.stderr
-    assert [x["step"] for x in train_lines(out)] == [1, 2, 3] and (out / "final").is_dir()
+    env["NO_STOP"] = "1"
+    r = run_cli("train", str(QUICKSTART), *args, "resume=auto", env=env)
+    assert r.returncode == 0 and f"resumed from {out / 'checkpoints' / f'step-{step}'}" in r.stdout, r.stderr
+    straight = tmp_path / "straight"
+    assert run_cli("train", str(QUICKSTART), *_args(tmp_path, straight, every, at_start), env=env).returncode == 0
+    figures = ("step", "loss", "grad_norm", "reward", "completion_length")
+    assert [[x[k] for k in figures] for x in train_lines(out)] == [[x[k] for k in figures] for x in
+                                                                   train_lines(straight)]
+    ours, theirs = final_weights(out), final_weights(straight)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
