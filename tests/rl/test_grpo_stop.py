@@ -5,6 +5,7 @@ instead of finishing the batch, every rank agrees, and the run stops after the s
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -139,3 +140,28 @@ def test_sigterm_during_an_eval_stops_before_the_next_generation_and_resume_cont
                                                                    train_lines(straight)]
     ours, theirs = final_weights(out), final_weights(straight)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_sigterm_to_one_rank_while_generating_stops_both_after_the_same_step(tmp_path):
+    """Under torchrun only rank 1 gets the signal (in its eval after step 1): its step-2 generation stops at once,
+    rank 0 generates its whole share (a third reward call) and then learns from the agreement that rank 1 was cut
+    short; both drop the batch and write step 1's checkpoint together (a collective: had they disagreed, one would
+    wait forever in the gather while the other saved)."""
+    from helpers import run_process
+
+    (tmp_path / "stop_rewards.py").write_text(REWARDS.replace("LOG = {log!r}", "LOG = {log!r} + os.environ['RANK']")
+                                              .replace("== {call} and", "== {call} and os.environ['RANK'] == '1' and")
+                                              .format(log=str(tmp_path / "calls"), call=2))
+    out = tmp_path / "run"
+    args = [arg for arg in _args(tmp_path, out, None, False) if not arg.startswith("train.gradient_accumulation")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FINETUNE_DEVICE": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                     "finetune", "train", str(QUICKSTART), *args, "train.gradient_accumulation_steps=1"], env=env,
+                    timeout=300)
+    text = r.stdout + r.stderr
+    assert text.count(f"stopped on SIGTERM after step 1 of 3: {out / 'checkpoints' / 'step-1'}") == 2, text[-3000:]
+    assert "exitcode  : 143" in text, text[-3000:]
+    calls = [len((tmp_path / f"calls{rank}").read_text().splitlines()) for rank in (0, 1)]
+    assert calls == [3, 2], calls
+    assert [p.name for p in checkpoint.complete_checkpoints(out / "checkpoints")] == ["step-1"]
