@@ -94,12 +94,12 @@ def length(prompts, completions, **kw):
 """
 
 
-def _args(tmp_path, out, every, at_start) -> list[str]:
+def _args(tmp_path, out, every, at_start, steps: int = 2) -> list[str]:
     prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)
     return [*TINY, "data.packing=false", "train.objective=grpo", f"datasets.0.path={prompts}",
             "datasets.0.format=prompt", f"eval_datasets=[{{path: {prompts}, format: prompt}}]",
             "grpo.num_generations=4", "grpo.max_new_tokens=4", "grpo.rewards=[{function: 'stop_rewards:length'}]",
-            "train.micro_batch_size=4", "train.gradient_accumulation_steps=2", "train.max_steps=3",
+            "train.micro_batch_size=4", "train.gradient_accumulation_steps=2", f"train.max_steps={steps}",
             "eval.every_steps=1", f"eval.at_start={str(at_start).lower()}", f"output_dir={out}",
             "model.config.attention_dropout=0.1",  # the RNG's state must come back too
             *([f"checkpoint.every_steps={every}", "checkpoint.keep_last=5"] if every else [])]
@@ -117,11 +117,12 @@ def test_sigterm_during_an_eval_stops_before_the_next_generation_and_resume_cont
     Resumed from the stop in the eval after step 1, the run ends where the uninterrupted one does, bit for bit."""
     (tmp_path / "stop_rewards.py").write_text(REWARDS.format(log=str(tmp_path / "calls"), call=call))
     out = tmp_path / "run"
-    args = _args(tmp_path, out, every, at_start)
+    steps = step + 1  # the eval after the last step is the final one, which the signal would not stop before
+    args = _args(tmp_path, out, every, at_start, steps)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     r = run_cli("train", str(QUICKSTART), *args, env=env)
     assert r.returncode == 143, r.stderr[-3000:]
-    assert f"stopped on SIGTERM after step {step} of 3: {out / 'checkpoints' / f'step-{step}'}" in r.stderr, \
+    assert f"stopped on SIGTERM after step {step} of {steps}: {out / 'checkpoints' / f'step-{step}'}" in r.stderr, \
         r.stderr[-2000:]
     made = (step + 1) if at_start else 2 * step  # each step's rollouts and its eval (and the one at the start)
     assert (tmp_path / "calls").read_text().splitlines() == ["call"] * made
@@ -134,7 +135,7 @@ def test_sigterm_during_an_eval_stops_before_the_next_generation_and_resume_cont
     r = run_cli("train", str(QUICKSTART), *args, "resume=auto", env=env)
     assert r.returncode == 0 and f"resumed from {out / 'checkpoints' / f'step-{step}'}" in r.stdout, r.stderr
     straight = tmp_path / "straight"
-    assert run_cli("train", str(QUICKSTART), *_args(tmp_path, straight, every, at_start), env=env).returncode == 0
+    assert run_cli("train", str(QUICKSTART), *_args(tmp_path, straight, every, at_start, steps), env=env).returncode == 0
     figures = ("step", "loss", "grad_norm", "reward", "completion_length")
     assert [[x[k] for k in figures] for x in train_lines(out)] == [[x[k] for k in figures] for x in
                                                                    train_lines(straight)]
@@ -160,7 +161,7 @@ def test_sigterm_to_one_rank_while_generating_stops_both_after_the_same_step(tmp
                      "finetune", "train", str(QUICKSTART), *args, "train.gradient_accumulation_steps=1"], env=env,
                     timeout=300)
     text = r.stdout + r.stderr
-    assert text.count(f"stopped on SIGTERM after step 1 of 3: {out / 'checkpoints' / 'step-1'}") == 2, text[-3000:]
+    assert text.count(f"stopped on SIGTERM after step 1 of 2: {out / 'checkpoints' / 'step-1'}") == 2, text[-3000:]
     assert "exitcode  : 143" in text, text[-3000:]
     calls = [len((tmp_path / f"calls{rank}").read_text().splitlines()) for rank in (0, 1)]
     assert calls == [3, 2], calls
