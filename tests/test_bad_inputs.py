@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cli_server import CliServer, forking
 from conftest import QUICKSTART_YAML, REPO_ROOT, TOKENIZER_DIR, python_path
 
 from finetune.recipe import deep_merge
@@ -517,49 +518,6 @@ def snapshot(d: Path) -> dict[str, bytes]:
 
 # --- running the CLI ------------------------------------------------------------------------------------
 
-SERVER = r'''
-import json, os, runpy, signal, sys, traceback
-sys.path.insert(0, os.getcwd())  # the repository, absolute: each case runs in its own cwd
-import finetune.train.loop  # noqa: F401  the heavy imports (torch, transformers), paid once
-# transformers imports lazily: touch what every case needs so its import is paid once too. Only modules are
-# shared with the cases; each still loads its own tokenizer and model.
-import datasets, transformers  # noqa: E401,F401
-from transformers.models.llama import modeling_llama  # noqa: F401
-transformers.AutoTokenizer.from_pretrained(sys.argv[1])
-print("ready", flush=True)
-for line in sys.stdin:
-    job = json.loads(line)
-    pid = os.fork()
-    if pid == 0:  # one `python -m finetune ARGS`: own cwd, stdout, stderr and exit status
-        code = 1
-        try:
-            signal.alarm(job["timeout"])
-            os.chdir(job["cwd"])
-            for fd, name in ((1, job["stdout"]), (2, job["stderr"])):
-                target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(target, fd)
-                os.close(target)
-            sys.argv = ["finetune", *job["args"]]
-            try:
-                runpy.run_module("finetune", run_name="__main__", alter_sys=True)
-                code = 0
-            except SystemExit as e:  # what the interpreter does with it
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:
-                traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
-'''
-
-
 @dataclass
 class Result:
     rc: int
@@ -569,39 +527,19 @@ class Result:
 
 
 class ForkingCli:
-    """Runs `python -m finetune ARGS` in processes forked from a server that imported the trainer once."""
+    """Runs `python -m finetune ARGS` in processes forked from a server that imported the trainer once
+    (cli_server.py)."""
 
     def __init__(self) -> None:
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, open as long as the server
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(TOKENIZER_DIR)], cwd=REPO_ROOT,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **CLI_ENV})
-        if self.proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"CLI server did not start: {self._log()}")
-
-    def _log(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
+        self.server = CliServer(REPO_ROOT, TOKENIZER_DIR, {**os.environ, **CLI_ENV})
 
     def run(self, args: list[str], cwd: Path) -> Result:
-        out, err = cwd / ".stdout", cwd / ".stderr"
         start = time.perf_counter()
-        job = {"args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err), "timeout": CASE_TIMEOUT_S}
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"CLI server died: {self._log()}")
-        result = Result(json.loads(line), out.read_text(errors="replace"), err.read_text(errors="replace"),
-                        time.perf_counter() - start)
-        out.unlink()
-        err.unlink()
-        return result
+        rc, out, err = self.server.run(args, cwd, {}, CASE_TIMEOUT_S)
+        return Result(rc, out, err, time.perf_counter() - start)
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-        self.log.close()
+        self.server.close()
 
 
 class PlainCli:
@@ -621,8 +559,7 @@ class PlainCli:
 
 
 def make_cli() -> ForkingCli | PlainCli:
-    plain = os.environ.get("FINETUNE_TEST_PLAIN_CLI") == "1" or not hasattr(os, "fork")
-    return PlainCli() if plain else ForkingCli()
+    return ForkingCli() if forking() else PlainCli()
 
 
 @dataclass
