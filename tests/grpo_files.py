@@ -1,5 +1,5 @@
-"""GRPO inputs written for tests: replay files of random rollouts, prompt files, and the CLI overrides that train
-on a replay file."""
+"""GRPO inputs written for tests: replay files of random rollouts, prompt files, the CLI overrides that train on a
+replay file, and a tiny policy model."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import torch
 from helpers import TINY
 
 
@@ -39,3 +40,13 @@ def write_prompts(path: Path, n: int, seed: int) -> Path:
         rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def tiny_lm() -> torch.nn.Module:
+    """The tests' tiny Llama (conftest.TINY_MODEL_CONFIG) with a vocabulary of 1024, seeded, in training mode."""
+    from conftest import TINY_MODEL_CONFIG
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = {k: v for k, v in TINY_MODEL_CONFIG.items() if k != "model_type"}
+    return LlamaForCausalLM(LlamaConfig(**config, vocab_size=1024))

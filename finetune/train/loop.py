@@ -139,7 +139,7 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
             evals = run.eval_every and done.step % run.eval_every == 0 and done.step != plan.total and not stops
             saves = run.checkpoint_every and done.step % run.checkpoint_every == 0
             if ratio is None or ends or evals or saves or stops:  # read now (a skipped step's ratio is 0)
-                _write_line(run, pending, float(ratio) if ratio is not None else 0.0)
+                _write_line(run, pending, pending.ratio_now())
                 pending = None
             _check_bad_streak(bad_streak, recipe.train.max_bad_steps)  # after logging: the metrics show them
             if evals:
@@ -167,7 +167,7 @@ def _stop_between_steps(run: Run, done: Progress, epoch: int, pending: _Line | N
     """Stopped after the steps done (train/stop.py): their last metrics line and checkpoint written (`saved`: the
     step's checkpoint when written already; none when this process took no step); returns what to tell the user."""
     if pending:
-        _write_line(run, pending, float(pending.ratio) if pending.ratio is not None else 0.0)
+        _write_line(run, pending, pending.ratio_now())
     if saved is None and done.step > run.start.step:
         saved = _save_checkpoint(run, done, epoch)
     if run.logger:
@@ -181,6 +181,10 @@ class _Line:
 
     record: dict[str, Any]
     ratio: torch.Tensor | None
+
+    def ratio_now(self) -> float:
+        """The ratio read now (a sync with the device)."""
+        return float(self.ratio) if self.ratio is not None else 0.0
 
 
 def _write_line(run: Run, line: _Line, ratio: float) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_files import grpo_args, write_prompts, write_replay
+from grpo_files import grpo_args, tiny_lm, write_prompts, write_replay
 from helpers import QUICKSTART, TINY, final_weights, rel_diff, run_cli, train_lines
 
 from finetune.batch import Targets
@@ -175,14 +175,9 @@ def test_clipping_uses_the_sampling_logprobs():
 
 
 def _tiny_policy():
-    from conftest import TINY_MODEL_CONFIG
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from finetune.model.with_loss import CausalLMWithLoss
 
-    torch.manual_seed(0)
-    config = {k: v for k, v in TINY_MODEL_CONFIG.items() if k != "model_type"}
-    lm = LlamaForCausalLM(LlamaConfig(**config, vocab_size=1024)).eval()
+    lm = tiny_lm().eval()
     return lm, CausalLMWithLoss(lm, "chunked", chunk_size=7, z_loss=0.0, softcap=None)  # several chunks per batch
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from grpo_files import write_prompts
+from grpo_files import tiny_lm, write_prompts
 from helpers import QUICKSTART, TINY, final_weights, run_cli, train_lines
 
 from finetune import dist
@@ -21,15 +21,6 @@ from finetune.rl.prompts import Prompt
 from finetune.run import checkpoint
 
 
-def _tiny_lm() -> torch.nn.Module:
-    from conftest import TINY_MODEL_CONFIG
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = {k: v for k, v in TINY_MODEL_CONFIG.items() if k != "model_type"}
-    return LlamaForCausalLM(LlamaConfig(**config, vocab_size=1024))
-
-
 class _Pad:
     pad_token_id = 0
 
@@ -38,7 +29,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
 def test_a_stop_request_cuts_the_generation_short_within_a_token():
-    lm = _tiny_lm()
+    lm = tiny_lm()
     forwards: list[int] = []
     lm.register_forward_hook(lambda *_: forwards.append(1))
     generator = HFGenerator(lm, _Pad(), GRPOConfig(max_new_tokens=40), {2}, torch.device("cpu"), batch_size=2)
@@ -52,7 +43,7 @@ def test_a_stop_request_cuts_the_generation_short_within_a_token():
 
 
 def test_a_stop_request_never_made_changes_no_sample():
-    lm = _tiny_lm().eval()
+    lm = tiny_lm().eval()
     cfg = GRPOConfig(max_new_tokens=8)
     generator = HFGenerator(lm, _Pad(), cfg, {2}, torch.device("cpu"), batch_size=4)
     torch.manual_seed(3)
