@@ -23,7 +23,7 @@ Two ways to find them, with the same answer:
   conversation that fails (a template that renders one message differently when another's text changes, or
   renders a message's text twice) is passed to the second way, which either agrees or reports the template.
   S holds none of the conversation's text, only its shape (roles, other fields, indices): a cache
-  (`SentinelRenders`) keeps it per shape, so rows of a shape seen before render once (the real rendering) or three
+  (`SentinelRenders`, chat_shapes.py) keeps it per shape, so rows of a shape seen before render once (the real rendering) or three
   times, and the check still compares each row's own real rendering.
 * `regions_one_by_one`: N+1 renderings for N messages, each with one message replaced (quadratic time).
 
@@ -33,11 +33,11 @@ Neither assumes that a prefix of a conversation renders as a prefix of the whole
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.data.chat_shapes import SentinelRenders, Sentinels
 from finetune.errors import UserError
 
 # Message fields besides `content` whose text a template renders (transformers aliases them onto each other).
@@ -86,12 +86,19 @@ def sentinel_char(full: str, messages: Sequence[Mapping[str, Any]], tools: Any =
     """A private-use character found nowhere in the rendering, the messages or the tools."""
     # One search of the strings joined: a character is in the joined text if and only if it is in one of them
     # (the separator is no private-use character).
-    text = "\0".join(_strings(tools, _strings(list(messages), [])))
+    c = unused_char(full, "\0".join(_strings(tools, _strings(list(messages), []))))
+    if not c:
+        raise UserError("this conversation uses every private-use character; it cannot be masked")  # pragma: no cover
+    return c
+
+
+def unused_char(full: str, text: str) -> str:
+    """The first private-use character in neither `full` nor `text` ('' when there is none)."""
     for code in range(0xE000, 0xF900):  # the private-use area: never produced by a template
         c = chr(code)
         if c not in full and c not in text:
             return c
-    raise UserError("this conversation uses every private-use character; it cannot be masked")  # pragma: no cover
+    return ""
 
 
 def _sentinel_arguments(arguments: Any, mark: str) -> Any:
@@ -168,91 +175,6 @@ def _calls_missing(messages: Sequence[Mapping[str, Any]], found: Callable[[int],
     """Messages with tool calls whose argument sentinels do not all appear."""
     return tuple(j for j, m in enumerate(messages)
                  if m.get("tool_calls") and found(j) != frozenset(range(len(m["tool_calls"]))))
-
-
-# --- the rendering with every message replaced, kept per shape ----------------------------------------------
-
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-
-
-def exact_key(value: Any) -> str | None:
-    """A text that tells plain data apart exactly (the repr of str, int, float, bool and None, and of lists, tuples
-    and dicts of them, insertion order included), or None for anything else: an object's repr need not show what a
-    template reads of it."""
-    return repr(value) if _plain(value) else None
-
-
-def _plain(value: Any) -> bool:
-    # Scalars are checked in place, not by a call each: asked once a conversation, for every field of every message.
-    kind = type(value)
-    if kind is dict:
-        for k, v in value.items():
-            if type(k) not in _SCALARS or (type(v) not in _SCALARS and not _plain(v)):
-                return False
-        return True
-    if kind is list or kind is tuple:
-        return all(type(v) in _SCALARS or _plain(v) for v in value)
-    return kind in _SCALARS
-
-
-SentinelKey = tuple[Hashable, str, str]
-"""(scope, sentinel character, exact text of the replaced messages)."""
-
-
-@dataclass(frozen=True)
-class Sentinels:
-    """The rendering with every message replaced (`every`), and its sentinels. `plans`: what chat_spans.py derives
-    once per shape (its turn plans), kept here so that it leaves the cache with the entry."""
-
-    every: str
-    marks: _Marks
-    plans: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
-
-
-class SentinelRenders:
-    """The renderings with every message replaced of recent conversations, by all they depend on: the template's
-    other inputs (`scope`: the template, the special tokens, the kwargs and the row's tools, from the caller, which
-    keeps one cache per tokenizer), the sentinel character and the replaced messages, which hold none of the row's
-    text (their roles, other fields and indices: the conversation's shape). Rows of one shape then render it once.
-    Always without the generation prompt, as regions_at_once renders it. The least recently used go past `size`
-    entries or `chars` characters (renderings and keys: long conversations, whose shapes rarely repeat, would
-    otherwise hold megabytes each).
-
-    Exact for a template whose rendering is a function of those inputs: the kept rendering is the one rendering it
-    again would give, so every region, and the check of each row's own real rendering, is what it was without the
-    cache. The caller keeps none for templates that read the clock or draw at random (chat_spans.py): the check
-    would not catch a stale one, since the four-rendering way attributes text that changed to a message's region.
-    """
-
-    def __init__(self, size: int = 4096, chars: int = 1 << 23) -> None:
-        self.size, self.chars = size, chars
-        self._entries: OrderedDict[SentinelKey, tuple[Sentinels, int]] = OrderedDict()
-        self._held = 0  # characters of the entries' renderings and keys
-
-    def key(self, scope: Hashable | None, c: str, replaced: list[dict[str, Any]]) -> SentinelKey | None:
-        """The entry's key; None (nothing kept) without a scope, or for messages that are not plain data."""
-        shape = exact_key(replaced) if scope is not None else None
-        return (scope, c, shape) if shape is not None else None
-
-    def get(self, key: SentinelKey) -> Sentinels | None:
-        found = self._entries.get(key)
-        if found is None:
-            return None
-        self._entries.move_to_end(key)
-        return found[0]
-
-    def put(self, key: SentinelKey, sentinels: Sentinels) -> None:
-        weight = len(key[2]) + len(sentinels.every)
-        if weight > self.chars:  # one conversation over the whole budget: not kept
-            return
-        old = self._entries.pop(key, None)
-        self._held += weight - (old[1] if old else 0)
-        self._entries[key] = (sentinels, weight)
-        while len(self._entries) > self.size or self._held > self.chars:
-            self._held -= self._entries.popitem(last=False)[1][1]
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 # --- common prefix and suffix --------------------------------------------------------------------------------
@@ -402,7 +324,18 @@ def regions_by_content(messages: list[dict[str, Any]], full: str, every: str, ma
 def _rebuilt(messages: list[dict[str, Any]], full: str, every: str, order: Sequence[int], stretch: dict[int, Region],
              real: dict[int, str], marks: _Marks, verbatim_shape: Sentinels | None = None) -> Regions | None:
     """The regions in the real rendering, if swapping every stretch of `every` for its real text gives it exactly."""
-    regions: list[Region | None] = [None] * len(messages)
+    regions = swapped_regions(full, every, order, stretch, real, len(messages))
+    if regions is None:
+        return None
+    return Regions(tuple(regions), _calls_missing(messages, lambda j: marks.calls.get(j, frozenset())),
+                   verbatim_shape)
+
+
+def swapped_regions(full: str, every: str, order: Sequence[int], stretch: Mapping[int, Region],
+                    real: Mapping[int, str] | Sequence[str], n: int) -> list[Region | None] | None:
+    """The regions of n messages in `full`, when swapping each stretch of `every` (message j's: stretch[j], in
+    rendering order) for that message's real text gives `full` character for character; else None."""
+    regions: list[Region | None] = [None] * n
     parts, at, length = [], 0, 0
     for j in order:
         a, b = stretch[j]
@@ -410,15 +343,13 @@ def _rebuilt(messages: list[dict[str, Any]], full: str, every: str, order: Seque
             return None
         parts.append(every[at:a])
         length += a - at
-        regions[j] = (length, length + len(real[j]))
-        parts.append(real[j])
-        length += len(real[j])
+        text = real[j]
+        regions[j] = (length, length + len(text))
+        parts.append(text)
+        length += len(text)
         at = b
     parts.append(every[at:])
-    if "".join(parts) != full:
-        return None
-    return Regions(tuple(regions), _calls_missing(messages, lambda j: marks.calls.get(j, frozenset())),
-                   verbatim_shape)
+    return regions if "".join(parts) == full else None
 
 
 def find_regions(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None,

@@ -15,7 +15,6 @@ for each tested family.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import json
 import re
@@ -26,14 +25,14 @@ from typing import Any
 
 from finetune.data.chat_regions import (
     REASONING_FIELDS,
-    Regions,
-    SentinelRenders,
     TemplateNotLocal,
     common_prefix,
-    exact_key,
     find_regions,
-    sentinel_char,
+    swapped_regions,
+    unused_char,
 )
+from finetune.data.chat_shapes import SentinelRenders, Sentinels, exact_key
+from finetune.data.chat_turns import Neighbours, TurnContext, turn_end, turn_start
 
 __all__ = ["REASONING_FIELDS", "ChatLayout", "TemplateNotLocal", "TurnSpan", "added_tokens", "chat_layout",
            "end_of_turn_markers", "render_chat"]
@@ -185,118 +184,6 @@ def end_of_turn_markers(tokenizer: Any) -> tuple[str, ...]:
     return markers
 
 
-def _turn_start(ctx: _Context, i: int, lo: int, p: int) -> int:
-    """Where assistant message i's trained text starts: after the assistant header in front of its content."""
-    if ctx.header:
-        # Without the whole header in front of this turn, the template renders history differently from its
-        # generation prompt (DeepSeek-R1-distill's prompt ends with a '<think>\n' prefill history lacks; Qwen3 with
-        # enable_thinking false, an empty think block): the turn starts after the longest part of the header that
-        # is there, cut after a newline or an added token ('<｜Assistant｜>', '<|im_start|>assistant\n'), so that a
-        # tool call rendered without content ('<tool_call>...') is trained whole; else at its text.
-        for part in _header_parts(ctx.header, ctx.added):
-            k = ctx.full.rfind(part, lo, p)
-            if k >= 0:
-                return k + len(part)
-        return p
-    # A template whose generation prompt adds nothing (Mistral): after a user or tool message, the turn starts
-    # where that message's closing text ends ('[/INST]', '[/TOOL_RESULTS]'); else where the prefix rendered with
-    # the generation prompt ends, when it is a prefix of the whole (one more rendering for this turn); else at its
-    # text.
-    before = ctx.regions[i - 1] if i else None
-    if before and ctx.messages[i - 1]["role"] in ("user", "tool"):
-        closing = ctx.closing if ctx.messages[i - 1]["role"] == "user" else _tool_closing(ctx, i - 1)
-        if closing and ctx.full.startswith(closing, before[1]) and before[1] + len(closing) <= p:
-            return before[1] + len(closing)
-    if i:
-        try:
-            prefix = ctx.render(ctx.messages[:i], add_generation_prompt=True)
-        except Exception:
-            prefix = None
-        if prefix is not None and ctx.full.startswith(prefix) and lo <= len(prefix) <= p:
-            return len(prefix)
-    return p
-
-
-def _tool_closing(ctx: _Context, j: int) -> str:
-    """What the template writes after tool message j's content, measured on a short conversation that ends with it
-    (its content a sentinel, after the call it answers): one small rendering, whatever the conversation's length."""
-    if not ctx.sentinel:
-        ctx.sentinel = sentinel_char(ctx.full, ctx.messages)
-    c = ctx.sentinel
-    call = ctx.messages[j - 1] if j and ctx.messages[j - 1].get("tool_calls") else None
-    probe = [{"role": "user", "content": "Hi"}, *([call] if call else []), {**ctx.messages[j], "content": c}]
-    try:
-        text = ctx.render(probe)
-    except Exception:  # a template that refuses the short conversation: no closing to look for
-        return ""
-    return text.split(c, 1)[1] if text.count(c) == 1 else ""
-
-
-@functools.lru_cache(maxsize=64)
-def _header_parts(header: str, added: frozenset[str]) -> tuple[str, ...]:
-    """The header and its prefixes that end after a newline or an added token, longest first (kept per header and
-    added tokens: asked once a conversation)."""
-    cuts = {len(header)}
-    for i, ch in enumerate(header):
-        if ch == "\n":
-            cuts.add(i + 1)
-    for token in added:
-        at = header.find(token) if token else -1
-        while at >= 0:
-            cuts.add(at + len(token))
-            at = header.find(token, at + 1)
-    return tuple(header[:c] for c in sorted(cuts, reverse=True))
-
-
-def _turn_end(ctx: _Context, q: int, hi: int) -> tuple[int, str]:
-    """The end of the first end-of-turn marker after the content and before the next message, and the marker."""
-    best: tuple[int, str] | None = None
-    for marker in ctx.markers:
-        k = ctx.full.find(marker, q, hi)
-        if k >= 0 and (best is None or k < best[0]):
-            best = (k, marker)
-    return (best[0] + len(best[1]), best[1]) if best else (q, "")
-
-
-@dataclass
-class _Context:
-    full: str
-    messages: list[dict[str, Any]]
-    regions: list[tuple[int, int] | None]
-    render: Any
-    header: str
-    closing: str
-    markers: tuple[str, ...]
-    added: frozenset[str]
-    sentinel: str = ""
-    """A character found nowhere in the conversation: found when first needed, then kept."""
-
-
-class _Neighbours:
-    """For a message's region, where the regions of the others end before it and start after it (bisect: linear in
-    the conversation overall). Regions never overlap (chat_regions.py checks), so sorted by start they are sorted by
-    end too."""
-
-    def __init__(self, regions: Sequence[tuple[int, int] | None], length: int) -> None:
-        self.sorted = sorted((r[0], r[1], j) for j, r in enumerate(regions) if r is not None)
-        self.starts = [a for a, _, _ in self.sorted]
-        self.ends = [b for _, b, _ in self.sorted]
-        self.length = length
-
-    def around(self, i: int, p: int, q: int) -> tuple[int, int]:
-        """(lo, hi): the end of the last other region ending at or before p, the start of the first other region
-        starting at or after q that ends after p."""
-        k = bisect.bisect_right(self.ends, p) - 1
-        while k >= 0 and self.sorted[k][2] == i:
-            k -= 1
-        lo = self.ends[k] if k >= 0 else 0
-        k = bisect.bisect_left(self.starts, q)
-        while k < len(self.sorted) and (self.sorted[k][2] == i or self.sorted[k][1] <= p):
-            k += 1
-        hi = self.starts[k] if k < len(self.sorted) else self.length
-        return lo, hi
-
-
 _SENTINEL_RENDERS: weakref.WeakKeyDictionary[Any, SentinelRenders] = weakref.WeakKeyDictionary()
 PLANS_PER_SHAPE = 16
 
@@ -330,49 +217,127 @@ def _sentinel_cache(tokenizer: Any, key: TemplateKey, template_kwargs: Mapping[s
     return cache, ((key, inputs) if inputs is not None else None)
 
 
+@dataclass(frozen=True)
+class TemplateFacts:
+    """What laying out a conversation asks of the tokenizer and the recipe's template kwargs, found once for many
+    rows (a chunk's) rather than once a row: the template's key, the tokenizer's cache of sentinel renderings and
+    the scope in it of rows without tools of their own (None, None: nothing kept), the end-of-turn markers, the
+    added tokens (all, and the special ones) and the vocabulary's size."""
+
+    key: TemplateKey
+    cache: SentinelRenders | None
+    scope: Hashable | None
+    markers: tuple[str, ...]
+    added: frozenset[str]
+    specials: tuple[str, ...]
+    vocab: int
+
+
+def template_facts(tokenizer: Any, template_kwargs: Mapping[str, Any] | None) -> TemplateFacts:
+    """The TemplateFacts of a tokenizer and template kwargs as they are now."""
+    key = template_key(tokenizer, template_kwargs)
+    return TemplateFacts(key, *_sentinel_cache(tokenizer, key, template_kwargs, None),
+                         end_of_turn_markers(tokenizer), *added_tokens(tokenizer), len(tokenizer))
+
+
 def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: Sequence[int],
                 template_kwargs: Mapping[str, Any] | None = None,
-                tools: Sequence[Mapping[str, Any]] | None = None, rendered: str | None = None) -> ChatLayout:
+                tools: Sequence[Mapping[str, Any]] | None = None, rendered: str | None = None,
+                facts: TemplateFacts | None = None) -> ChatLayout:
     """The rendering of `messages` (with the row's `tools`) and the trained span of each message index in `wanted`.
-    `rendered`: that rendering, when the caller made it already (render_chats).
+    `rendered`: that rendering, when the caller made it already (render_chats); `facts`: template_facts(tokenizer,
+    template_kwargs), when the caller keeps them for many rows.
 
     Raises TemplateNotLocal when two messages' regions overlap (the template is not local: reported rather
     than mis-masked); exceptions of the template itself (a refused conversation) pass through.
     """
-    msgs = [dict(m) for m in messages]
+    facts = facts or template_facts(tokenizer, template_kwargs)
+    full = rendered if rendered is not None else render_chat(tokenizer, messages, template_kwargs, tools=tools)
+    wanted_key = tuple(sorted(set(wanted)))
+    known = None if tools else _known_key(facts, messages, full, wanted_key)
+    if known is not None and facts.cache is not None:
+        layout = _known_layout(facts.cache.layouts.get(known), full, messages)
+        if layout is not None:
+            return layout
+    layout, kept = _laid_out(tokenizer, [dict(m) for m in messages], wanted_key, template_kwargs, tools, full, facts)
+    if known is not None and kept is not None and facts.cache is not None:
+        facts.cache.keep_layout(known, kept)
+    return layout
+
+
+def _laid_out(tokenizer: Any, msgs: list[dict[str, Any]], wanted: tuple[int, ...],
+              template_kwargs: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None, full: str,
+              facts: TemplateFacts) -> tuple[ChatLayout, tuple[Sentinels, _Plan] | None]:
+    """chat_layout from the regions (chat_regions.py), and the shape's kept rendering and turn plan, when it has
+    one."""
 
     def render(part: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         return render_chat(tokenizer, part, template_kwargs, add_generation_prompt, tools)
 
-    full = rendered if rendered is not None else render(msgs)
-    key = template_key(tokenizer, template_kwargs)
-    found = find_regions(render, msgs, full, tools, *_sentinel_cache(tokenizer, key, template_kwargs, tools))
+    scoped = (facts.cache, facts.scope) if not tools else _sentinel_cache(tokenizer, facts.key, template_kwargs, tools)
+    found = find_regions(render, msgs, full, tools, *scoped)
     shape = found.verbatim_shape  # the shape's kept rendering, where its plans live
-    plan_key = (tuple(sorted(set(wanted))), len(tokenizer)) if shape is not None else None  # markers: added tokens
+    plan_key = (wanted, facts.vocab)  # the markers depend on the added tokens
     plan = shape.plans.get(plan_key) if shape is not None else None
     if plan is not None:
-        return plan.layout(full, found)
+        return plan.layout(full, found.regions), (shape, plan)
     regions = list(found.regions)
-    ctx = _Context(full, msgs, regions, render, *_probes(tokenizer, template_kwargs, key),
-                   end_of_turn_markers(tokenizer), added_tokens(tokenizer)[0])
-    neighbours = _Neighbours(regions, len(full))
+    ctx = TurnContext(full, msgs, regions, render, *_probes(tokenizer, template_kwargs, facts.key), facts.markers,
+                      facts.added)
+    neighbours = Neighbours(regions, len(full))
     turns, unrendered = [], []
-    for i in sorted(set(wanted)):
+    for i in wanted:
         region = regions[i]
         if region is None:
             unrendered.append(i)
             continue
         p, q = region
         lo, hi = neighbours.around(i, p, q)
-        start = _turn_start(ctx, i, lo, p) if msgs[i]["role"] == "assistant" else p
-        end, marker = _turn_end(ctx, q, hi)
+        start = turn_start(ctx, i, lo, p) if msgs[i]["role"] == "assistant" else p
+        end, marker = turn_end(ctx, q, hi)
         turns.append(TurnSpan(i, start, p, q, end, marker))
     layout = ChatLayout(full, tuple(turns), tuple(unrendered), found.calls_not_rendered, shape is not None)
     # Without a header, a turn's start can depend on its row's text. A few wanted sets per shape: per-message
     # train flags could otherwise make one plan per combination.
     if shape is not None and ctx.header and len(shape.plans) < PLANS_PER_SHAPE:
-        shape.plans[plan_key] = _Plan.of(layout)
-    return layout
+        plan = shape.plans[plan_key] = _Plan.of(layout)
+        return layout, (shape, plan)
+    return layout, None
+
+
+def _known_key(facts: TemplateFacts, messages: Sequence[Mapping[str, Any]], full: str,
+               wanted: tuple[int, ...]) -> Hashable | None:
+    """For a conversation of plain messages (each exactly a role and a non-empty content, strings, in that order),
+    the key of its shape's turn plan among those kept (SentinelRenders.layouts): its messages with their texts
+    replaced are told apart by their roles alone, so the key is the scope, the sentinel character, the roles and
+    the plan's own key. None for other conversations, and where nothing is kept."""
+    if facts.scope is None:
+        return None
+    roles, texts = [], []
+    for m in messages:
+        if type(m) is not dict or len(m) != 2 or next(iter(m)) != "role":
+            return None
+        role, content = m["role"], m.get("content")
+        if type(role) is not str or type(content) is not str or not content:
+            return None
+        roles.append(role)
+        texts += (role, content)
+    # The character regions_at_once picks: the strings of such messages are these and the keys "role", "content".
+    c = unused_char(full, "\0".join(texts))
+    return (facts.scope, c, tuple(roles), wanted, facts.vocab) if c else None
+
+
+def _known_layout(kept: tuple[Sentinels, _Plan] | None, full: str,
+                  messages: Sequence[Mapping[str, Any]]) -> ChatLayout | None:
+    """The layout a plain conversation's kept shape and plan give (what chat_layout would find through
+    regions_by_content and the plan, without building its messages with sentinels), or None when the contents do
+    not give its rendering verbatim."""
+    if kept is None:
+        return None
+    shape, plan = kept
+    regions = swapped_regions(full, shape.every, shape.marks.order, shape.marks.spans,
+                              [m["content"] for m in messages], len(messages))
+    return plan.layout(full, regions) if regions is not None else None
 
 
 @dataclass(frozen=True)
@@ -395,9 +360,9 @@ class _Plan:
         return cls(tuple((t.message_index, t.content_start - t.start, t.end - t.content_end, t.marker)
                          for t in layout.turns), layout.unrendered, layout.calls_not_rendered)
 
-    def layout(self, full: str, found: Regions) -> ChatLayout:
+    def layout(self, full: str, regions: Sequence[tuple[int, int] | None]) -> ChatLayout:
         turns = []
         for i, before, after, marker in self.turns:
-            p, q = found.regions[i]
+            p, q = regions[i]
             turns.append(TurnSpan(i, p - before, p, q, q + after, marker))
         return ChatLayout(full, tuple(turns), self.unrendered, self.calls_not_rendered, True)

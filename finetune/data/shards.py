@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from finetune.data.chat_spans import template_facts
 from finetune.data.formats import Example
 from finetune.data.images import ImageLayout, adopt, cut, layout_for
 from finetune.data.pairs import PairExample, fit_pair, pair_sample, tokenize_pair, unfit_reason
@@ -58,12 +59,14 @@ def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig
     """Tokenize examples into `samples` (appended; returned), truncating or dropping what is longer than
     max_seq_len, and count everything in `stats`. Preference pairs' completions end at `pair_end` (data/pairs.py)."""
     notes: Counter[str] = Counter()
+    # Asked of the tokenizer once for the chunk, not once a row.
+    facts = template_facts(tokenizer, template_kwargs) if getattr(tokenizer, "chat_template", None) else None
     for example, rendered in zip(examples, render_ahead(examples, tokenizer, template_kwargs)):
         try:
             if isinstance(example, PairExample):
                 sides = tokenize_pair(example, tokenizer, template_kwargs, notes, pair_end)
             else:
-                sample = tokenize_example(example, tokenizer, template_kwargs, notes, rendered)
+                sample = tokenize_example(example, tokenizer, template_kwargs, notes, rendered, facts)
         except BadRow as e:
             stats.bad_row(e, on_bad_row)
             continue

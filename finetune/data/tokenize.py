@@ -34,11 +34,12 @@ from typing import Any
 from finetune.data.chat_spans import (
     REASONING_FIELDS,
     ChatLayout,
+    TemplateFacts,
     TemplateNotLocal,
-    added_tokens,
     chat_layout,
     render_chat,
     render_chats,
+    template_facts,
 )
 from finetune.data.formats import Example
 from finetune.data.images import finish, layout_for, moved_turns, part_texts, place
@@ -54,13 +55,15 @@ NOTE_ALTERED = "turns_text_changed"
 
 
 def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None,
-                     notes: Counter[str] | None = None, rendered: str | None = None) -> dict[str, list[int]]:
+                     notes: Counter[str] | None = None, rendered: str | None = None,
+                     facts: TemplateFacts | None = None) -> dict[str, list[int]]:
     """Token ids and labels (unshifted) for one example.
 
     The first token's label is always IGNORE_INDEX: nothing predicts it, and a packed row then never trains
     one document's last token to predict the next document's first. `notes`, when given, counts what the
     template did to the example's trained turns (NOTE_* keys). `rendered`: a chat example's rendering, when made
-    already (render_ahead).
+    already (render_ahead); `facts`: chat_spans.template_facts(tokenizer, template_kwargs), when kept for many
+    examples.
     """
     if example.completion is not None:
         ids, labels = _tokenize_prompted(example, tokenizer)
@@ -72,7 +75,7 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
         labels = list(ids)
     else:
         ids, labels, images = _tokenize_chat(example, tokenizer, template_kwargs,
-                                             notes if notes is not None else Counter(), rendered)
+                                             notes if notes is not None else Counter(), rendered, facts)
         if labels:
             labels[0] = IGNORE_INDEX
         return {"input_ids": ids, "labels": labels, **({"images": images} if images else {})}
@@ -166,7 +169,7 @@ def render_ahead(examples: Sequence[Any], tokenizer: Any, template_kwargs: Mappi
 
 
 def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
-                   notes: Counter[str], rendered: str | None = None
+                   notes: Counter[str], rendered: str | None = None, facts: TemplateFacts | None = None
                    ) -> tuple[list[int], list[int], dict[str, Any] | None]:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template; set tokenizer.chat_template in the recipe "
@@ -179,8 +182,9 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
     trained = example.trained or tuple(m["role"] == "assistant" for m in messages)
     # train_on_inputs trains everything; only messages marked train: false need locating, to be masked.
     wanted = [i for i, t in enumerate(trained) if t != example.train_on_inputs]
+    facts = facts or template_facts(tokenizer, template_kwargs)
     try:
-        layout = chat_layout(tokenizer, messages, wanted, template_kwargs, example.tools, rendered)
+        layout = chat_layout(tokenizer, messages, wanted, template_kwargs, example.tools, rendered, facts)
     except TemplateNotLocal as e:
         raise UserError(f"{example.origin}: {e}") from None
     except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
@@ -198,7 +202,7 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
     images = None
     if vision is not None:  # image and vision tokens are never trained, whatever train_on_inputs says
         images = finish(example.origin, ids, labels, encoded["offset_mapping"], example.images, placed, vision)
-    _take_notes(notes, tokenizer, messages, layout, example.train_on_inputs)
+    _take_notes(notes, facts.specials, messages, layout, example.train_on_inputs)
     return ids, labels, images
 
 
@@ -239,7 +243,7 @@ def _check_tools_rendered(example: Example, tokenizer: Any, template_kwargs: Map
                          "(tokenizer.chat_template)")
 
 
-def _take_notes(notes: Counter[str], tokenizer: Any, messages: list[dict[str, Any]], layout: ChatLayout,
+def _take_notes(notes: Counter[str], specials: tuple[str, ...], messages: list[dict[str, Any]], layout: ChatLayout,
                 train_on_inputs: bool) -> None:
     """Count what the template did to the trained turns, and text that spells a special token."""
     notes[NOTE_UNRENDERED] += len(layout.unrendered)
@@ -252,7 +256,7 @@ def _take_notes(notes: Counter[str], tokenizer: Any, messages: list[dict[str, An
                 notes[NOTE_ALTERED] += 1  # e.g. reasoning the template drops from earlier turns (Qwen3, R1)
     texts = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
     texts += [t for m in messages if isinstance(m.get("content"), list) for t in part_texts(m["content"])]
-    pattern = _specials_pattern(added_tokens(tokenizer)[1])
+    pattern = _specials_pattern(specials)
     if pattern is not None and any(pattern.search(t) for t in texts):
         notes[NOTE_SPECIAL_TEXT] += 1
 

@@ -16,7 +16,8 @@ from chat_families import FAMILIES, FAMILY, FRAGMENTS, USER_ONLY, conversations,
 from helpers import CountingTokenizer
 
 from finetune.data import chat_spans
-from finetune.data.chat_regions import SentinelRenders, Sentinels, find_regions, regions_one_by_one
+from finetune.data.chat_regions import find_regions, regions_one_by_one
+from finetune.data.chat_shapes import SentinelRenders, Sentinels
 from finetune.data.chat_spans import chat_layout, render_chat
 
 QWEN = FAMILY["qwen2.5"]
@@ -172,3 +173,35 @@ def test_turn_plans_give_the_layouts_of_a_fresh_tokenizer(family):
 
 def _probes_header(tokenizer: Any, kwargs: Any) -> str:
     return chat_spans._probes(tokenizer, kwargs)[0]
+
+
+EDGES = ["", " ", "\n", "  \n", "\t"]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_plain_rows_of_a_known_shape_are_laid_out_as_a_fresh_tokenizer_lays_them_out(family, monkeypatch):
+    # Rows whose messages are a role and a content only take their shape's kept plan without being rebuilt with
+    # sentinels (chat_spans._known_key, SentinelRenders.layouts). Contents with whitespace at either end, which some
+    # templates strip, are not written verbatim: those rows must fall back to the regions, and agree all the same.
+    inner = family.build()
+    kept = CountingTokenizer(inner)
+    slow = []
+    laid_out = chat_spans._laid_out
+    monkeypatch.setattr(chat_spans, "_laid_out", lambda *a: slow.append(1) or laid_out(*a))
+    rng = random.Random(f"known-{family.name}")
+    shape = conversations(False)["multi"]
+    seen_verbatim = fast = 0
+    for _ in range(12):
+        messages = [{"role": m["role"], "content": rng.choice(EDGES) + "".join(rng.choices(FRAGMENTS, k=2)) + "x"
+                     + rng.choice(EDGES)} for m in shape]
+        wanted = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        fresh = chat_layout(CountingTokenizer(inner), messages, wanted, family.kwargs)
+        before = len(slow)
+        assert chat_layout(kept, messages, wanted, family.kwargs) == fresh, messages
+        if fresh.verbatim and seen_verbatim and _probes_header(inner, family.kwargs):
+            assert len(slow) == before, "a verbatim row of a known shape went the slow way"
+            fast += 1
+        seen_verbatim += fresh.verbatim
+    if family.name in ("qwen2.5", "smollm2", "phi4"):  # templates that write any content verbatim
+        assert fast == 11, fast
+    family.build()
