@@ -6,8 +6,10 @@ DataStats.
 from __future__ import annotations
 
 import array
+import contextlib
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from finetune.data.formats import Example, MessageFields, to_example
@@ -22,7 +24,7 @@ from finetune.data.shards import (
     tokenize_stream,
     workers_for,
 )
-from finetune.data.sources import BadRow, read_rows
+from finetune.data.sources import BadRow, LineSpan, line_spans, read_rows
 from finetune.data.stats import DataStats
 from finetune.errors import UserError
 from finetune.recipe import DataConfig, DatasetConfig, Recipe, local_data_path
@@ -47,24 +49,81 @@ def iter_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
     """load_examples as a stream: each example as its row is read (a JSONL file is never read whole)."""
     data = data or DataConfig()
     for index, cfg in enumerate(configs):
-        taken = 0
+        yield from _dataset_examples(cfg, index, key, data, on_bad_row, stats)
+
+
+def _dataset_examples(cfg: DatasetConfig, index: int, key: str, data: DataConfig, on_bad_row: str,
+                      stats: DataStats) -> Iterator[Example]:
+    with _named_source(key, index):
+        fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
+        rows = read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes)
+        yield from _examples(rows, cfg, fields, on_bad_row, stats)
+
+
+def _examples(rows: Iterable[Any], cfg: DatasetConfig, fields: MessageFields, on_bad_row: str,
+              stats: DataStats) -> Iterator[Example]:
+    """The examples of a dataset's rows (up to its max_rows), every row read counted, bad ones per on_bad_row."""
+    taken = 0
+    for row in rows:
+        if cfg.max_rows is not None and taken >= cfg.max_rows:
+            break
+        stats.rows_read += 1
         try:
+            example = row_example(row, cfg, fields=fields)
+        except BadRow as e:
+            stats.bad_row(e, on_bad_row)
+            continue
+        taken += 1
+        yield example
+
+
+@contextlib.contextmanager
+def _named_source(key: str, index: int) -> Iterator[None]:
+    """A problem with a whole source (missing file, unreadable hub dataset) names the recipe key too; a bad row
+    names its file:line already."""
+    try:
+        yield
+    except BadRow:
+        raise
+    except UserError as e:
+        raise UserError(f"{key}.{index}.path: {e}") from None
+
+
+def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats, key: str, data: DataConfig,
+                in_workers: bool) -> Iterator[Sequence[Example] | FileChunk]:
+    """iter_examples in chunks of CHUNK_EXAMPLES, for tokenize_stream. With `in_workers`, a JSONL dataset (without
+    max_rows, which counts examples) comes as FileChunks of as many lines, which the tokenizing workers read
+    themselves: its rows are never parsed, converted or pickled in this process."""
+    for index, cfg in enumerate(configs):
+        local = local_data_path(cfg.path)
+        if not (in_workers and cfg.max_rows is None and local is not None and local.suffix.lower() == ".jsonl"):
+            yield from chunked(_dataset_examples(cfg, index, key, data, on_bad_row, stats), CHUNK_EXAMPLES)
+            continue
+        with _named_source(key, index):
             fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
-            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes):
-                if cfg.max_rows is not None and taken >= cfg.max_rows:
-                    break
-                stats.rows_read += 1
-                try:
-                    example = row_example(row, cfg, fields=fields)
-                except BadRow as e:
-                    stats.bad_row(e, on_bad_row)
-                    continue
-                taken += 1
-                yield example
-        except BadRow:
-            raise  # already names its file:line
-        except UserError as e:  # the source as a whole: name the recipe key too
-            raise UserError(f"{key}.{index}.path: {e}") from None
+            for span in line_spans(cfg.path, CHUNK_EXAMPLES):
+                yield FileChunk(cfg, fields, key, index, span, data.max_row_bytes)
+
+
+@dataclass(frozen=True)
+class FileChunk:
+    """Lines of a dataset's JSONL file that a tokenizing worker reads itself (shards.RowsToRead)."""
+
+    cfg: DatasetConfig
+    fields: MessageFields
+    key: str
+    index: int
+    span: LineSpan
+    max_row_bytes: int
+
+    def __len__(self) -> int:
+        return self.span.lines
+
+    def read(self, on_bad_row: str, stats: DataStats) -> list[Example]:
+        """The span's examples, as iter_examples gives them, its rows counted in `stats`."""
+        with _named_source(self.key, self.index):
+            rows = read_rows(self.cfg.path, max_row_bytes=self.max_row_bytes, span=self.span)
+            return list(_examples(rows, self.cfg, self.fields, on_bad_row, stats))
 
 
 def message_fields(cfg: DatasetConfig, ignore: tuple[str, ...] = (), cache_dir: str | None = None) -> MessageFields:
@@ -147,20 +206,22 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     rows = lambda: train_stats.rows_read + eval_stats.rows_read  # noqa: E731
     job = Job(tokenizer, data, on_bad, dict(recipe.tokenizer.chat_template_kwargs or {}), Progress(rows),
               completion_end(recipe))
-    sources: tuple[Iterable[Example], Iterable[Example]]
+    sources: tuple[Iterable[Sequence[Example] | FileChunk], Iterable[Sequence[Example] | FileChunk]]
     if not recipe.eval_datasets and data.val_fraction > 0:
-        sources = _split(recipe, train_stats)
+        sources = tuple(chunked(part, CHUNK_EXAMPLES) for part in _split(recipe, train_stats))  # type: ignore[assignment]
     else:
-        sources = (iter_examples(recipe.datasets, on_bad, train_stats, "datasets", data),
-                   iter_examples(recipe.eval_datasets, on_bad, eval_stats, "eval_datasets", data))
+        in_workers = workers_for(data) > 1
+        sources = (iter_chunks(recipe.datasets, on_bad, train_stats, "datasets", data, in_workers),
+                   iter_chunks(recipe.eval_datasets, on_bad, eval_stats, "eval_datasets", data, in_workers))
     failure: BaseException | None = None
     for source, stats, out in zip(sources, (train_stats, eval_stats), (train, evals)):
         tokenized = DataStats()  # after the rows' own counts, as when all rows were read first
         if failure is None:
-            failure = tokenize_stream(chunked(source, CHUNK_EXAMPLES), job, tokenized, out, workers_for(data))
+            failure = tokenize_stream(source, job, tokenized, out, workers_for(data), read_stats=stats)
         else:
-            for _ in source:  # read on: an unreadable row later in the input is the error to report
-                pass
+            for chunk in source:  # read on: an unreadable row later in the input is the error to report
+                if isinstance(chunk, FileChunk):
+                    chunk.read(on_bad, stats)
         stats.add(tokenized)
     if failure is not None:
         raise failure

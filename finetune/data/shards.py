@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from finetune.data.sources import BadRow
 from finetune.data.stats import DataStats
 from finetune.data.store import SplitWriter
 from finetune.data.tokenize import render_ahead, tokenize_example
+from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
@@ -137,9 +138,15 @@ class Part:
     images: list[tuple[int, dict]] = field(default_factory=list)
     """The image entries of the samples that have images (their index in the chunk, the entry): without them a
     vision-language sample made by a worker would arrive as tokens with no image to fill them."""
+    read: DataStats | None = None
+    """The counts of reading the chunk's rows, when the worker read them (RowsToRead)."""
+    read_error: Exception | None = None
+    """Why the worker's reading stopped (a bad row under on_bad_row: error, an unreadable file): raised in input order
+    by the parent, as if it had read the rows itself."""
 
     @classmethod
-    def of(cls, samples: list[dict], stats: DataStats) -> Part:
+    def of(cls, samples: list[dict], stats: DataStats, read: DataStats | None = None,
+           read_error: Exception | None = None) -> Part:
         lengths = np.fromiter((len(s["input_ids"]) for s in samples), dtype=np.int64, count=len(samples))
         total = int(lengths.sum())
         chain = itertools.chain.from_iterable
@@ -148,7 +155,7 @@ class Part:
         docs = np.array([s["docs"] for s in samples], dtype=np.int64).reshape(-1, 2) \
             if samples and "docs" in samples[0] else None
         images = [(i, s["images"]) for i, s in enumerate(samples) if s.get("images")]
-        return cls(ids, labels, lengths, docs, stats, images)
+        return cls(ids, labels, lengths, docs, stats, images, read, read_error)
 
     def deliver(self, out: Any) -> None:
         """Into a SplitWriter as arrays; into anything else (a list) as sample dicts."""
@@ -200,11 +207,35 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _worker_chunk(examples: Sequence[Example], data: DataConfig, on_bad_row: str,
-                  template_kwargs: dict[str, Any], pair_end: str) -> Part:
+@runtime_checkable
+class RowsToRead(Protocol):
+    """A chunk whose rows the tokenizing worker reads itself (samples.FileChunk): `read` gives its examples and
+    counts its rows in `stats` (a bad row raises or is skipped per on_bad_row); len() is its number of lines."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, on_bad_row: str, stats: DataStats) -> list[Example]: ...
+
+
+Chunk = Sequence[Example] | RowsToRead
+
+
+def _examples_of(chunk: Chunk, on_bad_row: str, read: DataStats) -> Sequence[Example]:
+    return chunk.read(on_bad_row, read) if isinstance(chunk, RowsToRead) else chunk
+
+
+def _worker_chunk(chunk: Chunk, data: DataConfig, on_bad_row: str, template_kwargs: dict[str, Any], pair_end: str,
+                  tokenize: bool = True) -> Part:
+    """A chunk's samples (none when not `tokenize`: its rows are only read) and, for RowsToRead, its reading."""
+    read = DataStats()
+    try:
+        examples = _examples_of(chunk, on_bad_row, read)
+    except UserError as e:
+        return Part.of([], DataStats(), read, e)
     stats = DataStats()
-    return Part.of(tokenize_chunk(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs, [],
-                                  pair_end), stats)
+    samples = tokenize_chunk(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs, [], pair_end) \
+        if tokenize else []
+    return Part.of(samples, stats, read if isinstance(chunk, RowsToRead) else None)
 
 
 def _pool(tokenizer: Any, workers: int) -> ProcessPoolExecutor:
@@ -258,35 +289,39 @@ class Job:
     pair_end: str = "marker"  # where preference completions end (data/pairs.py completion_end)
 
 
-def tokenize_stream(chunks: Iterable[Sequence[Example]], job: Job, stats: DataStats, out: Any,
-                    workers: int) -> BaseException | None:
-    """Tokenize every chunk into `out`, in order, adding each chunk's stats to `stats`. With `workers` > 1 the
-    chunks go to that many worker processes (started once the input proves large enough to pay for them).
-    Returns the first failure (nothing after it is tokenized), after the chunks are drained."""
+def tokenize_stream(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: Any, workers: int,
+                    read_stats: DataStats | None = None) -> BaseException | None:
+    """Tokenize every chunk into `out`, in order, adding each chunk's stats to `stats`, and the counts of reading
+    the chunks that are RowsToRead to `read_stats`. With `workers` > 1 the chunks go to that many worker processes
+    (started once the input proves large enough to pay for them). Returns the first failure of tokenizing (nothing
+    after it is tokenized), after the chunks are drained; a failure of reading is raised, in input order."""
+    read_stats = read_stats if read_stats is not None else DataStats()
     iterator = iter(chunks)
-    head: list[Sequence[Example]] = []
+    head: list[Chunk] = []
     while sum(map(len, head)) < PARALLEL_MIN_EXAMPLES and (chunk := next(iterator, None)) is not None:
         head.append(chunk)
     rest = itertools.chain(head, iterator)
     with frozen_heap():
         if workers <= 1 or sum(map(len, head)) < PARALLEL_MIN_EXAMPLES:
-            return _serial(rest, job, stats, out)
+            return _serial(rest, job, stats, out, read_stats)
         pool = _pool(job.tokenizer, workers)
         try:
-            return _parallel(rest, job, stats, out, pool, workers)
+            return _parallel(rest, job, stats, out, pool, workers, read_stats)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _serial(chunks: Iterable[Sequence[Example]], job: Job, stats: DataStats, out: Any) -> BaseException | None:
+def _serial(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: Any,
+            read_stats: DataStats) -> BaseException | None:
     failure = None
     for chunk in chunks:
+        examples = _examples_of(chunk, job.on_bad_row, read_stats)
         if failure is not None:
             continue  # drained: reading goes on, so a later reading error still comes first
         part = DataStats()
         samples: list[dict] = []
         try:
-            tokenize_chunk(chunk, job.tokenizer, job.data, part, job.on_bad_row, job.template_kwargs, samples,
+            tokenize_chunk(examples, job.tokenizer, job.data, part, job.on_bad_row, job.template_kwargs, samples,
                            job.pair_end)
         except Exception as e:
             failure = e
@@ -299,35 +334,38 @@ def _serial(chunks: Iterable[Sequence[Example]], job: Job, stats: DataStats, out
     return failure
 
 
-def _parallel(chunks: Iterable[Sequence[Example]], job: Job, stats: DataStats, out: Any,
-              pool: ProcessPoolExecutor, workers: int) -> BaseException | None:
+def _parallel(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: Any, pool: ProcessPoolExecutor, workers: int,
+              read_stats: DataStats) -> BaseException | None:
     pending: collections.deque[Future[Part]] = collections.deque()
     failure: BaseException | None = None
 
     def deliver(drain: bool) -> None:
         nonlocal failure
-        block = drain or len(pending) > workers * IN_FLIGHT_PER_WORKER
-        while pending and (block or pending[0].done()):
-            future = pending.popleft()
+        while pending and (drain or len(pending) > workers * IN_FLIGHT_PER_WORKER or pending[0].done()):
             try:
-                part = future.result()
+                part = pending.popleft().result()
             except Exception as e:  # the first failure in input order: what a serial pass would raise
-                failure = e
-                for rest in pending:
-                    rest.cancel()
-                pending.clear()
-                return
-            part.deliver(out)
-            stats.add(part.stats)
-            if job.progress:
-                job.progress.add(len(part.lengths), int(part.lengths.sum()))
-            block = drain or len(pending) > workers * IN_FLIGHT_PER_WORKER
+                failure = failure or e
+                continue
+            if part.read is not None:
+                read_stats.add(part.read)
+            if part.read_error is not None:
+                raise part.read_error
+            if failure is None:  # after a failure, chunks are only read
+                part.deliver(out)
+                stats.add(part.stats)
+                if job.progress:
+                    job.progress.add(len(part.lengths), int(part.lengths.sum()))
 
-    for chunk in chunks:
-        if failure is not None:
-            continue  # drained: reading goes on, so a later reading error still comes first
-        pending.append(pool.submit(_worker_chunk, chunk, job.data, job.on_bad_row, job.template_kwargs,
-                                   job.pair_end))
-        deliver(drain=False)
+    try:
+        for chunk in chunks:
+            if failure is not None and not isinstance(chunk, RowsToRead):
+                continue  # drained: reading goes on, so a later reading error still comes first
+            pending.append(pool.submit(_worker_chunk, chunk, job.data, job.on_bad_row, job.template_kwargs,
+                                       job.pair_end, failure is None))
+            deliver(drain=False)
+    except Exception:
+        deliver(drain=True)  # a chunk before the row that could not be read may hold an earlier one
+        raise
     deliver(drain=True)
     return failure

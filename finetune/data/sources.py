@@ -21,11 +21,14 @@ from __future__ import annotations
 import codecs
 import contextlib
 import csv
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from finetune.data.json_array import (
     FieldNotAList,
@@ -61,23 +64,62 @@ JSON_ITEM_FACTOR = 8
 PARQUET_BATCH_ROWS = 1024  # rows decoded into Python objects at a time
 
 
+@dataclass(frozen=True)
+class LineSpan:
+    """Lines [first, first + lines) of a JSONL file, bytes [start, end): a piece a worker process reads itself."""
+
+    start: int
+    end: int
+    first: int
+    lines: int
+
+
 def read_rows(path: str, *, split: str = "train", name: str | None = None,
-              max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[RawRow]:
-    """Yield the rows of a local data file or a hub dataset. Malformed rows, and rows over `max_row_bytes`, come
-    with `error` set."""
+              max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, span: LineSpan | None = None) -> Iterator[RawRow]:
+    """Yield the rows of a local data file or a hub dataset (`span`: of those lines of a JSONL file only).
+    Malformed rows, and rows over `max_row_bytes`, come with `error` set."""
     local = local_data_path(path)
     if local is not None:
-        if local.is_dir():
-            raise UserError(f"{path} is a directory; give a data file ({', '.join(LOCAL_SUFFIXES)})")
-        if not local.is_file():
-            # Relative paths were already tried against the recipe's folder (recipe.py), then the cwd.
-            raise UserError(data_file_not_found(path))
+        _check_file(path, local)
         try:
-            yield from _read_local(local, max_row_bytes)
+            yield from _read_jsonl(local, max_row_bytes, span) if span else _read_local(local, max_row_bytes)
         except OSError as e:  # unreadable (permissions) or vanished while reading
             raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
     else:
         yield from _bounded(_read_hub(path, split=split, subset=name), max_row_bytes)
+
+
+def line_spans(path: str, lines: int, block: int = 1 << 20) -> Iterator[LineSpan]:
+    """A local JSONL file cut into spans of `lines` lines (the last one shorter), found by scanning it for newlines
+    a block at a time: nothing is parsed, and a line of any length is never held whole."""
+    local = local_data_path(path)
+    assert local is not None and local.suffix.lower() == ".jsonl", path
+    _check_file(path, local)
+    try:
+        with local.open("rb") as handle:
+            start = pos = count = last = 0  # count: newlines since `start`; last: just after the last newline
+            first = 1
+            while data := handle.read(block):
+                ends = np.flatnonzero(np.frombuffer(data, np.uint8) == 10) + (pos + 1)  # just after each newline
+                cuts = ends[lines - count - 1::lines]
+                for end in cuts.tolist():
+                    yield LineSpan(start, end, first, lines)
+                    start, first = end, first + lines
+                count += len(ends) - lines * len(cuts)
+                last = int(ends[-1]) if len(ends) else last
+                pos += len(data)
+            if pos > start:  # the last lines, the very last one perhaps without a newline
+                yield LineSpan(start, pos, first, count + (pos > last))
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
+
+
+def _check_file(path: str, local: Path) -> None:
+    if local.is_dir():
+        raise UserError(f"{path} is a directory; give a data file ({', '.join(LOCAL_SUFFIXES)})")
+    if not local.is_file():
+        # Relative paths were already tried against the recipe's folder (recipe.py), then the cwd.
+        raise UserError(data_file_not_found(path))
 
 
 def _read_local(file: Path, limit: int) -> Iterator[RawRow]:
@@ -136,9 +178,13 @@ def _lines(handle: Any, limit: int) -> Iterator[tuple[bytes | None, int]]:
         yield (raw if pieces is not None and size - ending <= limit else None), size - ending
 
 
-def _read_jsonl(file: Path, limit: int) -> Iterator[RawRow]:
+def _read_jsonl(file: Path, limit: int, span: LineSpan | None = None) -> Iterator[RawRow]:
     with file.open("rb") as handle:
-        for number, (raw, size) in enumerate(_lines(handle, limit), start=1):
+        lines = _lines(handle, limit)
+        if span is not None:
+            handle.seek(span.start)
+            lines = itertools.islice(lines, span.lines)
+        for number, (raw, size) in enumerate(lines, start=span.first if span else 1):
             origin = f"{file}:{number}"
             if raw is None:
                 yield _bad(origin, _too_large(size, limit))

@@ -215,3 +215,25 @@ def test_the_second_data_key_is_named_by_its_line_whatever_was_read_before(tmp_p
     path.write_text('{"data": [{"a": 1},\n{"a": 2}],\n\n   "data": []}')
     with pytest.raises(UserError, match=f"^{path}:4: malformed JSON: a second 'data' key .* at column 4$"):
         list(read_rows(str(path)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_jsonl_line_spans_read_as_the_whole_file_does(tmp_path, seed):
+    # Tokenizing workers read a JSONL file's lines themselves, in spans cut by the parent (sources.line_spans, found
+    # a block at a time): together the spans give the rows, origins and errors of one read of the file, for any
+    # span length and block size, with blank lines, a BOM, CRLF, no final newline, and lines over max_row_bytes.
+    rng = random.Random(seed)
+    for trial in range(60):
+        lines = ["" if rng.random() < 0.1 else "{bad" if rng.random() < 0.05 else
+                 json.dumps({"a": "x" * rng.randint(0, 50), "é": trial}) for _ in range(rng.randint(0, 40))]
+        text = ("\ufeff" if rng.random() < 0.2 else "") + "\n".join(lines)
+        text += rng.choice(["", "\n", "\r\n"]) if lines else ""
+        path = tmp_path / f"rows{trial}.jsonl"
+        path.write_text(text, encoding="utf-8")
+        whole = [(r.origin, r.data, r.error) for r in read_rows(str(path), max_row_bytes=40)]
+        spans = list(sources.line_spans(str(path), rng.randint(1, 7), block=rng.randint(1, 64)))
+        parts = [(r.origin, r.data, r.error) for s in spans for r in read_rows(str(path), max_row_bytes=40, span=s)]
+        assert parts == whole, (text, spans)
+        assert [s.start for s in spans[1:]] == [s.end for s in spans[:-1]]
+        assert (spans[0].start, spans[-1].end) == (0, path.stat().st_size) if spans else path.stat().st_size == 0
+        assert sum(s.lines for s in spans) == len(text.splitlines())
