@@ -55,7 +55,7 @@ class MessageFields:
     """data.cache_dir (None: the default cache root): images given as bytes are written under it (image_files.py)."""
 
     def role_of(self, name: Any) -> Any:
-        return dict(self.role_map).get(name, name) if isinstance(name, str) else name
+        return dict(self.role_map).get(name, name) if self.role_map and isinstance(name, str) else name
 
 
 def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFields,
@@ -64,6 +64,8 @@ def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFi
     the message when it does not fit. A content that is a list of text and image parts (data/images.py) stays a
     list, its images taken by `images` (None: rows of a format that takes no images)."""
     role, content = fields.role_of(message.get(fields.role)), message.get(fields.content)
+    if len(message) == 2 and type(content) is str and role in ROLES and fields.role in message:
+        return {"role": role, "content": content}  # nearly every message: a role and a text, nothing else to check
     if role is None and "from" in message and "value" in message:
         # The most common mix-up: ShareGPT rows ({from: human|gpt, value}) read as chat.
         raise BadRow(f"{origin}: message {i} looks like ShareGPT ({{from, value}}); read such rows with "

@@ -161,8 +161,15 @@ def _lines(handle: Any, limit: int) -> Iterator[tuple[bytes | None, int]]:
     """Each line (None when its content, line ending left out, is over `limit` bytes) and that size. Lines are read
     in pieces of at most 1 MiB; a long line's pieces are dropped once it is known to be too long."""
     while True:
-        pieces: list[bytes] | None = []
-        size, piece = 0, b""
+        piece = handle.readline(1 << 20)
+        if piece.endswith(b"\n"):  # the whole line in one piece: nearly always
+            size = len(piece) - (2 if piece.endswith(b"\r\n") else 1)
+            yield (piece if size <= limit else None), size
+            continue
+        pieces: list[bytes] | None = [piece]
+        size = len(piece)
+        if size > limit + 2:
+            pieces = None
         while piece := handle.readline(1 << 20):
             size += len(piece)
             if pieces is not None:
@@ -184,8 +191,9 @@ def _read_jsonl(file: Path, limit: int, span: LineSpan | None = None) -> Iterato
         if span is not None:
             handle.seek(span.start)
             lines = itertools.islice(lines, span.lines)
+        name = str(file)
         for number, (raw, size) in enumerate(lines, start=span.first if span else 1):
-            origin = f"{file}:{number}"
+            origin = f"{name}:{number}"
             if raw is None:
                 yield _bad(origin, _too_large(size, limit))
                 continue

@@ -246,7 +246,8 @@ def _check_tools_rendered(example: Example, tokenizer: Any, template_kwargs: Map
 def _take_notes(notes: Counter[str], specials: tuple[str, ...], messages: list[dict[str, Any]], layout: ChatLayout,
                 train_on_inputs: bool) -> None:
     """Count what the template did to the trained turns, and text that spells a special token."""
-    notes[NOTE_UNRENDERED] += len(layout.unrendered)
+    if layout.unrendered:
+        notes[NOTE_UNRENDERED] += len(layout.unrendered)
     if not train_on_inputs and not layout.verbatim:  # verbatim: each turn holds its content as written
         for turn in layout.turns:
             message = messages[turn.message_index]
@@ -254,10 +255,13 @@ def _take_notes(notes: Counter[str], specials: tuple[str, ...], messages: list[d
             texts = [*part_texts(message.get("content")), *(message.get(k) or "" for k in REASONING_FIELDS)]
             if any(t.strip() and t.strip() not in rendered for t in texts):
                 notes[NOTE_ALTERED] += 1  # e.g. reasoning the template drops from earlier turns (Qwen3, R1)
+    pattern = _specials_pattern(specials)
+    if pattern is None:
+        return
     texts = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
     texts += [t for m in messages if isinstance(m.get("content"), list) for t in part_texts(m["content"])]
-    pattern = _specials_pattern(specials)
-    if pattern is not None and any(pattern.search(t) for t in texts):
+    # One search over the texts joined by NUL, which no special token holds, so that no match spans two texts.
+    if any(pattern.search(t) for t in texts) if "\0" in pattern.pattern else pattern.search("\0".join(texts)):
         notes[NOTE_SPECIAL_TEXT] += 1
 
 
