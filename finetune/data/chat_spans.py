@@ -44,7 +44,8 @@ END_OF_TURN_MARKERS = (
     "<｜end▁of▁sentence｜>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<turn|>",
 )
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ costs ~0.6 us more, paid for every row of a corpus. Never changed.
+@dataclass(slots=True)
 class TurnSpan:
     """One trained message in the rendering: characters [start, end) are trained."""
 
@@ -60,7 +61,8 @@ class TurnSpan:
     """The end-of-turn marker included, '' when none."""
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ costs ~0.6 us more, paid for every row of a corpus. Never changed.
+@dataclass(slots=True)
 class ChatLayout:
     """A rendered conversation, the spans of the messages asked for, and those the template did not render."""
 

@@ -24,7 +24,8 @@ DEFAULT_ROLES_TO_TRAIN = ("assistant",)
 _DEFAULT_FIELDS = MessageFields()
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ costs ~0.6 us more, paid for every row of a corpus. Never changed.
+@dataclass(slots=True)
 class Example:
     """A training example: `messages` (chat-like formats), `text` (completion), or a fixed `prompt` and its
     `completion` (alpaca rows with a prompt template), plus where it came from."""

@@ -42,7 +42,8 @@ from finetune.errors import UserError
 from finetune.recipe import LOCAL_SUFFIXES, data_file_not_found, local_data_path
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ costs ~0.6 us more, paid for every row of a corpus. Never changed.
+@dataclass(slots=True)
 class RawRow:
     """One row as read from its source, with `origin` like `data/train.jsonl:17`."""
 

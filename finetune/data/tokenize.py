@@ -197,7 +197,7 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
         placed = place(example.origin, text, example.images, vision)
         text, turns = placed.text, moved_turns(turns, placed)
     encoded = encode(tokenizer, example.origin, text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(encoded["input_ids"])
+    ids = encoded["input_ids"]  # a new list either way: the Encoding's ids, or the call's
     labels = _labels(ids, trained_tokens(encoded["offset_mapping"], turns), example.train_on_inputs)
     images = None
     if vision is not None:  # image and vision tokens are never trained, whatever train_on_inputs says
