@@ -1,12 +1,13 @@
 """Recipe datasets -> tokenized samples: read rows as a stream, turn them into examples, hold out a validation
-split, tokenize (in worker processes: shards.py), truncate or drop over-long samples; everything counted in
-DataStats.
+split, tokenize (in worker processes: shards.py, which read a JSONL dataset's rows themselves: FileChunk), truncate
+or drop over-long samples; everything counted in DataStats.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import itertools
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,8 +18,10 @@ from finetune.data.pairs import PairExample, PairFields, completion_end, to_pair
 from finetune.data.shards import (
     CHUNK_EXAMPLES,
     PARALLEL_MIN_EXAMPLES,
+    Chunk,
     Job,
     Progress,
+    RowsToRead,
     chunked,
     tokenize_chunk,
     tokenize_stream,
@@ -89,20 +92,43 @@ def _named_source(key: str, index: int) -> Iterator[None]:
         raise UserError(f"{key}.{index}.path: {e}") from None
 
 
-def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats, key: str, data: DataConfig,
-                in_workers: bool) -> Iterator[Sequence[Example] | FileChunk]:
-    """iter_examples in chunks of CHUNK_EXAMPLES, for tokenize_stream. With `in_workers`, a JSONL dataset (without
-    max_rows, which counts examples) comes as FileChunks of as many lines, which the tokenizing workers read
-    themselves: its rows are never parsed, converted or pickled in this process."""
+def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, data: DataConfig,
+                in_workers: bool) -> Iterator[FileChunk | ReadRows]:
+    """The datasets' rows in chunks for tokenize_stream, each with the counts of reading it, which are merged in input
+    order. With `in_workers`, a JSONL dataset (without max_rows, which counts examples) comes as FileChunks of
+    CHUNK_EXAMPLES lines that the tokenizing workers read themselves: its rows are never parsed, converted or pickled
+    in this process. Any other dataset is read here, as ReadRows of CHUNK_EXAMPLES examples."""
     for index, cfg in enumerate(configs):
         local = local_data_path(cfg.path)
-        if not (in_workers and cfg.max_rows is None and local is not None and local.suffix.lower() == ".jsonl"):
-            yield from chunked(_dataset_examples(cfg, index, key, data, on_bad_row, stats), CHUNK_EXAMPLES)
+        if in_workers and cfg.max_rows is None and local is not None and local.suffix.lower() == ".jsonl":
+            with _named_source(key, index):
+                fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
+                for span in line_spans(cfg.path, CHUNK_EXAMPLES):
+                    yield FileChunk(cfg, fields, key, index, span, data.max_row_bytes)
             continue
-        with _named_source(key, index):
-            fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
-            for span in line_spans(cfg.path, CHUNK_EXAMPLES):
-                yield FileChunk(cfg, fields, key, index, span, data.max_row_bytes)
+        counts = DataStats()
+        examples = _dataset_examples(cfg, index, key, data, on_bad_row, counts)
+        while True:
+            chunk = list(itertools.islice(examples, CHUNK_EXAMPLES))
+            if chunk or counts.rows_read:  # bad rows after the last example are counted too
+                yield ReadRows(chunk, counts.take())
+            if len(chunk) < CHUNK_EXAMPLES:
+                break
+
+
+@dataclass
+class ReadRows:
+    """Examples read in this process and the counts of reading them (shards.RowsToRead)."""
+
+    examples: list[Example]
+    counts: DataStats
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def read(self, on_bad_row: str, stats: DataStats) -> list[Example]:
+        stats.add(self.counts)
+        return self.examples
 
 
 @dataclass(frozen=True)
@@ -195,24 +221,26 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     """Tokenize a recipe's train and eval samples into `train` and `evals` (lists, or the token store's
     writers); returns their stats. Eval comes from eval_datasets, else a seeded val_fraction split.
 
-    Rows are read as a stream and tokenized in chunks as they come (by worker processes: data.num_proc), so
-    neither the rows nor the examples are ever all in memory (a val_fraction split reads the rows three times: to
-    count them, for the training examples, for the held-out ones). A row that cannot be read or converted is
-    reported at once; a failure while tokenizing after the whole input has been read, so that the first of the first
-    kind is the error raised, as when every row was read before any was tokenized.
+    Rows are read as a stream and tokenized in chunks as they come (by worker processes: data.num_proc, which read
+    a JSONL dataset's rows themselves), so neither the rows nor the examples are ever all in memory (a val_fraction
+    split reads the rows three times: to count them, for the training examples, for the held-out ones). A row that
+    cannot be read or converted is raised in input order; a failure while tokenizing after the whole input has been
+    read, so that the first of the first kind is the error raised, as when every row was read before any was
+    tokenized.
     """
     train_stats, eval_stats = DataStats(), DataStats()
     data, on_bad = recipe.data, recipe.data.on_bad_row
     rows = lambda: train_stats.rows_read + eval_stats.rows_read  # noqa: E731
     job = Job(tokenizer, data, on_bad, dict(recipe.tokenizer.chat_template_kwargs or {}), Progress(rows),
               completion_end(recipe))
-    sources: tuple[Iterable[Sequence[Example] | FileChunk], Iterable[Sequence[Example] | FileChunk]]
+    sources: tuple[Iterable[Chunk], Iterable[Chunk]]
     if not recipe.eval_datasets and data.val_fraction > 0:
-        sources = tuple(chunked(part, CHUNK_EXAMPLES) for part in _split(recipe, train_stats))  # type: ignore[assignment]
+        train_part, eval_part = _split(recipe, train_stats)
+        sources = (chunked(train_part, CHUNK_EXAMPLES), chunked(eval_part, CHUNK_EXAMPLES))
     else:
         in_workers = workers_for(data) > 1
-        sources = (iter_chunks(recipe.datasets, on_bad, train_stats, "datasets", data, in_workers),
-                   iter_chunks(recipe.eval_datasets, on_bad, eval_stats, "eval_datasets", data, in_workers))
+        sources = (iter_chunks(recipe.datasets, on_bad, "datasets", data, in_workers),
+                   iter_chunks(recipe.eval_datasets, on_bad, "eval_datasets", data, in_workers))
     failure: BaseException | None = None
     for source, stats, out in zip(sources, (train_stats, eval_stats), (train, evals)):
         tokenized = DataStats()  # after the rows' own counts, as when all rows were read first
@@ -220,7 +248,7 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
             failure = tokenize_stream(source, job, tokenized, out, workers_for(data), read_stats=stats)
         else:
             for chunk in source:  # read on: an unreadable row later in the input is the error to report
-                if isinstance(chunk, FileChunk):
+                if isinstance(chunk, RowsToRead):
                     chunk.read(on_bad, stats)
         stats.add(tokenized)
     if failure is not None:

@@ -1,14 +1,15 @@
-"""Examples -> samples, in worker processes: chunks of examples streamed through a process pool, each chunk's
-samples sent back as flat arrays and delivered in input order, so the samples and the stats are exactly those of
-one serial pass.
+"""Examples -> samples, in worker processes: chunks streamed through a process pool, each chunk's samples sent
+back as flat arrays and delivered in input order, so the samples and the stats are exactly those of one serial pass.
 
-`tokenize_chunk` is that serial pass over one chunk (tokenize, then truncate or drop what is longer than
-max_seq_len, fit preference pairs, count everything). `tokenize_stream` feeds chunks to the workers as they come
-from a reader (never more than a few per worker in flight: memory does not grow with the input) and writes
-their samples to a sink, a list or the token store's SplitWriter. A failure in a chunk (a bad row with
-`data.on_bad_row: error`, a template the tokenizer refuses) is returned after the reader is drained: reading
-goes on, tokenizing stops, so an error found while reading a later row is raised first, as when every row was
-read before any was tokenized.
+A chunk is a list of examples, or lines of a JSONL file that the worker reads itself (RowsToRead: samples.FileChunk),
+so that those rows are never parsed, converted or pickled in the main process. `tokenize_chunk` is the serial pass
+over one chunk (tokenize, then truncate or drop what is longer than max_seq_len, fit preference pairs, count
+everything). `tokenize_stream` feeds chunks to the workers as they come from a reader (never more than a few per
+worker in flight: memory does not grow with the input) and writes their samples to a sink, a list or the token
+store's SplitWriter. A failure in a chunk (a bad row with `data.on_bad_row: error`, a template the tokenizer
+refuses) is returned after the reader is drained: reading goes on, tokenizing stops, so an error found while reading
+a later row is raised first, as when every row was read before any was tokenized. A worker's reading error comes
+back with its chunk and is raised in input order.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from finetune.data.chat_spans import template_facts
+from finetune.data.chat_spans import TemplateFacts, template_facts
 from finetune.data.formats import Example
 from finetune.data.images import ImageLayout, adopt, cut, layout_for
 from finetune.data.pairs import PairExample, fit_pair, pair_sample, tokenize_pair, unfit_reason
@@ -60,8 +61,7 @@ def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig
     """Tokenize examples into `samples` (appended; returned), truncating or dropping what is longer than
     max_seq_len, and count everything in `stats`. Preference pairs' completions end at `pair_end` (data/pairs.py)."""
     notes: Counter[str] = Counter()
-    # Asked of the tokenizer once for the chunk, not once a row.
-    facts = template_facts(tokenizer, template_kwargs) if getattr(tokenizer, "chat_template", None) else None
+    facts = _template_facts(tokenizer, template_kwargs)
     for example, rendered in zip(examples, render_ahead(examples, tokenizer, template_kwargs)):
         try:
             if isinstance(example, PairExample):
@@ -98,6 +98,17 @@ def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig
         samples.append(sample)
     stats.add_notes(notes)
     return samples
+
+
+def _template_facts(tokenizer: Any, template_kwargs: dict[str, Any]) -> TemplateFacts | None:
+    """What masking asks of the tokenizer, once for a chunk rather than once a row; None (each row finds them itself,
+    and what fails there is that row's error) without a chat template, or when they cannot be found."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        return template_facts(tokenizer, template_kwargs)
+    except Exception:
+        return None
 
 
 def _fitted_pair(origin: str, chosen: dict, rejected: dict, data: DataConfig, stats: DataStats) -> dict | None:
@@ -296,8 +307,8 @@ def tokenize_stream(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: An
     (started once the input proves large enough to pay for them). Returns the first failure of tokenizing (nothing
     after it is tokenized), after the chunks are drained; a failure of reading is raised, in input order."""
     read_stats = read_stats if read_stats is not None else DataStats()
-    iterator = iter(chunks)
-    head: list[Chunk] = []
+    iterator = _raising_in_place(chunks)
+    head: list[Chunk | _Raised] = []
     while sum(map(len, head)) < PARALLEL_MIN_EXAMPLES and (chunk := next(iterator, None)) is not None:
         head.append(chunk)
     rest = itertools.chain(head, iterator)
@@ -311,10 +322,36 @@ def tokenize_stream(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: An
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _serial(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: Any,
+class _Raised:
+    """What reading the input raised, in its place in the stream of chunks: the chunks before it are delivered first,
+    so that a reading error of theirs (found by a worker) is the one raised, as one serial pass would raise it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 0
+
+
+def _raising_in_place(chunks: Iterable[Chunk]) -> Iterator[Chunk | _Raised]:
+    iterator = iter(chunks)
+    while True:
+        try:
+            chunk = next(iterator, None)
+        except Exception as e:
+            yield _Raised(e)
+            return
+        if chunk is None:
+            return
+        yield chunk
+
+
+def _serial(chunks: Iterable[Chunk | _Raised], job: Job, stats: DataStats, out: Any,
             read_stats: DataStats) -> BaseException | None:
     failure = None
     for chunk in chunks:
+        if isinstance(chunk, _Raised):
+            raise chunk.error
         examples = _examples_of(chunk, job.on_bad_row, read_stats)
         if failure is not None:
             continue  # drained: reading goes on, so a later reading error still comes first
@@ -334,8 +371,8 @@ def _serial(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: Any,
     return failure
 
 
-def _parallel(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: Any, pool: ProcessPoolExecutor, workers: int,
-              read_stats: DataStats) -> BaseException | None:
+def _parallel(chunks: Iterable[Chunk | _Raised], job: Job, stats: DataStats, out: Any, pool: ProcessPoolExecutor,
+              workers: int, read_stats: DataStats) -> BaseException | None:
     pending: collections.deque[Future[Part]] = collections.deque()
     failure: BaseException | None = None
 
@@ -357,15 +394,14 @@ def _parallel(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: Any, poo
                 if job.progress:
                     job.progress.add(len(part.lengths), int(part.lengths.sum()))
 
-    try:
-        for chunk in chunks:
-            if failure is not None and not isinstance(chunk, RowsToRead):
-                continue  # drained: reading goes on, so a later reading error still comes first
-            pending.append(pool.submit(_worker_chunk, chunk, job.data, job.on_bad_row, job.template_kwargs,
-                                       job.pair_end, failure is None))
-            deliver(drain=False)
-    except Exception:
-        deliver(drain=True)  # a chunk before the row that could not be read may hold an earlier one
-        raise
+    for chunk in chunks:
+        if isinstance(chunk, _Raised):
+            deliver(drain=True)  # a chunk before it may hold an unreadable row: that one is raised first
+            raise chunk.error
+        if failure is not None and not isinstance(chunk, RowsToRead):
+            continue  # drained: reading goes on, so a later reading error still comes first
+        pending.append(pool.submit(_worker_chunk, chunk, job.data, job.on_bad_row, job.template_kwargs,
+                                   job.pair_end, failure is None))
+        deliver(drain=False)
     deliver(drain=True)
     return failure

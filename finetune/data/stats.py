@@ -57,6 +57,12 @@ class DataStats:
         for name, count in notes.items():
             setattr(self, name, getattr(self, name) + count)
 
+    def take(self) -> DataStats:
+        """These counts, moved out: this object starts again from zero."""
+        taken = DataStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        self.__init__()  # type: ignore[misc]
+        return taken
+
     def add(self, other: DataStats) -> None:
         """Add another part's counts (parallel tokenization): the same totals as one serial pass."""
         for f in fields(self):

@@ -197,7 +197,8 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
         placed = place(example.origin, text, example.images, vision)
         text, turns = placed.text, moved_turns(turns, placed)
     encoded = encode(tokenizer, example.origin, text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"]  # a new list either way: the Encoding's ids, or the call's
+    ids = encoded["input_ids"]  # the Encoding's own new list, or the call's
+    ids = ids if type(ids) is list else list(ids)
     labels = _labels(ids, trained_tokens(encoded["offset_mapping"], turns), example.train_on_inputs)
     images = None
     if vision is not None:  # image and vision tokens are never trained, whatever train_on_inputs says
@@ -261,7 +262,8 @@ def _take_notes(notes: Counter[str], specials: tuple[str, ...], messages: list[d
     texts = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
     texts += [t for m in messages if isinstance(m.get("content"), list) for t in part_texts(m["content"])]
     # One search over the texts joined by NUL, which no special token holds, so that no match spans two texts.
-    if any(pattern.search(t) for t in texts) if "\0" in pattern.pattern else pattern.search("\0".join(texts)):
+    if texts and (any(pattern.search(t) for t in texts) if "\0" in pattern.pattern else
+                  pattern.search("\0".join(texts))):
         notes[NOTE_SPECIAL_TEXT] += 1
 
 

@@ -196,3 +196,41 @@ def test_a_bad_row_read_by_a_worker_comes_before_a_later_dataset_s_error(tmp_pat
     raw["datasets"][0]["path"] = str(write_rows(tmp_path / "clean.jsonl", 900, {40: LONE_SURROGATE}))
     with pytest.raises(UserError, match=r"datasets.1.path: .*broken.json"):
         build_samples(validate(raw), tokenizer)
+
+
+def build_or_error(tmp_path: Path, tokenizer, paths: list[Path], num_proc: int, **data_keys):
+    raw = tiny_recipe(tmp_path / "run", paths[0])
+    raw["datasets"] += [{"path": str(p), "format": "chat"} for p in paths[1:]]
+    raw["data"].update(max_seq_len=24, num_proc=num_proc, **data_keys)
+    try:
+        train, _, stats, _ = build_samples(validate(raw), tokenizer)
+    except UserError as e:
+        return str(e)
+    return train, stats
+
+
+@pytest.mark.parametrize("case", ["two bad rows", "jsonl, then a broken json", "jsonl, then a broken json, small",
+                                  "bad rows of both kinds"])
+def test_workers_reading_rows_keep_errors_and_bad_rows_in_input_order(tmp_path, tokenizer, case):
+    # JSONL rows are read by the workers (FileChunk), .json rows here (ReadRows). Whichever process finds an
+    # unreadable row first, the first one in input order is the error, and the bad rows skipped are named in input
+    # order: all as with one process.
+    rows = [json.loads(chat_line(i)) for i in range(1, 700)]
+    rows[3] = rows[4] = {"messages": [{"role": "wizard", "content": "x"}]}
+    (tmp_path / "mixed.json").write_text(json.dumps(rows), encoding="utf-8")
+    (tmp_path / "broken.json").write_text("[" + ",".join(chat_line(i) for i in range(1, 400)) + ", {oops")
+    if case == "two bad rows":  # the second is found while the first's chunk is still being handed out
+        paths, keys = [write_rows(tmp_path / "a.jsonl", 5000, {100: "{not json", 600: "{bad two"})], {}
+    elif case.startswith("jsonl, then"):  # read here while the first file's lines wait for a worker
+        lines = 100 if case.endswith("small") else 600  # one process, or workers
+        paths, keys = [write_rows(tmp_path / "first.jsonl", lines, {50: "{not json"}), tmp_path / "broken.json"], {}
+    else:
+        bad = {1400: "{x", 1401: "{y", 1402: "{z"}
+        paths, keys = [write_rows(tmp_path / "c.jsonl", 1500, bad), tmp_path / "mixed.json"], {"on_bad_row": "skip"}
+    one, two = (build_or_error(tmp_path, tokenizer, paths, n, **keys) for n in (1, 2))
+    assert one == two
+    if isinstance(one, str):
+        assert (":100:" in one) if case == "two bad rows" else ("first.jsonl:50:" in one), one
+    else:
+        assert [e.split(": ")[0].rsplit("/", 1)[1] for e in one[1].bad_row_examples] == [
+            "c.jsonl:1400", "c.jsonl:1401", "c.jsonl:1402", "mixed.json:1", "mixed.json:1"]
