@@ -1,6 +1,6 @@
 """Recipe datasets -> tokenized samples: read rows as a stream, turn them into examples, hold out a validation
-split, tokenize (in worker processes: shards.py, which read a JSONL dataset's rows themselves: FileChunk), truncate
-or drop over-long samples; everything counted in DataStats.
+split, tokenize (in worker processes: shards.py, which read a JSONL or parquet dataset's rows themselves:
+FileChunk), truncate or drop over-long samples; everything counted in DataStats.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from finetune.data.shards import (
     tokenize_stream,
     workers_for,
 )
-from finetune.data.sources import BadRow, LineSpan, line_spans, read_rows
+from finetune.data.sources import BadRow, LineSpan, ParquetBatch, file_spans, read_rows
 from finetune.data.stats import DataStats
 from finetune.errors import UserError
 from finetune.recipe import DataConfig, DatasetConfig, Recipe, local_data_path
@@ -95,15 +95,17 @@ def _named_source(key: str, index: int) -> Iterator[None]:
 def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, data: DataConfig,
                 in_workers: bool) -> Iterator[FileChunk | ReadRows]:
     """The datasets' rows in chunks for tokenize_stream, each with the counts of reading it, which are merged in input
-    order. With `in_workers`, a JSONL dataset (without max_rows, which counts examples) comes as FileChunks of
-    CHUNK_EXAMPLES lines that the tokenizing workers read themselves: its rows are never parsed, converted or pickled
-    in this process. Any other dataset is read here, as ReadRows of CHUNK_EXAMPLES examples."""
+    order. With `in_workers`, a JSONL or parquet dataset (without max_rows, which counts examples) comes as
+    FileChunks (CHUNK_EXAMPLES lines; a parquet batch, decoded but not made into rows) that the tokenizing workers
+    read themselves: its rows are never parsed, converted or pickled in this process. Any other dataset is read
+    here, as ReadRows of CHUNK_EXAMPLES examples."""
     for index, cfg in enumerate(configs):
         local = local_data_path(cfg.path)
-        if in_workers and cfg.max_rows is None and local is not None and local.suffix.lower() == ".jsonl":
+        if in_workers and cfg.max_rows is None and local is not None and \
+                local.suffix.lower() in (".jsonl", ".parquet"):
             with _named_source(key, index):
                 fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
-                for span in line_spans(cfg.path, CHUNK_EXAMPLES):
+                for span in file_spans(cfg.path, CHUNK_EXAMPLES):
                     yield FileChunk(cfg, fields, key, index, span, data.max_row_bytes)
             continue
         counts = DataStats()
@@ -133,17 +135,18 @@ class ReadRows:
 
 @dataclass(frozen=True)
 class FileChunk:
-    """Lines of a dataset's JSONL file that a tokenizing worker reads itself (shards.RowsToRead)."""
+    """A piece of a dataset's file (lines of a JSONL file, a batch of a parquet file) that a tokenizing worker reads
+    itself (shards.RowsToRead)."""
 
     cfg: DatasetConfig
     fields: MessageFields
     key: str
     index: int
-    span: LineSpan
+    span: LineSpan | ParquetBatch
     max_row_bytes: int
 
     def __len__(self) -> int:
-        return self.span.lines
+        return len(self.span)
 
     def read(self, on_bad_row: str, stats: DataStats) -> list[Example]:
         """The span's examples, as iter_examples gives them, its rows counted in `stats`."""

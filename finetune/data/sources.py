@@ -74,20 +74,55 @@ class LineSpan:
     first: int
     lines: int
 
+    def __len__(self) -> int:
+        return self.lines
 
-def read_rows(path: str, *, split: str = "train", name: str | None = None,
-              max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, span: LineSpan | None = None) -> Iterator[RawRow]:
-    """Yield the rows of a local data file or a hub dataset (`span`: of those lines of a JSONL file only).
-    Malformed rows, and rows over `max_row_bytes`, come with `error` set."""
+
+@dataclass(frozen=True)
+class ParquetBatch:
+    """Rows [first, first + len) of a parquet file, decoded into columns (a pyarrow RecordBatch): a piece a worker
+    process turns into rows itself."""
+
+    first: int
+    batch: Any
+
+    def __len__(self) -> int:
+        return int(self.batch.num_rows)
+
+
+def read_rows(path: str, *, split: str = "train", name: str | None = None, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+              span: LineSpan | ParquetBatch | None = None) -> Iterator[RawRow]:
+    """Yield the rows of a local data file or a hub dataset (`span`: of that piece of a JSONL or parquet file only,
+    file_spans'). Malformed rows, and rows over `max_row_bytes`, come with `error` set."""
     local = local_data_path(path)
     if local is not None:
         _check_file(path, local)
         try:
-            yield from _read_jsonl(local, max_row_bytes, span) if span else _read_local(local, max_row_bytes)
+            if isinstance(span, ParquetBatch):
+                yield from _bounded(_batch_rows(local, span.first, span.batch), max_row_bytes)
+            else:
+                yield from _read_jsonl(local, max_row_bytes, span) if span else _read_local(local, max_row_bytes)
         except OSError as e:  # unreadable (permissions) or vanished while reading
             raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
     else:
         yield from _bounded(_read_hub(path, split=split, subset=name), max_row_bytes)
+
+
+def file_spans(path: str, lines: int) -> Iterator[LineSpan | ParquetBatch]:
+    """A local JSONL file in spans of `lines` lines (line_spans), or a parquet file in batches of PARQUET_BATCH_ROWS
+    rows, decoded but not turned into Python rows: the pieces worker processes read."""
+    local = local_data_path(path)
+    if local is None or local.suffix.lower() != ".parquet":
+        yield from line_spans(path, lines)
+        return
+    _check_file(path, local)
+    first = 0
+    try:
+        for batch in _parquet_batches(local):
+            yield ParquetBatch(first, batch)
+            first += batch.num_rows
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
 
 
 def line_spans(path: str, lines: int, block: int = 1 << 20) -> Iterator[LineSpan]:
@@ -335,14 +370,24 @@ def _read_csv(file: Path, limit: int) -> Iterator[RawRow]:
 
 
 def _read_parquet(file: Path) -> Iterator[RawRow]:
-    index = 0
-    for rows in _parquet_batches(file):
-        for row in rows:
-            yield RawRow(row, f"{file}[row {index}]")
-            index += 1
+    first = 0
+    for batch in _parquet_batches(file):
+        yield from _batch_rows(file, first, batch)
+        first += batch.num_rows
 
 
-def _parquet_batches(file: Path) -> Iterator[list[dict[str, Any]]]:
+def _batch_rows(file: Path, first: int, batch: Any) -> Iterator[RawRow]:
+    """The rows of a batch from _parquet_batches whose first row is row `first` of the file."""
+    try:
+        rows = batch.to_pylist()
+    except Exception as e:  # as _parquet_batches names what pyarrow cannot read
+        raise UserError(f"{file}: cannot read parquet{f' at row {first}' if first else ''} ({e})") from None
+    name = str(file)
+    for index, row in enumerate(rows, start=first):
+        yield RawRow(row, f"{name}[row {index}]")
+
+
+def _parquet_batches(file: Path) -> Iterator[Any]:
     """The file's rows a batch at a time, as pyarrow decodes them (a row group's column chunks at most), never the
     whole table; a file pyarrow cannot read is a UserError, naming the row it stopped at when it was not the first."""
     import pyarrow.parquet as pq  # installed with datasets; imported only when a parquet file is used
@@ -350,7 +395,7 @@ def _parquet_batches(file: Path) -> Iterator[list[dict[str, Any]]]:
     done = 0
     try:
         for batch in pq.ParquetFile(file).iter_batches(batch_size=PARQUET_BATCH_ROWS):
-            yield batch.to_pylist()
+            yield batch
             done += batch.num_rows
     except Exception as e:  # pyarrow raises several types for a broken file
         where = f" at row {done}" if done else ""

@@ -234,3 +234,36 @@ def test_workers_reading_rows_keep_errors_and_bad_rows_in_input_order(tmp_path, 
     else:
         assert [e.split(": ")[0].rsplit("/", 1)[1] for e in one[1].bad_row_examples] == [
             "c.jsonl:1400", "c.jsonl:1401", "c.jsonl:1402", "mixed.json:1", "mixed.json:1"]
+
+
+def test_parquet_batches_read_by_workers_give_the_samples_stats_and_errors_of_one_process(tmp_path, tokenizer,
+                                                                                          monkeypatch):
+    # A parquet dataset goes to the workers as decoded batches (sources.ParquetBatch), turned into rows there: the
+    # same samples, stats and bad rows as one process, no row converted here, and a file broken after its first
+    # row groups stops at the same row with the same error.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from finetune.data import samples, sources
+
+    monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 100)
+    rows = [json.loads(chat_line(i)) for i in range(1, 901)]
+    for i in (5, 300, 650):
+        rows[i] = {"messages": [{"role": "wizard", "content": "x"}]}
+    rows[400]["messages"][0]["content"] = "y" * 5000  # over max_row_bytes
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet", row_group_size=300)
+    calls = []
+    real = samples.row_example
+    monkeypatch.setattr(samples, "row_example", lambda *a, **k: calls.append(1) or real(*a, **k))
+    one, two = (build_or_error(tmp_path, tokenizer, [tmp_path / "rows.parquet"], n, on_bad_row="skip",
+                               max_row_bytes=4000) for n in (1, 2))
+    assert one == two and one[1].bad_rows_skipped == 4 and len(calls) == 900  # all 900 in the one-process build
+    table = pq.read_table(tmp_path / "rows.parquet")
+    broken = tmp_path / "broken.parquet"
+    pq.write_table(table, broken, row_group_size=300, compression="none", use_dictionary=False)
+    start = pq.ParquetFile(broken).metadata.row_group(2).column(0).data_page_offset
+    data = bytearray(broken.read_bytes())
+    data[start:start + 30] = b"\xff" * 30  # the third row group's page header: the first two still read
+    broken.write_bytes(bytes(data))
+    one, two = (build_or_error(tmp_path, tokenizer, [broken], n, on_bad_row="skip") for n in (1, 2))
+    assert one == two and "cannot read parquet at row 600" in one, one
