@@ -32,6 +32,10 @@ from finetune.data.stats import DataStats
 from finetune.errors import UserError
 from finetune.recipe import DataConfig, DatasetConfig, Recipe, local_data_path
 
+# A parquet batch larger than this (decoded) is made into rows here rather than sent to a worker: up to
+# workers x IN_FLIGHT_PER_WORKER chunks wait for one, and rows of images can make a batch hundreds of MB.
+PARQUET_WORKER_BYTES = 8 << 20
+
 __all__ = ["PARALLEL_MIN_EXAMPLES", "Sink", "build_into", "build_samples", "iter_examples", "load_examples",
            "message_fields", "row_example", "tokenize_examples"]
 
@@ -96,9 +100,10 @@ def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, dat
                 in_workers: bool) -> Iterator[FileChunk | ReadRows]:
     """The datasets' rows in chunks for tokenize_stream, each with the counts of reading it, which are merged in input
     order. With `in_workers`, a JSONL or parquet dataset (without max_rows, which counts examples) comes as
-    FileChunks (CHUNK_EXAMPLES lines; a parquet batch, decoded but not made into rows) that the tokenizing workers
-    read themselves: its rows are never parsed, converted or pickled in this process. Any other dataset is read
-    here, as ReadRows of CHUNK_EXAMPLES examples."""
+    FileChunks that the tokenizing workers read themselves: spans of CHUNK_EXAMPLES lines of a JSONL file, never
+    parsed here, or a parquet file's batches as pyarrow decodes them, made into rows there (a batch over
+    PARQUET_WORKER_BYTES, images say, is read here, so that the batches in flight stay small). Any other dataset is
+    read here, as ReadRows of CHUNK_EXAMPLES examples."""
     for index, cfg in enumerate(configs):
         local = local_data_path(cfg.path)
         if in_workers and cfg.max_rows is None and local is not None and \
@@ -106,7 +111,12 @@ def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, dat
             with _named_source(key, index):
                 fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
                 for span in file_spans(cfg.path, CHUNK_EXAMPLES):
-                    yield FileChunk(cfg, fields, key, index, span, data.max_row_bytes)
+                    chunk = FileChunk(cfg, fields, key, index, span, data.max_row_bytes)
+                    if isinstance(span, ParquetBatch) and span.batch.nbytes > PARQUET_WORKER_BYTES:
+                        counts = DataStats()
+                        yield ReadRows(chunk.read(on_bad_row, counts), counts)
+                    else:
+                        yield chunk
             continue
         counts = DataStats()
         examples = _dataset_examples(cfg, index, key, data, on_bad_row, counts)
@@ -225,7 +235,7 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     writers); returns their stats. Eval comes from eval_datasets, else a seeded val_fraction split.
 
     Rows are read as a stream and tokenized in chunks as they come (by worker processes: data.num_proc, which read
-    a JSONL dataset's rows themselves), so neither the rows nor the examples are ever all in memory (a val_fraction
+    a JSONL or parquet dataset's rows themselves), so neither the rows nor the examples are ever all in memory (a val_fraction
     split reads the rows three times: to count them, for the training examples, for the held-out ones). A row that
     cannot be read or converted is raised in input order; a failure while tokenizing after the whole input has been
     read, so that the first of the first kind is the error raised, as when every row was read before any was

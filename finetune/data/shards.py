@@ -1,8 +1,9 @@
 """Examples -> samples, in worker processes: chunks streamed through a process pool, each chunk's samples sent
 back as flat arrays and delivered in input order, so the samples and the stats are exactly those of one serial pass.
 
-A chunk is a list of examples, or lines of a JSONL file that the worker reads itself (RowsToRead: samples.FileChunk),
-so that those rows are never parsed, converted or pickled in the main process. `tokenize_chunk` is the serial pass
+A chunk is a list of examples, or a piece of a file that the worker reads itself (RowsToRead: samples.FileChunk,
+lines of a JSONL file or a parquet batch), so that those rows are never made, converted or pickled in the main
+process. `tokenize_chunk` is the serial pass
 over one chunk (tokenize, then truncate or drop what is longer than max_seq_len, fit preference pairs, count
 everything). `tokenize_stream` feeds chunks to the workers as they come from a reader (never more than a few per
 worker in flight: memory does not grow with the input) and writes their samples to a sink, a list or the token
@@ -45,7 +46,7 @@ from finetune.recipe import DataConfig
 # Below this many examples a process pool (starting it, sending examples out and samples back) costs more
 # than tokenizing in this process.
 PARALLEL_MIN_EXAMPLES = 256
-CHUNK_EXAMPLES = 512  # examples per chunk sent to a worker: ~0.1-1 s of work, a few hundred kB each way
+CHUNK_EXAMPLES = 512  # examples (JSONL lines) per chunk sent to a worker: ~0.1-1 s of work, a few hundred kB each way
 IN_FLIGHT_PER_WORKER = 3  # chunks queued per worker: enough to keep it busy, few enough to bound memory
 
 
@@ -220,8 +221,9 @@ def frozen_heap() -> Iterator[None]:
 
 @runtime_checkable
 class RowsToRead(Protocol):
-    """A chunk whose rows the tokenizing worker reads itself (samples.FileChunk): `read` gives its examples and
-    counts its rows in `stats` (a bad row raises or is skipped per on_bad_row); len() is its number of lines."""
+    """A chunk whose rows the tokenizing worker reads itself (samples.FileChunk), or rows read already with their
+    counts (samples.ReadRows): `read` gives its examples and counts its rows in `stats` (a bad row raises or is
+    skipped per on_bad_row); len() is its number of lines, rows or examples."""
 
     def __len__(self) -> int: ...
 
@@ -253,7 +255,8 @@ def _pool(tokenizer: Any, workers: int) -> ProcessPoolExecutor:
     # fork on Linux: a spawned worker re-imports transformers, and with it torch, before it can unpickle the
     # tokenizer (measured 6-8 s per pool here: more than tokenizing 3000 examples serially takes). The usual
     # fork hazard, a lock held by another thread of the parent, does not reach these workers: they run Python
-    # and the Rust tokenizer's single-text encode only (no OpenMP, no CUDA, no batch thread pool).
+    # and the Rust tokenizer's single-text encode only (no OpenMP, no CUDA, no batch thread pool), and pyarrow's
+    # to_pylist of a parquet batch, which uses no thread pool either.
     # macOS lists fork too, but its system libraries are not fork-safe: spawn there (START_METHOD).
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(START_METHOD),
                                initializer=_init_worker, initargs=(tokenizer, layout_for(tokenizer)))
@@ -311,15 +314,24 @@ def tokenize_stream(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: An
     head: list[Chunk | _Raised] = []
     while sum(map(len, head)) < PARALLEL_MIN_EXAMPLES and (chunk := next(iterator, None)) is not None:
         head.append(chunk)
-    rest = itertools.chain(head, iterator)
+    small = sum(map(len, head)) < PARALLEL_MIN_EXAMPLES
+    rest = _after(head, iterator)
     with frozen_heap():
-        if workers <= 1 or sum(map(len, head)) < PARALLEL_MIN_EXAMPLES:
+        if workers <= 1 or small:
             return _serial(rest, job, stats, out, read_stats)
         pool = _pool(job.tokenizer, workers)
         try:
             return _parallel(rest, job, stats, out, pool, workers, read_stats)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _after(head: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
+    """The head's items, each let go of once given (a parquet batch need not live as long as the stream), then the
+    rest."""
+    while head:
+        yield head.pop(0)
+    yield from rest
 
 
 class _Raised:

@@ -62,7 +62,7 @@ DEFAULT_MAX_ROW_BYTES = 8 * 1024 * 1024
 # An item of a streamed .json array is parsed while its JSON text is under this many times max_row_bytes (then
 # measured like the other formats): escapes make JSON text up to 6 characters per byte of string (`\u0001`).
 JSON_ITEM_FACTOR = 8
-PARQUET_BATCH_ROWS = 1024  # rows decoded into Python objects at a time
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time (into columns, then into Python rows)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ def read_rows(path: str, *, split: str = "train", name: str | None = None, max_r
     file_spans'). Malformed rows, and rows over `max_row_bytes`, come with `error` set."""
     local = local_data_path(path)
     if local is not None:
-        _check_file(path, local)
+        if not isinstance(span, ParquetBatch):  # a batch was decoded already: its file is not opened again
+            _check_file(path, local)
         try:
             if isinstance(span, ParquetBatch):
                 yield from _bounded(_batch_rows(local, span.first, span.batch), max_row_bytes)

@@ -258,6 +258,9 @@ def test_parquet_batches_read_by_workers_give_the_samples_stats_and_errors_of_on
     one, two = (build_or_error(tmp_path, tokenizer, [tmp_path / "rows.parquet"], n, on_bad_row="skip",
                                max_row_bytes=4000) for n in (1, 2))
     assert one == two and one[1].bad_rows_skipped == 4 and len(calls) == 900  # all 900 in the one-process build
+    monkeypatch.setattr(samples, "PARQUET_WORKER_BYTES", 0)  # every batch too large to send: read here
+    assert build_or_error(tmp_path, tokenizer, [tmp_path / "rows.parquet"], 2, on_bad_row="skip",
+                          max_row_bytes=4000) == one and len(calls) == 1800
     table = pq.read_table(tmp_path / "rows.parquet")
     broken = tmp_path / "broken.parquet"
     pq.write_table(table, broken, row_group_size=300, compression="none", use_dictionary=False)
