@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import array
 import contextlib
+import dataclasses
 import itertools
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from finetune.data.formats import Example, MessageFields, to_example
@@ -128,7 +128,7 @@ def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, dat
                 break
 
 
-@dataclass
+@dataclasses.dataclass
 class ReadRows:
     """Examples read in this process and the counts of reading them (shards.RowsToRead)."""
 
@@ -143,7 +143,7 @@ class ReadRows:
         return self.examples
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class FileChunk:
     """A piece of a dataset's file (lines of a JSONL file, a batch of a parquet file) that a tokenizing worker reads
     itself (shards.RowsToRead)."""
@@ -247,7 +247,9 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     job = Job(tokenizer, data, on_bad, dict(recipe.tokenizer.chat_template_kwargs or {}), Progress(rows),
               completion_end(recipe))
     sources: tuple[Iterable[Chunk], Iterable[Chunk]]
-    if not recipe.eval_datasets and data.val_fraction > 0:
+    if not recipe.eval_datasets and data.val_fraction > 0 and workers_for(data) > 1:
+        sources = _split_in_workers(recipe, train_stats, job, workers_for(data))
+    elif not recipe.eval_datasets and data.val_fraction > 0:
         train_part, eval_part = _split(recipe, train_stats)
         sources = (chunked(train_part, CHUNK_EXAMPLES), chunked(eval_part, CHUNK_EXAMPLES))
     else:
@@ -294,6 +296,59 @@ def _split(recipe: Recipe, stats: DataStats) -> tuple[Iterator[Example], Iterato
                             "was read; run again once it no longer changes")
 
     return part(0), part(1)
+
+
+def _split_in_workers(recipe: Recipe, stats: DataStats, job: Job,
+                      workers: int) -> tuple[Iterator[Kept], Iterator[Kept]]:
+    """_split with the rows read by the tokenizing workers (iter_chunks): a first pass only reads the chunks and
+    counts each one's examples (the rows counted in `stats`, a bad row under on_bad_row: error raised in input
+    order, before anything is tokenized); each part then reads the same chunks again and keeps its own examples,
+    told by the held-out indices of each chunk's examples."""
+    data = recipe.data
+
+    def chunks() -> Iterator[FileChunk | ReadRows]:
+        return iter_chunks(recipe.datasets, data.on_bad_row, "datasets", data, True)
+
+    counts: list[int] = []
+    failure = tokenize_stream(chunks(), dataclasses.replace(job, tokenize=False, progress=None), DataStats(), counts,
+                              workers, read_stats=stats)
+    if failure is not None:
+        raise failure
+    held = held_out(sum(counts), data.val_fraction, recipe.seed)
+
+    def part(kept: int) -> Iterator[Kept]:
+        offset, k = 0, 0
+        for k, chunk in enumerate(chunks(), start=1):
+            size = counts[k - 1] if k <= len(counts) else 0
+            yield Kept(chunk, held[offset:offset + size], kept)
+            offset += size
+        if k != len(counts):
+            raise UserError(_CHANGED)
+
+    return part(0), part(1)
+
+
+_CHANGED = "datasets: a data file changed while it was read; run again once it no longer changes"
+
+
+@dataclasses.dataclass
+class Kept:
+    """A chunk of one part of a val_fraction split (shards.RowsToRead): its examples whose `held` flag (per example,
+    from the first pass) is `kept`. Its rows were counted by the first pass."""
+
+    chunk: FileChunk | ReadRows
+    held: bytearray
+    kept: int
+
+    def __len__(self) -> int:
+        return len(self.chunk)
+
+    def read(self, on_bad_row: str, stats: DataStats) -> list[Example]:
+        examples = self.chunk.read(on_bad_row, DataStats())
+        if len(examples) != len(self.held):  # other rows than the ones counted
+            raise UserError(f"{_CHANGED} ({len(examples)} examples in a chunk where the first pass read "
+                            f"{len(self.held)})")
+        return [e for e, h in zip(examples, self.held) if h == self.kept]
 
 
 def held_out(n: int, fraction: float, seed: int) -> bytearray:

@@ -155,10 +155,12 @@ class Part:
     read_error: Exception | None = None
     """Why the worker's reading stopped (a bad row under on_bad_row: error, an unreadable file): raised in input order
     by the parent, as if it had read the rows itself."""
+    examples: int = 0
+    """How many examples the chunk held."""
 
     @classmethod
     def of(cls, samples: list[dict], stats: DataStats, read: DataStats | None = None,
-           read_error: Exception | None = None) -> Part:
+           read_error: Exception | None = None, examples: int = 0) -> Part:
         lengths = np.fromiter((len(s["input_ids"]) for s in samples), dtype=np.int64, count=len(samples))
         total = int(lengths.sum())
         chain = itertools.chain.from_iterable
@@ -167,7 +169,7 @@ class Part:
         docs = np.array([s["docs"] for s in samples], dtype=np.int64).reshape(-1, 2) \
             if samples and "docs" in samples[0] else None
         images = [(i, s["images"]) for i, s in enumerate(samples) if s.get("images")]
-        return cls(ids, labels, lengths, docs, stats, images, read, read_error)
+        return cls(ids, labels, lengths, docs, stats, images, read, read_error, examples)
 
     def deliver(self, out: Any) -> None:
         """Into a SplitWriter as arrays; into anything else (a list) as sample dicts."""
@@ -248,7 +250,7 @@ def _worker_chunk(chunk: Chunk, data: DataConfig, on_bad_row: str, template_kwar
     stats = DataStats()
     samples = tokenize_chunk(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs, [], pair_end) \
         if tokenize else []
-    return Part.of(samples, stats, read if isinstance(chunk, RowsToRead) else None)
+    return Part.of(samples, stats, read if isinstance(chunk, RowsToRead) else None, examples=len(examples))
 
 
 def _pool(tokenizer: Any, workers: int) -> ProcessPoolExecutor:
@@ -301,6 +303,9 @@ class Job:
     template_kwargs: dict[str, Any]
     progress: Progress | None = None
     pair_end: str = "marker"  # where preference completions end (data/pairs.py completion_end)
+    tokenize: bool = True
+    """False: the chunks are only read, and `out` gets each chunk's number of examples (a val_fraction split's
+    first pass, samples._split_in_workers)."""
 
 
 def tokenize_stream(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: Any, workers: int,
@@ -367,6 +372,9 @@ def _serial(chunks: Iterable[Chunk | _Raised], job: Job, stats: DataStats, out: 
         examples = _examples_of(chunk, job.on_bad_row, read_stats)
         if failure is not None:
             continue  # drained: reading goes on, so a later reading error still comes first
+        if not job.tokenize:
+            out.append(len(examples))
+            continue
         part = DataStats()
         samples: list[dict] = []
         try:
@@ -400,7 +408,9 @@ def _parallel(chunks: Iterable[Chunk | _Raised], job: Job, stats: DataStats, out
                 read_stats.add(part.read)
             if part.read_error is not None:
                 raise part.read_error
-            if failure is None:  # after a failure, chunks are only read
+            if failure is None and not job.tokenize:
+                out.append(part.examples)
+            elif failure is None:  # after a failure, chunks are only read
                 part.deliver(out)
                 stats.add(part.stats)
                 if job.progress:
@@ -413,7 +423,7 @@ def _parallel(chunks: Iterable[Chunk | _Raised], job: Job, stats: DataStats, out
         if failure is not None and not isinstance(chunk, RowsToRead):
             continue  # drained: reading goes on, so a later reading error still comes first
         pending.append(pool.submit(_worker_chunk, chunk, job.data, job.on_bad_row, job.template_kwargs,
-                                   job.pair_end, failure is None))
+                                   job.pair_end, failure is None and job.tokenize))
         deliver(drain=False)
     deliver(drain=True)
     return failure

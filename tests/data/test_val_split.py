@@ -97,3 +97,45 @@ def test_a_data_file_that_changes_between_the_passes_is_named(tmp_path):
     write_jsonl(path, [chat_row(i) for i in range(12)])  # rows appended after they were counted
     with pytest.raises(UserError, match="10 training examples were read, then 12: a data file changed"):
         list(train)
+
+
+def split_recipe(tmp_path: Path, paths: list[Path], num_proc: int, **data_keys):
+    raw = tiny_recipe(tmp_path / f"out{num_proc}", paths[0])
+    raw["datasets"] += [{"path": str(p), "format": "chat"} for p in paths[1:]]
+    raw["data"].update(val_fraction=0.1, num_proc=num_proc, **data_keys)
+    raw["seed"] = 5
+    return validate(raw)
+
+
+def test_a_split_read_by_workers_equals_one_process(tmp_path, tokenizer):
+    # With workers, the split's passes read JSONL and parquet rows in them (samples._split_in_workers): a first
+    # pass counts each chunk's examples, then each part keeps its own. Samples, stats and bad rows as one process,
+    # with a dataset read here (.json) after one read by the workers.
+    rows = [chat_row(i) for i in range(1300)]
+    for i in (3, 700, 1299):
+        rows[i] = {"messages": []}
+    first = write_jsonl(tmp_path / "a.jsonl", rows)
+    second = tmp_path / "b.json"
+    second.write_text(json.dumps([chat_row(i) for i in range(300)] + [{"x": 1}]), encoding="utf-8")
+    one, two = (build_samples(split_recipe(tmp_path, [first, second], n, on_bad_row="skip"), tokenizer)
+                for n in (1, 2))
+    assert one == two and len(one[1]) == 160 and one[2].bad_rows_skipped == 4
+    # A bad row under on_bad_row: error stops the first pass, in input order, before anything is tokenized.
+    rows[900] = "not an object"
+    write_jsonl(tmp_path / "a.jsonl", rows)
+    for n in (1, 2):
+        with pytest.raises(UserError, match=r"a.jsonl:4: empty conversation"):
+            build_samples(split_recipe(tmp_path, [first, second], n), tokenizer)
+
+
+def test_a_data_file_that_changes_between_the_workers_passes_is_named(tmp_path, tokenizer):
+    from finetune.data import samples
+    from finetune.data.shards import Job
+
+    path = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(600)])
+    recipe = split_recipe(tmp_path, [path], 2)
+    train, _ = samples._split_in_workers(recipe, DataStats(), Job(tokenizer, recipe.data, "error", {}), 2)
+    write_jsonl(path, [chat_row(i) for i in range(700)])  # rows appended after they were counted
+    with pytest.raises(UserError, match="a data file changed while it was read"):
+        for chunk in train:
+            chunk.read("error", DataStats())
