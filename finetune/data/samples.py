@@ -158,6 +158,12 @@ class FileChunk:
     def __len__(self) -> int:
         return len(self.span)
 
+    def origin(self) -> str:
+        """Where the chunk starts: `file:line`, or `file[row N]` for a parquet batch."""
+        if isinstance(self.span, ParquetBatch):
+            return f"{local_data_path(self.cfg.path)}[row {self.span.first}]"
+        return f"{local_data_path(self.cfg.path)}:{self.span.first}"
+
     def read(self, on_bad_row: str, stats: DataStats) -> list[Example]:
         """The span's examples, as iter_examples gives them, its rows counted in `stats`."""
         with _named_source(self.key, self.index):
@@ -247,7 +253,8 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
     job = Job(tokenizer, data, on_bad, dict(recipe.tokenizer.chat_template_kwargs or {}), Progress(rows),
               completion_end(recipe))
     sources: tuple[Iterable[Chunk], Iterable[Chunk]]
-    if not recipe.eval_datasets and data.val_fraction > 0 and workers_for(data) > 1:
+    if not recipe.eval_datasets and data.val_fraction > 0 and workers_for(data) > 1 and \
+            _read_by_workers(recipe.datasets):
         sources = _split_in_workers(recipe, train_stats, job, workers_for(data))
     elif not recipe.eval_datasets and data.val_fraction > 0:
         train_part, eval_part = _split(recipe, train_stats)
@@ -300,14 +307,14 @@ def _split(recipe: Recipe, stats: DataStats) -> tuple[Iterator[Example], Iterato
 
 def _split_in_workers(recipe: Recipe, stats: DataStats, job: Job,
                       workers: int) -> tuple[Iterator[Kept], Iterator[Kept]]:
-    """_split with the rows read by the tokenizing workers (iter_chunks): a first pass only reads the chunks and
-    counts each one's examples (the rows counted in `stats`, a bad row under on_bad_row: error raised in input
-    order, before anything is tokenized); each part then reads the same chunks again and keeps its own examples,
-    told by the held-out indices of each chunk's examples."""
+    """_split with the rows read by the tokenizing workers, for datasets they read themselves (_read_by_workers): a
+    first pass only reads the chunks and counts each one's examples (the rows counted in `stats`, a bad row under
+    on_bad_row: error raised in input order, before anything is tokenized); each part then reads the same chunks
+    again and keeps its own examples, told by the held-out flags of each chunk's examples."""
     data = recipe.data
 
-    def chunks() -> Iterator[FileChunk | ReadRows]:
-        return iter_chunks(recipe.datasets, data.on_bad_row, "datasets", data, True)
+    def chunks() -> Iterator[FileChunk]:
+        return iter_chunks(recipe.datasets, data.on_bad_row, "datasets", data, True)  # type: ignore[return-value]
 
     counts: list[int] = []
     failure = tokenize_stream(chunks(), dataclasses.replace(job, tokenize=False, progress=None), DataStats(), counts,
@@ -323,31 +330,38 @@ def _split_in_workers(recipe: Recipe, stats: DataStats, job: Job,
             yield Kept(chunk, held[offset:offset + size], kept)
             offset += size
         if k != len(counts):
-            raise UserError(_CHANGED)
+            raise UserError(f"datasets: the training files read as {k} chunks, where the first read found "
+                            f"{len(counts)}: {_CHANGED}")
 
     return part(0), part(1)
 
 
-_CHANGED = "datasets: a data file changed while it was read; run again once it no longer changes"
+def _read_by_workers(configs: Sequence[DatasetConfig]) -> bool:
+    """Whether iter_chunks hands every one of these datasets to the workers (JSONL and parquet without max_rows)."""
+    return all(cfg.max_rows is None and (local := local_data_path(cfg.path)) is not None
+               and local.suffix.lower() in (".jsonl", ".parquet") for cfg in configs)
+
+
+_CHANGED = "a data file changed while it was read; run again once it no longer changes"
 
 
 @dataclasses.dataclass
 class Kept:
-    """A chunk of one part of a val_fraction split (shards.RowsToRead): its examples whose `held` flag (per example,
-    from the first pass) is `kept`. Its rows were counted by the first pass."""
+    """One part's share of a FileChunk in a val_fraction split (shards.RowsToRead): the chunk's examples whose
+    `held` flag (per example, from the first read) is `kept`. Its rows were counted by the first read."""
 
-    chunk: FileChunk | ReadRows
+    chunk: FileChunk
     held: bytearray
     kept: int
 
-    def __len__(self) -> int:
-        return len(self.chunk)
+    def __len__(self) -> int:  # the examples it keeps: what the choice between one process and workers weighs
+        return self.held.count(self.kept)
 
     def read(self, on_bad_row: str, stats: DataStats) -> list[Example]:
         examples = self.chunk.read(on_bad_row, DataStats())
         if len(examples) != len(self.held):  # other rows than the ones counted
-            raise UserError(f"{_CHANGED} ({len(examples)} examples in a chunk where the first pass read "
-                            f"{len(self.held)})")
+            raise UserError(f"{self.chunk.origin()}: {len(examples)} examples where the first read found "
+                            f"{len(self.held)}: {_CHANGED}")
         return [e for e, h in zip(examples, self.held) if h == self.kept]
 
 

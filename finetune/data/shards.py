@@ -39,7 +39,6 @@ from finetune.data.sources import BadRow
 from finetune.data.stats import DataStats
 from finetune.data.store import SplitWriter
 from finetune.data.tokenize import render_ahead, tokenize_example
-from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
@@ -223,9 +222,10 @@ def frozen_heap() -> Iterator[None]:
 
 @runtime_checkable
 class RowsToRead(Protocol):
-    """A chunk whose rows the tokenizing worker reads itself (samples.FileChunk), or rows read already with their
-    counts (samples.ReadRows): `read` gives its examples and counts its rows in `stats` (a bad row raises or is
-    skipped per on_bad_row); len() is its number of lines, rows or examples."""
+    """A chunk whose rows the tokenizing worker reads itself (samples.FileChunk), rows read already with their
+    counts (samples.ReadRows), or one part's share of a FileChunk (samples.Kept, in a val_fraction split): `read`
+    gives its examples and counts its rows in `stats` (a bad row raises or is skipped per on_bad_row; Kept counts
+    nothing: its rows were counted by the split's first read); len() is its number of lines, rows or examples."""
 
     def __len__(self) -> int: ...
 
@@ -245,7 +245,7 @@ def _worker_chunk(chunk: Chunk, data: DataConfig, on_bad_row: str, template_kwar
     read = DataStats()
     try:
         examples = _examples_of(chunk, on_bad_row, read)
-    except UserError as e:
+    except Exception as e:  # whatever stops the reading is raised in input order, as reading here would raise it
         return Part.of([], DataStats(), read, e)
     stats = DataStats()
     samples = tokenize_chunk(examples, _WORKER_TOKENIZER, data, stats, on_bad_row, template_kwargs, [], pair_end) \
@@ -313,13 +313,16 @@ def tokenize_stream(chunks: Iterable[Chunk], job: Job, stats: DataStats, out: An
     """Tokenize every chunk into `out`, in order, adding each chunk's stats to `stats`, and the counts of reading
     the chunks that are RowsToRead to `read_stats`. With `workers` > 1 the chunks go to that many worker processes
     (started once the input proves large enough to pay for them). Returns the first failure of tokenizing (nothing
-    after it is tokenized), after the chunks are drained; a failure of reading is raised, in input order."""
+    after it is tokenized), after the chunks are drained; a failure of reading is raised, in input order. A job that
+    does not tokenize only reads the chunks, and appends each one's number of examples to `out`."""
     read_stats = read_stats if read_stats is not None else DataStats()
+    # Reading alone costs a tenth of tokenizing: a pool pays for itself at ten times the rows.
+    enough = PARALLEL_MIN_EXAMPLES * (1 if job.tokenize else 10)
     iterator = _raising_in_place(chunks)
     head: list[Chunk | _Raised] = []
-    while sum(map(len, head)) < PARALLEL_MIN_EXAMPLES and (chunk := next(iterator, None)) is not None:
+    while sum(map(len, head)) < enough and (chunk := next(iterator, None)) is not None:
         head.append(chunk)
-    small = sum(map(len, head)) < PARALLEL_MIN_EXAMPLES
+    small = sum(map(len, head)) < enough
     rest = _after(head, iterator)
     with frozen_heap():
         if workers <= 1 or small:

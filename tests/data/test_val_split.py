@@ -108,15 +108,17 @@ def split_recipe(tmp_path: Path, paths: list[Path], num_proc: int, **data_keys):
 
 
 def test_a_split_read_by_workers_equals_one_process(tmp_path, tokenizer):
-    # With workers, the split's passes read JSONL and parquet rows in them (samples._split_in_workers): a first
-    # pass counts each chunk's examples, then each part keeps its own. Samples, stats and bad rows as one process,
-    # with a dataset read here (.json) after one read by the workers.
+    # With workers, a split of JSONL and parquet datasets is read in them (samples._split_in_workers): a first pass
+    # counts each chunk's examples, then each part keeps its own. Samples, stats and bad rows as one process.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rows = [chat_row(i) for i in range(1300)]
     for i in (3, 700, 1299):
         rows[i] = {"messages": []}
     first = write_jsonl(tmp_path / "a.jsonl", rows)
-    second = tmp_path / "b.json"
-    second.write_text(json.dumps([chat_row(i) for i in range(300)] + [{"x": 1}]), encoding="utf-8")
+    second = tmp_path / "b.parquet"
+    pq.write_table(pa.Table.from_pylist([chat_row(i) for i in range(300)] + [{"messages": []}]), second)
     one, two = (build_samples(split_recipe(tmp_path, [first, second], n, on_bad_row="skip"), tokenizer)
                 for n in (1, 2))
     assert one == two and len(one[1]) == 160 and one[2].bad_rows_skipped == 4
@@ -128,14 +130,21 @@ def test_a_split_read_by_workers_equals_one_process(tmp_path, tokenizer):
             build_samples(split_recipe(tmp_path, [first, second], n), tokenizer)
 
 
-def test_a_data_file_that_changes_between_the_workers_passes_is_named(tmp_path, tokenizer):
+@pytest.mark.parametrize("change", ["rows appended", "cut at a chunk's end"])
+def test_a_data_file_that_changes_between_the_workers_passes_is_named(tmp_path, tokenizer, monkeypatch, change):
+    # The file is rewritten between the split's first read and the parts' (when the held-out indices are drawn):
+    # a chunk with another number of examples (read by a worker), or another number of chunks, is refused.
     from finetune.data import samples
-    from finetune.data.shards import Job
 
     path = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(600)])
-    recipe = split_recipe(tmp_path, [path], 2)
-    train, _ = samples._split_in_workers(recipe, DataStats(), Job(tokenizer, recipe.data, "error", {}), 2)
-    write_jsonl(path, [chat_row(i) for i in range(700)])  # rows appended after they were counted
-    with pytest.raises(UserError, match="a data file changed while it was read"):
-        for chunk in train:
-            chunk.read("error", DataStats())
+    real = samples.held_out
+
+    def held_out(*args):
+        write_jsonl(path, [chat_row(i) for i in range(700 if change == "rows appended" else 512)])
+        return real(*args)
+
+    monkeypatch.setattr(samples, "held_out", held_out)
+    expected = r"train.jsonl:513: 188 examples where the first read found 88" if change == "rows appended" else \
+        "the training files read as 1 chunks, where the first read found 2"
+    with pytest.raises(UserError, match=rf"{expected}: a data file changed while it was read"):
+        build_samples(split_recipe(tmp_path, [path], 2), tokenizer)
