@@ -248,6 +248,9 @@ def _read_jsonl(file: Path, limit: int, span: LineSpan | None = None) -> Iterato
             except json.JSONDecodeError as e:
                 yield _bad(origin, f"malformed JSON: {e.msg} at column {e.colno}")
                 continue
+            except RecursionError:  # valid JSON nested past the depth Python's reader can follow
+                yield _bad(origin, "JSON nested too deeply to read (past Python's recursion limit)")
+                continue
             if not isinstance(data, dict):
                 yield _bad(origin, f"expected a JSON object, got {type(data).__name__}")
                 continue

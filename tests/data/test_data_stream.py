@@ -270,3 +270,14 @@ def test_parquet_batches_read_by_workers_give_the_samples_stats_and_errors_of_on
     broken.write_bytes(bytes(data))
     one, two = (build_or_error(tmp_path, tokenizer, [broken], n, on_bad_row="skip") for n in (1, 2))
     assert one == two and "cannot read parquet at row 600" in one, one
+
+
+def test_a_jsonl_line_nested_too_deeply_is_a_bad_row(tmp_path, tokenizer):
+    # json.loads raises RecursionError, not a JSONDecodeError, for valid JSON nested past Python's recursion limit:
+    # a row well under max_row_bytes that used to stop preprocessing with a traceback.
+    deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    data = write_rows(tmp_path / "rows.jsonl", 600, {7: deep})
+    one, two = (build_or_error(tmp_path, tokenizer, [data], n, on_bad_row="skip") for n in (1, 2))
+    assert one == two and one[1].bad_rows_skipped == 1
+    assert "rows.jsonl:7: JSON nested too deeply to read" in one[1].bad_row_examples[0]
+    assert "rows.jsonl:7: JSON nested too deeply" in build_or_error(tmp_path, tokenizer, [data], 2)
