@@ -99,15 +99,13 @@ def _named_source(key: str, index: int) -> Iterator[None]:
 def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, data: DataConfig,
                 in_workers: bool) -> Iterator[FileChunk | ReadRows]:
     """The datasets' rows in chunks for tokenize_stream, each with the counts of reading it, which are merged in input
-    order. With `in_workers`, a JSONL or parquet dataset (without max_rows, which counts examples) comes as
-    FileChunks that the tokenizing workers read themselves: spans of CHUNK_EXAMPLES lines of a JSONL file, never
-    parsed here, or a parquet file's batches as pyarrow decodes them, made into rows there (a batch over
-    PARQUET_WORKER_BYTES, images say, is read here, so that the batches in flight stay small). Any other dataset is
-    read here, as ReadRows of CHUNK_EXAMPLES examples."""
+    order. With `in_workers`, a JSONL or parquet dataset (_read_by_workers) comes as FileChunks that the tokenizing
+    workers read themselves: spans of CHUNK_EXAMPLES lines of a JSONL file, never parsed here, or a parquet file's
+    batches as pyarrow decodes them, made into rows there (a batch over PARQUET_WORKER_BYTES, images say, is read
+    here, so that the batches in flight stay small). Any other dataset is read here, as ReadRows of CHUNK_EXAMPLES
+    examples."""
     for index, cfg in enumerate(configs):
-        local = local_data_path(cfg.path)
-        if in_workers and cfg.max_rows is None and local is not None and \
-                local.suffix.lower() in (".jsonl", ".parquet"):
+        if in_workers and _read_by_workers(cfg):
             with _named_source(key, index):
                 fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
                 for span in file_spans(cfg.path, CHUNK_EXAMPLES):
@@ -254,7 +252,7 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
               completion_end(recipe))
     sources: tuple[Iterable[Chunk], Iterable[Chunk]]
     if not recipe.eval_datasets and data.val_fraction > 0 and workers_for(data) > 1 and \
-            _read_by_workers(recipe.datasets):
+            all(map(_read_by_workers, recipe.datasets)):
         sources = _split_in_workers(recipe, train_stats, job, workers_for(data))
     elif not recipe.eval_datasets and data.val_fraction > 0:
         train_part, eval_part = _split(recipe, train_stats)
@@ -336,10 +334,11 @@ def _split_in_workers(recipe: Recipe, stats: DataStats, job: Job,
     return part(0), part(1)
 
 
-def _read_by_workers(configs: Sequence[DatasetConfig]) -> bool:
-    """Whether iter_chunks hands every one of these datasets to the workers (JSONL and parquet without max_rows)."""
-    return all(cfg.max_rows is None and (local := local_data_path(cfg.path)) is not None
-               and local.suffix.lower() in (".jsonl", ".parquet") for cfg in configs)
+def _read_by_workers(cfg: DatasetConfig) -> bool:
+    """Whether iter_chunks hands this dataset to the workers, with workers: JSONL and parquet without max_rows (which
+    counts examples, not lines)."""
+    local = local_data_path(cfg.path)
+    return cfg.max_rows is None and local is not None and local.suffix.lower() in (".jsonl", ".parquet")
 
 
 _CHANGED = "a data file changed while it was read; run again once it no longer changes"

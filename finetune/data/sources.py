@@ -98,13 +98,11 @@ def read_rows(path: str, *, split: str = "train", name: str | None = None, max_r
     if local is not None:
         if not isinstance(span, ParquetBatch):  # a batch was decoded already: its file is not opened again
             _check_file(path, local)
-        try:
+        with _readable(path):
             if isinstance(span, ParquetBatch):
                 yield from _bounded(_batch_rows(local, span.first, span.batch), max_row_bytes)
             else:
                 yield from _read_jsonl(local, max_row_bytes, span) if span else _read_local(local, max_row_bytes)
-        except OSError as e:  # unreadable (permissions) or vanished while reading
-            raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
     else:
         yield from _bounded(_read_hub(path, split=split, subset=name), max_row_bytes)
 
@@ -118,12 +116,9 @@ def file_spans(path: str, lines: int) -> Iterator[LineSpan | ParquetBatch]:
         return
     _check_file(path, local)
     first = 0
-    try:
-        for batch in _parquet_batches(local):
-            yield ParquetBatch(first, batch)
-            first += batch.num_rows
-    except OSError as e:
-        raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
+    for batch in _parquet_batches(local):  # what pyarrow cannot read is a UserError there
+        yield ParquetBatch(first, batch)
+        first += batch.num_rows
 
 
 def line_spans(path: str, lines: int, block: int = 1 << 20) -> Iterator[LineSpan]:
@@ -132,21 +127,27 @@ def line_spans(path: str, lines: int, block: int = 1 << 20) -> Iterator[LineSpan
     local = local_data_path(path)
     assert local is not None and local.suffix.lower() == ".jsonl", path
     _check_file(path, local)
+    with _readable(path), local.open("rb") as handle:
+        start = pos = count = last = 0  # count: newlines since `start`; last: just after the last newline
+        first = 1
+        while data := handle.read(block):
+            ends = np.flatnonzero(np.frombuffer(data, np.uint8) == 10) + (pos + 1)  # just after each newline
+            cuts = ends[lines - count - 1::lines]
+            for end in cuts.tolist():
+                yield LineSpan(start, end, first, lines)
+                start, first = end, first + lines
+            count += len(ends) - lines * len(cuts)
+            last = int(ends[-1]) if len(ends) else last
+            pos += len(data)
+        if pos > start:  # the last lines, the very last one perhaps without a newline
+            yield LineSpan(start, pos, first, count + (pos > last))
+
+
+@contextlib.contextmanager
+def _readable(path: str) -> Iterator[None]:
+    """A data file that cannot be read (permissions) or vanished while read is the user's error, naming it."""
     try:
-        with local.open("rb") as handle:
-            start = pos = count = last = 0  # count: newlines since `start`; last: just after the last newline
-            first = 1
-            while data := handle.read(block):
-                ends = np.flatnonzero(np.frombuffer(data, np.uint8) == 10) + (pos + 1)  # just after each newline
-                cuts = ends[lines - count - 1::lines]
-                for end in cuts.tolist():
-                    yield LineSpan(start, end, first, lines)
-                    start, first = end, first + lines
-                count += len(ends) - lines * len(cuts)
-                last = int(ends[-1]) if len(ends) else last
-                pos += len(data)
-            if pos > start:  # the last lines, the very last one perhaps without a newline
-                yield LineSpan(start, pos, first, count + (pos > last))
+        yield
     except OSError as e:
         raise UserError(f"{path}: cannot read the data file ({e.strerror or e})") from None
 
