@@ -31,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     for item in extra:
         if item.startswith("-") or not hasattr(args, "overrides") or "=" not in item:
-            parser.error(f"unrecognized argument: {item}")
+            print(f"error: {_unrecognized(item, extra, args)}", file=sys.stderr)
+            return EXIT_USER_ERROR
         args.overrides.append(item)
     if not getattr(args, "command", None):
         parser.print_help()
@@ -52,17 +53,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _unrecognized(item: str, extra: list[str], args: argparse.Namespace) -> str:
+    """What an argument argparse did not take means: an option that is a recipe key (`--max-steps 3` is
+    `train.max_steps=3`), a value without its key, or nothing finetune knows."""
+    command = getattr(args, "command", None) or ""
+    options = [x for x in extra if x.startswith("-")]
+    if hasattr(args, "overrides") and options:
+        from finetune.recipe.hints import key_for_option
+
+        key = key_for_option(options[0])
+        if key is not None:
+            after = extra[extra.index(options[0]) + 1:]
+            value = options[0].split("=", 1)[1] if "=" in options[0] else \
+                after[0] if after and not after[0].startswith("-") else "VALUE"
+            return (f"unrecognized option {options[0]}: recipe keys are set as key.path=value after the recipe, "
+                    f"e.g. finetune {command} RECIPE {key}={value}")
+    if hasattr(args, "overrides") and not item.startswith("-"):
+        return (f"unrecognized argument {item!r}: after the recipe come key.path=value overrides (e.g. "
+                f"train.lr=1e-4) and options (finetune {command} --help)")
+    return f"unrecognized argument: {item} (finetune {command + ' ' if command else ''}--help lists the options)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Config-driven fine-tuning of language models.")
     parser.add_argument("--version", action="version", version=f"finetune {__version__}")
     sub = parser.add_subparsers(dest="command")
 
     def command(name: str, handler: Callable, help_text: str, recipe: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         if recipe:
             p.add_argument("recipe", help="recipe YAML file, or a recipe name (see `finetune recipes list`)")
             p.add_argument("overrides", nargs="*", metavar="key.path=value",
                            help="override recipe keys; values are parsed as YAML scalars")
+            p.add_argument("--allow-code", action="store_true",
+                           help="import and run the code the recipe names (reward functions module:function; "
+                                "docs/rl.md, 'Code in recipes'): the same trust as running that Python yourself")
         p.add_argument("--debug", action="store_true", help="show tracebacks")
         p.set_defaults(handler=handler)
         return p
@@ -97,10 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--image", action="append", default=[], metavar="PATH",
                            help="an image put before the prompt's text (a vision-language run; repeat for more)")
         p.add_argument("--system", default=None, help="a system message")
-        p.add_argument("--max-new-tokens", type=int, default=256)
+        p.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply, in tokens")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with a temperature > 0)")
+        p.add_argument("--seed", type=int, default=0, help="the sampling seed")
     p = command("plot", cmd_plot, "plot loss, lr, grad norm and throughput of one or more runs", recipe=False)
     p.add_argument("run_dirs", nargs="+", help="run directories")
     p.add_argument("--out", default="curves.png", help="PNG file to write")
@@ -163,7 +189,7 @@ def load_recipe_arg(args: argparse.Namespace, overrides: Sequence[str] | None = 
         # A name is loaded by its file (resolved once: a repository's pin is checked once); a path as written.
         given = args.recipe if Path(args.recipe).expanduser().resolve() == file else file
         recipe = load_recipe(given, list(args.overrides if overrides is None else overrides), notes=notes,
-                             check_inputs=True)
+                             check_inputs=True, allow_code=getattr(args, "allow_code", False))
     finally:  # notes explain errors too (e.g. which file a shadowed name picked), so print them either way
         if os.environ.get("RANK", "0") == "0":  # under torchrun, once rather than once per rank
             for note in dict.fromkeys(notes):
@@ -173,6 +199,10 @@ def load_recipe_arg(args: argparse.Namespace, overrides: Sequence[str] | None = 
     from finetune.versions import require_packages
 
     require_packages(features(recipe))  # a feature's missing package fails here, not mid-run
+    if getattr(args, "command", None) != "validate":  # validate names the code (cmd_validate); the rest may run it
+        from finetune.recipe.code import import_all
+
+        import_all(recipe)  # consent first; then a broken reference fails here, before anything slow
     return recipe
 
 
@@ -213,7 +243,7 @@ def _exec_torchrun(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             "-m", "finetune", "train", args.recipe, *args.overrides]
     argv += [flag for flag, on in (("--overwrite", args.overwrite), ("--allow-unpinned", args.allow_unpinned),
-                                   ("--debug", args.debug)) if on]
+                                   ("--allow-code", args.allow_code), ("--debug", args.debug)) if on]
     os.execv(sys.executable, argv)
     return 0  # not reached
 
@@ -230,8 +260,13 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from finetune.recipe import to_yaml
+    from finetune.recipe.code import describe_for_validate
 
-    print(to_yaml(load_recipe_arg(args)), end="")
+    recipe = load_recipe_arg(args)
+    code = describe_for_validate(recipe)  # imports each reference when allowed: a broken one fails here
+    print(to_yaml(recipe), end="")
+    for line in code:
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -245,8 +280,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run_dir = run if is_run(run) else None
     if run_dir is not None:  # a run directory: its own recipe, and its trained model
         from finetune.recipe import load_recipe
+        from finetune.recipe.code import require_consent
 
-        recipe = load_recipe(RunDir(run_dir).recipe, overrides, check_inputs=True)
+        recipe = load_recipe(RunDir(run_dir).recipe, overrides, check_inputs=True, allow_code=args.allow_code)
+        require_consent(recipe)
     else:
         recipe = load_recipe_arg(args, overrides)
     from finetune.train.evaluate import run_eval

@@ -362,6 +362,11 @@ def snapshot(warnings: Sequence[str] = ()) -> dict[str, Any]:
     return data
 
 
+# Optional packages that only work with a CUDA GPU: `finetune env` does not suggest installing them elsewhere
+# (flash-attn's build would fail, or take an hour, on a CPU-only machine).
+CUDA_ONLY = ("flash-attn",)
+
+
 def env_table() -> Table:
     """The `finetune env` table: each library's pin, installed version, status and fix, then device."""
     from rich.table import Table
@@ -373,11 +378,14 @@ def env_table() -> Table:
         # The fix is a command to copy: folded on a narrow terminal, never cut with an ellipsis.
         table.add_column(column, no_wrap=column != "fix", overflow="fold" if column == "fix" else "ellipsis")
     optional = [p for p in dict.fromkeys(FEATURE_PACKAGES.values()) if p not in CORE]
+    info = device_info()
     for package in (*CORE, *optional):
         installed = installed_version(package)
         wanted = wanted_spec(package)
         problem = compare_version(package, wanted, installed) if wanted else None
-        if installed is None:
+        if installed is None and package in CUDA_ONLY and info["device"] != "cuda":
+            status, fix = "[dim]optional-missing[/dim]", "needs a CUDA GPU: not for this machine"
+        elif installed is None:
             status = "[red]missing[/red]" if package in CORE else "[dim]optional-missing[/dim]"
             fix = pip_line(package)
         elif problem is not None:
@@ -387,7 +395,6 @@ def env_table() -> Table:
         table.add_row(package, wanted or "", installed or "-", status, fix)
     table.add_section()
     table.add_row("python", "", platform.python_version(), "", "")
-    info = device_info()
     for key in ("device", "count", "cuda_version", "capability", "bf16"):
         value = info[key]
         table.add_row(key, "", "-" if value is None else str(value), "", "")

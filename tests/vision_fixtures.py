@@ -5,6 +5,8 @@ small generated images of different sizes."""
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +187,27 @@ def recipe_yaml(data: Path, family: str = "qwen2_vl", **data_keys: Any) -> str:
         "logging": {"every_steps": 1},
     }
     return json.dumps(recipe)  # JSON is YAML
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A PNG of width x height black pixels, 1 bit each, in a few KB (20000 x 20000: 49 KB for 400 million pixels),
+    made in milliseconds: one deflate block of up to 1,000 zero rows, flushed whole (Z_FULL_FLUSH: it depends on
+    nothing before it), repeated, with the checksum of all the rows."""
+    line = 1 + (width + 7) // 8  # a filter byte, then the row's bits
+    per = min(height, 1000)
+    count, rest = divmod(height, per)
+    block, last = bytes(line * per), bytes(line * rest)
+    deflate = zlib.compressobj(9)
+    first = deflate.compress(block) + deflate.flush(zlib.Z_FULL_FLUSH)  # with the zlib header
+    again = deflate.compress(block) + deflate.flush(zlib.Z_FULL_FLUSH)
+    tail = deflate.compress(last) + deflate.flush()
+    checksum = 1
+    for _ in range(count):
+        checksum = zlib.adler32(block, checksum)
+    stream = first + again * (count - 1) + tail[:-4] + zlib.adler32(last, checksum).to_bytes(4, "big")
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", stream) + chunk(b"IEND", b""))

@@ -148,8 +148,28 @@ def _ran(run_a: str, run_b: str) -> list[tuple[str, str, str]]:
     """(label, run a's, run b's) of each run-record entry either run has: what computed its steps."""
     records = [(read_versions(run) or {}).get("run") for run in (run_a, run_b)]
     a, b = (r if isinstance(r, dict) else {} for r in records)
-    return [(label, _cell(a, key), _cell(b, key)) for key, label in RAN.items()
+    rows = [(label, _cell(a, key), _cell(b, key)) for key, label in RAN.items()
             if a.get(key) is not None or b.get(key) is not None]
+    return rows + _code_rows(a.get("code"), b.get("code"))
+
+
+def _code_rows(a: Any, b: Any) -> list[tuple[str, str, str]]:
+    """One row per code reference either run imported (recipe key: module:function and its file's sha256), the
+    differing ones marked: an edited reward module changes the training without changing the recipe."""
+    a, b = (r if isinstance(r, dict) else {} for r in (a, b))
+    rows = []
+    for key in dict.fromkeys([*a, *b]):
+        cells = [_code_cell(r.get(key)) for r in (a, b)]
+        mark = " [yellow](differs)[/yellow]" if cells[0] != cells[1] else ""
+        rows.append((f"code {key}{mark}", *cells))
+    return rows
+
+
+def _code_cell(entry: Any) -> str:
+    if not isinstance(entry, dict):
+        return ABSENT
+    digest = entry.get("sha256")
+    return escape(f"{entry.get('ref')} ({entry.get('file')}, sha256 {digest[:12] if digest else '-'})")
 
 
 def _cell(record: dict[str, Any], key: str) -> str:

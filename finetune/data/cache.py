@@ -12,7 +12,8 @@ it is the same for every run that shares data, tokenizer and data settings. `fin
   template) minus where it was loaded from, so one tokenizer in two places shares entries; the recipe's chat
   template override; and the transformers and tokenizers versions, which render templates and encode;
 * every data.* key but those that act after the samples exist (packing, shuffle, batching, num_proc): so
-  max_seq_len, truncation, on_bad_row, and val_fraction with the seed when they pick a validation split;
+  max_seq_len, truncation, on_bad_row, max_image_pixels (which images are bad rows), and val_fraction with the
+  seed when they pick a validation split;
 * DATA_VERSION, which must be bumped whenever code that turns rows into samples changes;
 * for a vision-language model, its image layout: the family, the image processor's settings as loaded (every one,
   not only those the family's count rule reads) with the recipe's model.image_processor, the model settings the
@@ -22,6 +23,9 @@ it is the same for every run that shares data, tokenizer and data settings. `fin
 The image files themselves are only known once the rows are read, so they are checked on load instead: the entry
 records the SHA-256 of every image file its samples name (taken when it is written, after checking that the file
 still has the size its tokens were laid out for), and an entry whose image is gone or has other bytes is rebuilt.
+A file of the image store (images given as bytes) is named for its bytes' SHA-256: an entry that recorded another
+digest for one (made from a damaged file) is rebuilt, which writes it again from the rows' bytes; a damaged one met
+where the rows' bytes are not at hand (its digest taken for a new entry) is refused (image_files.check_stored).
 
 Nothing else is in the key: train.*, packing, shuffling and the model change what happens after the samples
 exist, so they reuse the entry. Packing is not cached on purpose: `epoch_rows` repacks every epoch (with a
@@ -66,7 +70,7 @@ from typing import Any
 import numpy as np
 
 from finetune.data.cache_root import CACHE_ENV, cache_root_for
-from finetune.data.image_files import store_dir
+from finetune.data.image_files import check_stored, store_dir, stored_digest
 from finetune.data.images import ImageLayout, image_size, layout_for
 from finetune.data.pairs import completion_end
 from finetune.data.samples import build_into, build_samples
@@ -284,7 +288,7 @@ def write_entry(root: Path, key: str, inputs: dict[str, Any], fill: Fill, *,
 def _image_digests(writers: Any) -> dict[str, str]:
     """Every image file the splits' samples name -> its SHA-256; a CacheError when a file no longer has the size
     its samples were laid out for (it changed while the data was tokenized: its digest would vouch for the wrong
-    layout)."""
+    layout); a UserError when a file of the image store does not hold the bytes it is named for."""
     digests: dict[str, str] = {}
     for writer in writers:
         for path, size in writer.images.sizes.items():
@@ -295,12 +299,16 @@ def _image_digests(writers: Any) -> dict[str, str]:
                 raise CacheError(f"the image {path} cannot be read ({e})") from None
             if now != size:
                 raise CacheError(f"the image {path} changed while the data was tokenized")
+            check_stored(path, digests[path])  # written whole by this build: damaged since, its bytes not at hand
     return digests
 
 
 def _check_images(meta: dict[str, Any]) -> None:
-    """Every image file the entry's samples name still has the bytes it had when they were made."""
+    """Every image file the entry's samples name still has the bytes it had when they were made, and those of the
+    image store the bytes they are named for."""
     for path, digest in meta.get("images", {}).items():
+        if stored_digest(path) not in (None, digest):  # recorded from a damaged copy: the rebuild writes it again
+            raise CacheError(f"the image {path} was recorded with other bytes than the image store names it for")
         try:
             same = file_sha256(Path(path)) == digest
         except OSError as e:
@@ -361,6 +369,8 @@ def images_key(train: Sequence[dict]) -> str | None:
     else:
         paths = {item["path"] for s in train for item in s.get("images", {}).get("items", [])}
         digests = {path: file_sha256(Path(path)) for path in paths}
+        for path, digest in digests.items():
+            check_stored(path, digest)
     return cache_key({"images": digests}) if digests else None
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.data.image_families import FAMILIES, Family
-from finetune.data.image_files import image_file, store_dir
+from finetune.data.image_files import DEFAULT_MAX_IMAGE_PIXELS, image_file, open_image, store_dir
 from finetune.data.sources import BadRow
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
@@ -51,11 +51,13 @@ _TRANSPOSED = {5, 6, 7, 8}
 class RowImages:
     """A row's images as its messages' image parts take them, in order: a part's own `path` or `image`, else the
     next entry of the row's images column (TRL's convention). Relative paths start at `root` (the data file's
-    folder); images given as bytes are written into the image store under `cache_dir` (image_files.py). `paths` are
-    the images' files."""
+    folder); images given as bytes are written into the image store under `cache_dir` (image_files.py); an image of
+    more than `max_pixels` pixels (data.max_image_pixels) is a bad row. `paths` are the images' files."""
 
-    def __init__(self, origin: str, column: str, entries: list[Any], root: str | None, cache_dir: str | None) -> None:
+    def __init__(self, origin: str, column: str, entries: list[Any], root: str | None, cache_dir: str | None,
+                 max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.origin, self.column, self.entries, self.root, self.cache_dir = origin, column, entries, root, cache_dir
+        self.max_pixels = max_pixels
         self.taken = 0
         self.paths: list[str] = []
 
@@ -69,7 +71,7 @@ class RowImages:
         """The image of one image part (its keys checked, None values left out), appended to `paths`."""
         own = part.get("path", part.get("image"))
         if own is not None:
-            self.paths.append(image_file(f"{where} (image)", own, self.root, self.store))
+            self.paths.append(image_file(f"{where} (image)", own, self.root, self.store, self.max_pixels))
             return
         index = part.get("index")
         if index is not None and index != self.taken:
@@ -82,7 +84,8 @@ class RowImages:
             raise BadRow(f"{where} (image) has no path and the row's {self.column!r} holds {len(self.entries)} "
                          "images: more image parts than images")
         entry = self.entries[self.taken]
-        self.paths.append(image_file(f"{self.origin}: {self.column}[{self.taken}]", entry, self.root, self.store))
+        self.paths.append(image_file(f"{self.origin}: {self.column}[{self.taken}]", entry, self.root, self.store,
+                                     self.max_pixels))
         self.taken += 1
 
     def check_used(self) -> None:
@@ -132,11 +135,11 @@ def part_texts(content: Any) -> list[str]:
 
 def image_size(origin: str, path: str) -> tuple[int, int]:
     """(height, width) of the image as the processor will see it (EXIF rotation applied), from the file's header:
-    no pixel is decoded."""
-    from PIL import Image, UnidentifiedImageError
+    no pixel is decoded (data.max_image_pixels was checked when the row's images were taken: RowImages)."""
+    from PIL import UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
+        with open_image(origin, f"the image {path}", path) as image:
             width, height = image.size
             orientation = image.getexif().get(0x0112)
     except (OSError, UnidentifiedImageError, ValueError) as e:

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data.image_files import DEFAULT_MAX_IMAGE_PIXELS
 from finetune.data.images import RowImages, message_parts
 from finetune.data.sources import BadRow
 
@@ -53,6 +54,8 @@ class MessageFields:
     """The row field holding the images that image parts without a path take in order (datasets[].images_field)."""
     cache_dir: str | None = None
     """data.cache_dir (None: the default cache root): images given as bytes are written under it (image_files.py)."""
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
+    """data.max_image_pixels: an image of more pixels (its header says) is a bad row (image_files.py)."""
 
     def role_of(self, name: Any) -> Any:
         return dict(self.role_map).get(name, name) if self.role_map and isinstance(name, str) else name
@@ -79,7 +82,7 @@ def chat_message(origin: str, i: int, message: dict[str, Any], fields: MessageFi
     calls = tool_calls(f"{origin}: message {i} (assistant)", message.get("tool_calls"))
     if isinstance(content, list):
         taker = images if images is not None else RowImages(origin, fields.images, [], fields.image_root,
-                                                             fields.cache_dir)
+                                                             fields.cache_dir, fields.max_image_pixels)
         content = message_parts(origin, i, content, taker)
         if taker.paths and images is None:
             raise BadRow(f"{origin}: message {i} has image parts; images are read in chat rows (format: chat) only "
@@ -183,4 +186,4 @@ def row_images(origin: str, data: dict[str, Any], fields: MessageFields, fmt: st
     if entries and fmt != "chat":
         raise BadRow(f"{origin}: the row has {len(entries)} images in {fields.images!r}; images are read in chat rows "
                      f"(format: chat) only, and this dataset's format is {fmt}")
-    return RowImages(origin, fields.images, entries, fields.image_root, fields.cache_dir)
+    return RowImages(origin, fields.images, entries, fields.image_root, fields.cache_dir, fields.max_image_pixels)

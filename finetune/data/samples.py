@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from finetune.data.formats import Example, MessageFields, to_example
+from finetune.data.image_files import DEFAULT_MAX_IMAGE_PIXELS
 from finetune.data.pairs import PairExample, PairFields, completion_end, to_pair
 from finetune.data.shards import (
     CHUNK_EXAMPLES,
@@ -62,7 +63,7 @@ def iter_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
 def _dataset_examples(cfg: DatasetConfig, index: int, key: str, data: DataConfig, on_bad_row: str,
                       stats: DataStats) -> Iterator[Example]:
     with _named_source(key, index):
-        fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
+        fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir, data.max_image_pixels)
         rows = read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes)
         yield from _examples(rows, cfg, fields, on_bad_row, stats)
 
@@ -107,7 +108,8 @@ def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, dat
     for index, cfg in enumerate(configs):
         if in_workers and _read_by_workers(cfg):
             with _named_source(key, index):
-                fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir)
+                fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir,
+                                        data.max_image_pixels)
                 for span in file_spans(cfg.path, CHUNK_EXAMPLES):
                     chunk = FileChunk(cfg, fields, key, index, span, data.max_row_bytes)
                     if isinstance(span, ParquetBatch) and span.batch.nbytes > PARQUET_WORKER_BYTES:
@@ -169,12 +171,14 @@ class FileChunk:
             return list(_examples(rows, self.cfg, self.fields, on_bad_row, stats))
 
 
-def message_fields(cfg: DatasetConfig, ignore: tuple[str, ...] = (), cache_dir: str | None = None) -> MessageFields:
+def message_fields(cfg: DatasetConfig, ignore: tuple[str, ...] = (), cache_dir: str | None = None,
+                   max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> MessageFields:
     """Where a dataset's rows keep their messages' parts (message fields in `ignore` left out; images given as bytes
-    written under `cache_dir`, data.cache_dir)."""
+    written under `cache_dir`, data.cache_dir; an image of more than `max_image_pixels` pixels a bad row)."""
     local = local_data_path(cfg.path)  # image paths are relative to the data file
     return MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore,
-                         str(local.parent) if local is not None else None, cfg.images_field, cache_dir)
+                         str(local.parent) if local is not None else None, cfg.images_field, cache_dir,
+                         max_image_pixels)
 
 
 def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = (), cache_dir: str | None = None,

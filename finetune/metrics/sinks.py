@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,17 +46,26 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _finite_or_name(value: Any) -> Any:
+    """A float as it is, or the name JSON readers know for it when it is not finite ("NaN", "Infinity")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)  # Python's own spelling: NaN, Infinity, -Infinity
+    return value
+
+
 class JsonlSink:
     """metrics.jsonl: one JSON object per line, flushed each write so a crash loses nothing written.
 
-    NaN is written as the bare token `NaN` (Python's json reads it back): a non-finite step loss is data.
+    A non-finite number (a NaN step loss, rewards that overflow) is data, but strict JSON has no such numbers:
+    it is written as the string "NaN", "Infinity" or "-Infinity", which run/directory.read_metrics turns back into
+    a float.
     """
 
     def __init__(self, path: Path) -> None:
         self.handle = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.handle.write(json.dumps(record, allow_nan=True) + "\n")
+        self.handle.write(json.dumps({k: _finite_or_name(v) for k, v in record.items()}, allow_nan=False) + "\n")
         self.handle.flush()
 
     def close(self, ok: bool = True) -> None:

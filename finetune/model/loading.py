@@ -37,7 +37,7 @@ import torch
 
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
-from finetune.model import architectures, kernels, vision, vocab
+from finetune.model import architectures, files, kernels, vision, vocab
 from finetune.model.tokenizer import gguf_location
 from finetune.recipe import AdapterConfig, ModelConfig
 
@@ -45,15 +45,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: int,
-               device: torch.device | None = None, trainable: list[str] | None = None) -> torch.nn.Module:
+               device: torch.device | None = None, trainable: list[str] | None = None, *,
+               key: str = "model.path") -> torch.nn.Module:
     """The causal LM in the recipe's dtype, with its adapter applied (if any). On the CPU (the caller moves it
     to `device`), except a QLoRA base, quantized straight onto `device` when that is a GPU. With `trainable`
-    (train.trainable_parameters), only the parameters whose name matches one of those patterns train."""
+    (train.trainable_parameters), only the parameters whose name matches one of those patterns train. `key` is
+    where cfg.path came from (grpo.reference, ...): a bad file's message names it (files.py)."""
     if adapter.type == "qlora":
-        model = _load_quantized(cfg, tokenizer, seed, device or torch.device("cpu"))
+        model = _load_quantized(cfg, tokenizer, seed, device or torch.device("cpu"), key)
         _keep_4bit_trainable(model)
     else:
-        model = _plain_model(cfg, tokenizer, seed)
+        model = _plain_model(cfg, tokenizer, seed, key)
     new_rows = vocab.resize_embeddings(model, tokenizer, cfg)  # tokens the recipe added (tokenizer.*tokens)
     vision.check_token_ids(model, tokenizer)
     if adapter.type == "none":
@@ -113,10 +115,10 @@ def _keep_4bit_trainable(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def load_base(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
+def load_base(cfg: ModelConfig, tokenizer: Any, seed: int, *, key: str = "model.path") -> torch.nn.Module:
     """The base model as training started from it, unquantized, in the recipe's dtype, ready for inference:
-    what `finetune merge` merges into and `finetune generate` runs under an adapter."""
-    model = _plain_model(cfg, tokenizer, seed)
+    what `finetune merge` merges into and `finetune generate` runs under an adapter (`key`: as load_model's)."""
+    model = _plain_model(cfg, tokenizer, seed, key)
     vocab.resize_embeddings(model, tokenizer, cfg)  # an adapter's trained copies of new rows need the rows
     _document_attention(model, cfg)
     model.config.use_cache = True
@@ -142,27 +144,41 @@ def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:
         model.set_attn_implementation("sdpa")
 
 
-def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
+def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int, key: str = "model.path") -> torch.nn.Module:
     """The model in the recipe's dtype with plain (savable, unquantized) weights."""
     dtype = DTYPES[cfg.dtype]
     common = _common_kwargs(cfg)
-    auto = _auto_class(cfg)
     if cfg.init == "random":
+        auto = _auto_class(cfg)
         config = _random_init_config(cfg, tokenizer)
         # Seeded right here, so the same config and seed give the same weights whatever ran before:
         # `finetune merge` rebuilds a random-init base this way instead of storing it.
         torch.manual_seed(seed)
         return auto.from_config(config, dtype=dtype, **common)
-    path, gguf = gguf_location(cfg)
+    path, gguf = _checked_location(cfg, key)
+    auto = _auto_class(cfg)
     kwargs: dict[str, Any] = {"dtype": dtype, **common}
     if gguf:
         kwargs["gguf_file"] = gguf
     try:
-        model = auto.from_pretrained(path, **kwargs)
+        # A tensor of another shape is named from the directory's files, which a GGUF model does not have.
+        with files.load_errors(path, key, None if gguf else auto, cfg.trust_remote_code):
+            model = auto.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
-        raise UserError(f"model.path {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
-                        "  Use a local HF model directory, a .gguf file, or model.init: random.") from None
+        fix = ("Use a local HF model directory, a .gguf file, or model.init: random" if key == "model.path"
+               else files.remedy(key))
+        raise UserError(f"{files.where(key)} {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
+                        f"  {fix}.") from None
     return _plain_copy(model, dtype, common) if gguf else model
+
+
+def _checked_location(cfg: ModelConfig, key: str) -> tuple[str, str | None]:
+    """gguf_location, with a local model directory's files checked before transformers reads them (files.py: a
+    truncated or garbage file named, not a library traceback)."""
+    path, gguf = gguf_location(cfg)
+    if not gguf:
+        files.check_model_dir(path, key)
+    return path, gguf
 
 
 def _auto_class(cfg: ModelConfig) -> Any:
@@ -196,11 +212,13 @@ def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, An
     return plain
 
 
-def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.device) -> torch.nn.Module:
+def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.device,
+                    key: str = "model.path") -> torch.nn.Module:
     """The base with its linear layers in 4-bit NF4 (a VLM's language model only). Embeddings, norms and the output
     layer stay in the recipe's dtype (transformers keeps the output layer unquantized; a VLM names it among its
     skips), which the fused loss needs: it multiplies by the output layer's weight itself."""
     dtype = DTYPES[cfg.dtype]
+    path, gguf = _checked_location(cfg, key) if cfg.init == "pretrained" else gguf_location(cfg)
     auto = _auto_class(cfg)  # a supported VLM loads as image-text-to-text, quantized like a text model's decoder
     skips = vision.quantization_skips(vision.model_config(cfg))
     kwargs: dict[str, Any] = {"dtype": dtype, "quantization_config": _nf4_config(dtype, skips),
@@ -209,16 +227,16 @@ def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.d
         # Quantize straight onto the GPU that trains: fast, and the whole 16-bit model never has to sit there.
         # On the CPU (no GPU, or FINETUNE_DEVICE=cpu), bitsandbytes (>= 0.49) quantizes and computes there.
         kwargs["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
-    path, gguf = gguf_location(cfg)
     if cfg.init == "pretrained" and not gguf:
         try:
-            return auto.from_pretrained(path, **kwargs)
+            with files.load_errors(path, key, auto, cfg.trust_remote_code):
+                return auto.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as e:
-            raise UserError(f"model.path {path!r} could not be loaded in 4-bit ({type(e).__name__}: "
+            raise UserError(f"{files.where(key)} {path!r} could not be loaded in 4-bit ({type(e).__name__}: "
                             f"{first_line(e)}).") from None
     # Random init and GGUF bases exist only in memory; transformers quantizes only inside from_pretrained.
     with tempfile.TemporaryDirectory(prefix="finetune-qlora-") as tmp:
-        _plain_model(cfg, tokenizer, seed).save_pretrained(tmp, safe_serialization=True)
+        _plain_model(cfg, tokenizer, seed, key).save_pretrained(tmp, safe_serialization=True)
         quantized = auto.from_pretrained(tmp, **kwargs)
         # Unquantized tensors may still be memory-mapped from the temporary files: own them before cleanup.
         for param in quantized.parameters():

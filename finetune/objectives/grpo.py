@@ -73,7 +73,8 @@ class GRPO:
         else:
             cfg = recipe.model if path == "auto" else recipe.model.model_copy(
                 update={"path": path, "init": "pretrained", "gguf_file": None})
-            ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device).to(setting.device)
+            ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device,
+                             key="model.path" if path == "auto" else "grpo.reference").to(setting.device)
         if ref is not lm:
             ref.requires_grad_(False).eval()
             # Identified by content: a resume loads it again (auto: from model.path), and against other weights

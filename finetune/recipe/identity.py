@@ -40,7 +40,7 @@ def to_yaml(recipe: Recipe | dict[str, Any]) -> str:
 
 # Keys that may change between a checkpoint and its resume without changing the training itself.
 HARMLESS_KEYS = ("logging", "eval", "eval_datasets", "checkpoint", "resume", "output_dir", "data.num_proc",
-                 "data.packing_check", "data.cache_dir", "requires")
+                 "data.packing_check", "data.cache_dir", "requires", "allow_code", "grpo.reward_timeout_s")
 
 
 def training_keys(recipe: Recipe) -> dict[str, Any]:

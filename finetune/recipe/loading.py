@@ -5,14 +5,16 @@ the recipe file, and `key.path=value` overrides. The result is validated by reci
 from __future__ import annotations
 
 import copy
+import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from finetune.errors import UserError
-from finetune.recipe import names
+from finetune.recipe import code, names
 from finetune.recipe.schema import DATASET_LISTS, Recipe
 from finetune.recipe.validation import validate
 from finetune.versions import check_requires
@@ -134,21 +136,52 @@ def parse_yaml(text: str) -> Any:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                notes: list[str] | None = None, check_inputs: bool = False) -> Recipe:
+                notes: list[str] | None = None, check_inputs: bool = False, allow_code: bool = False) -> Recipe:
     """Read a recipe (a file or a name, following `extends:`), apply `key.path=value` overrides, validate it all.
 
     `notes` collects what the user should see but is no error (a name shadowing another, an `extends:` leaving
-    its repository): the CLI prints them; library callers may pass a list or ignore them.
+    its repository): the CLI prints them; library callers may pass a list or ignore them. `allow_code`: the
+    command line's --allow-code (recipe/code.py); the recipe records who wrote each key that can name code.
     """
     file = resolve_recipe(path, notes)
-    raw = _load_file(file, (), notes if notes is not None else [])
+    trail = Trail()
+    raw = _load_file(file, (), notes if notes is not None else [], trail)
     for item in overrides:
         apply_override(raw, item)
+    if allow_code:
+        raw[code.CONSENT_KEY] = True
     # A file is named as the user wrote it; a name by the file it resolved to (so they see which one).
     source = str(path) if Path(path).expanduser().resolve() == file else str(file)
-    recipe = validate(raw, source=source, check_inputs=check_inputs)
+    recipe = validate(raw, source=source, check_inputs=check_inputs, overrides=overrides)
     check_requires(recipe.requires, source)
+    recipe._code_origins = {key: origin for key in code.candidate_keys(recipe)
+                            if (origin := code.origin_of(key, trail.files, overrides)) is not None}
+    if notes is not None:
+        notes.extend(trail.ignored)
     return recipe
+
+
+@dataclass
+class Trail:
+    """What each recipe file of a load wrote, in merge order (parents before the files extending them), and the
+    `allow_code` values not counted: recipe/code.py finds who named each piece of code from it."""
+
+    files: list[tuple[code.Origin, dict[str, Any]]] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def add(self, file: Path, chain: tuple[Path, ...], data: dict[str, Any]) -> None:
+        """Record `file`'s own data; take out an allow_code it cannot give (it is extended, or a repository's)."""
+        source = names.tree_of(file)
+        in_repo = source is not None and source.kind == "repo"
+        text = str(file) + (f" ({source.label})" if source is not None else "")
+        if chain:
+            text += ", extended by " + " <- ".join(str(p) for p in reversed(chain))
+        if code.CONSENT_KEY in data and (chain or in_repo):
+            data.pop(code.CONSENT_KEY)
+            where = "a recipe repository's file" if in_repo else "a recipe that is extended"
+            self.ignored.append(f"allow_code in {file} was not counted: it is {where}; only the recipe file you "
+                                "run, or --allow-code, can allow code")
+        self.files.append((code.Origin(text, own=not chain and not in_repo, folder=file.parent), data))
 
 
 def resolve_recipe(ref: str | Path, notes: list[str] | None = None) -> Path:
@@ -167,14 +200,16 @@ def load_raw(path: str | Path, _chain: tuple[Path, ...] = (), notes: list[str] |
     return _load_file(file, _chain, notes)
 
 
-def _load_file(file: Path, _chain: tuple[Path, ...], notes: list[str]) -> dict[str, Any]:
+def _load_file(file: Path, _chain: tuple[Path, ...], notes: list[str], trail: Trail | None = None) -> dict[str, Any]:
     if file in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, file))
         raise UserError(f"extends cycle: {cycle}\n  Remove one of these `extends:` entries.")
+    trail = trail if trail is not None else Trail()
     data = _read_yaml(file)
     _resolve_paths(data, file.parent)
     parents = data.pop("extends", None)
     if parents is None:
+        trail.add(file, _chain, data)
         return data
     if isinstance(parents, str):
         parents = [parents]
@@ -184,7 +219,8 @@ def _load_file(file: Path, _chain: tuple[Path, ...], notes: list[str]) -> dict[s
     for parent in parents:
         # A path is relative to this file; a name (quickstart, team/sft) comes from the recipe search path.
         parent_file = names.resolve(parent, file.parent, file, notes).resolve()
-        merged = deep_merge(merged, _load_file(parent_file, (*_chain, file), notes))
+        merged = deep_merge(merged, _load_file(parent_file, (*_chain, file), notes, trail))
+    trail.add(file, _chain, data)
     return deep_merge(merged, data)
 
 
@@ -251,6 +287,11 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise UserError(f"override {item!r}: expected key.path=value, e.g. train.lr=1e-4")
+    if any("\udc80" <= c <= "\udcff" for c in item):  # bytes the shell passed that are not UTF-8 (os.fsdecode's)
+        shown = os.fsencode(item).decode("utf-8", "backslashreplace")
+        raise UserError(f"override '{shown}': it holds bytes that are not UTF-8 text; recipe values are UTF-8 (YAML), "
+                        "so quoting cannot help: give a path or value that is UTF-8 (rename the file, or link to it "
+                        "from a UTF-8 name)")
     try:
         value = parse_yaml(text) if text.strip() else None
     except LimitError as e:

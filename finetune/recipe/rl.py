@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from finetune.recipe.code import BUILT_IN_REWARDS, spec_problem
 from finetune.recipe.section import Section
+
+
+class ExactAnswerArgs(Section):
+    """The args of the built-in exact_answer."""
+
+    field: str = "answer"
+    """The prompt rows' field holding the expected answer."""
+
+
+class FormatRegexArgs(Section):
+    """The args of the built-in format_regex."""
+
+    pattern: str
+    """The regular expression the whole completion must match (re.fullmatch, DOTALL)."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise ValueError(f"not a regular expression: {e}") from None
+        return value
+
+
+class LengthArgs(Section):
+    """The args of the built-in length."""
+
+    target: int = Field(100, ge=0)
+    """The completion length in characters that scores highest (0)."""
+    scale: float = Field(100.0, gt=0)
+    """Characters per point of penalty."""
+
+
+BUILT_IN_ARGS: dict[str, type[Section]] = {"exact_answer": ExactAnswerArgs, "format_regex": FormatRegexArgs,
+                                           "length": LengthArgs}
+"""Each built-in reward's args, checked like recipe keys (recipe/validation.py); keys: code.BUILT_IN_REWARDS."""
 
 
 class RewardConfig(Section):
@@ -14,14 +53,31 @@ class RewardConfig(Section):
 
     function: str
     """A built-in (exact_answer, format_regex, length) or `module.path:function` from your code, called as
-    f(prompts, completions, **row_fields) -> list of floats (None: no opinion on that completion)."""
+    f(prompts, completions, **row_fields) -> list of floats (None: no opinion on that completion). Your code runs
+    only with your consent: --allow-code, or allow_code: true in the recipe you run (docs/rl.md, "Code in
+    recipes")."""
     weight: float = 1.0
     """Its weight in the total reward (weighted sum; a function's None counts as 0 unless every function says None,
     which leaves the completion unscored: advantage 0)."""
     args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of a built-in (format_regex: pattern; exact_answer: field; length: target, scale)."""
+    """Keyword arguments of the function. A built-in's are checked like recipe keys: exact_answer: field (the rows'
+    answer field, default answer); format_regex: pattern (required, a regular expression); length: target (characters,
+    default 100), scale (default 100). A function of yours gets them as they are."""
     name: str | None = None
     """Its name in the metrics and in a replay file's `rewards` (default: the function's name)."""
+
+    @field_validator("function")
+    @classmethod
+    def _is_a_reference(cls, value: str) -> str:
+        if value in BUILT_IN_REWARDS:
+            return value
+        if ":" not in value:
+            raise ValueError(f"unknown reward function {value!r}; built-ins: {', '.join(BUILT_IN_REWARDS)}, or "
+                             "module.path:function from your code")
+        problem = spec_problem(value)
+        if problem is not None:
+            raise ValueError(f"{value!r} is not module.path:function ({problem})")
+        return value
 
     @property
     def label(self) -> str:
@@ -72,6 +128,9 @@ class GRPOConfig(Section):
     """A truncated completion (its last token is no end token) trains nothing (it still counts as a completion)."""
     rewards: list[RewardConfig] = Field(default_factory=list)
     """The reward functions; their weighted sum is a completion's reward."""
+    reward_timeout_s: float | None = Field(1800.0, gt=0)
+    """The longest one call of a reward function may take (it scores a batch of completions); past it the run
+    stops naming the function (a hung function would otherwise hold the run forever). null: no limit."""
     replay: str | None = None
     """A JSON-lines file of rollouts used instead of generating (docs/rl.md, "The replay file"): each optimizer step
     takes the next micro_batch_size x gradient_accumulation_steps x ranks lines."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ from pydantic import BaseModel, ValidationError
 
 from finetune import templates
 from finetune.errors import UserError
+from finetune.recipe import hints
+from finetune.recipe.rl import BUILT_IN_ARGS
 from finetune.recipe.schema import DATASET_LISTS, Recipe
 
 # A dataset path with one of these suffixes is a local file (anything else may be a hub dataset name).
@@ -34,21 +38,34 @@ def data_file_not_found(path: str) -> str:
     return (f"data file not found: {path} (relative paths are looked up next to the recipe file, then in the "
             "current directory)")
 
-def validate(raw: dict[str, Any], source: str = "recipe", check_inputs: bool = False) -> Recipe:
+def validate(raw: dict[str, Any], source: str = "recipe", check_inputs: bool = False,
+             overrides: Sequence[str] = ()) -> Recipe:
     """Validate a raw dict into a Recipe, collecting every schema and cross-field error into one UserError.
 
     `check_inputs`: also require the local files it reads (data files, a resume checkpoint) to exist, as every
     CLI command does. Off for the recipe stored in a finished run, whose data may since have moved (`generate`
-    and `merge` do not read it), and for library callers that only want the schema.
+    and `merge` do not read it), and for library callers that only want the schema. A problem with a key one of
+    `overrides` set (key=value on the command line) says so: the user looks for it there, not in the file.
     """
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
-        raise UserError(_error_block(source, _describe_all(e.errors()))) from None
+        raise UserError(_error_block(source, _from_command_line(_describe_all(e.errors()), overrides))) from None
     problems = cross_checks(recipe) + (missing_inputs(recipe) if check_inputs else [])
     if problems:
-        raise UserError(_error_block(source, problems))
+        raise UserError(_error_block(source, _from_command_line(problems, overrides)))
     return recipe
+
+
+def _from_command_line(lines: list[str], overrides: Sequence[str]) -> list[str]:
+    """Each problem line whose key an override set (or is inside, or holds), marked with that override."""
+    out = []
+    for line in lines:
+        key = line.split(":", 1)[0]
+        item = next((o for o in overrides if (k := o.partition("=")[0].strip()) == key
+                     or key.startswith(k + ".") or k.startswith(key + ".")), None)
+        out.append(f"{line} (set on the command line: {item})" if item else line)
+    return out
 
 
 def _error_block(source: str, lines: list[str]) -> str:
@@ -56,11 +73,13 @@ def _error_block(source: str, lines: list[str]) -> str:
     return f"{source}: {len(lines)} {noun} in the recipe:\n" + "\n".join(f"  - {line}" for line in lines)
 
 
-def _describe_all(errors: list[dict[str, Any]]) -> list[str]:
-    """One line per key: a union (e.g. 'all-linear' or a list) fails once per member, joined here with 'or'."""
+def _describe_all(errors: list[dict[str, Any]], root: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+    """One line per key: a union (e.g. 'all-linear' or a list) fails once per member, joined here with 'or'.
+    `root`: the model the errors' locations start from; `prefix`: the dotted key where it sits in the recipe."""
     by_key: dict[str, list[str]] = {}
     for err in errors:
-        key, _, text = _describe(err).partition(": ")
+        key, _, text = _describe(err, root).partition(": ")
+        key = prefix + key
         by_key.setdefault(key, [])
         if text not in by_key[key]:
             by_key[key].append(text)
@@ -71,7 +90,7 @@ def _describe_all(errors: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: dict[str, Any], root: type[BaseModel] = Recipe) -> str:
     """One line for one pydantic error: dotted key, what was given, what is allowed."""
     loc = [str(p) for p in err["loc"]]
     # Union types add their member names to the location (e.g. 'literal[...]'); they are noise to users.
@@ -79,11 +98,14 @@ def _describe(err: dict[str, Any]) -> str:
     key = ".".join(loc)
     given = err.get("input")
     if err["type"] == "extra_forbidden":
-        parent = _section_at(loc[:-1])
+        parent = _section_at(loc[:-1], root)
         known = list(parent.model_fields) if parent else []
-        guess = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
-        hint = f"; did you mean '{guess[0]}'?" if guess else f"; known keys here: {', '.join(known)}"
-        return f"{key}: unknown key{hint}"
+        if root is not Recipe:  # a sub-schema's keys (a built-in reward's args): its own keys only
+            guess = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+            return f"{key}: unknown key; " + (f"did you mean '{guess[0]}'?" if guess else f"known keys here: "
+                                                                                         f"{', '.join(known)}")
+        here = ".".join("[]" if p.isdigit() else p for p in loc[:-1]).replace(".[]", "[]")
+        return f"{key}: unknown key; {hints.suggest(loc[-1], here, known)}"
     if err["type"] == "missing":
         return f"{key}: required, but missing"
     if err["type"] == "finite_number":  # YAML reads 1e400 as infinity: say so, the user wrote no "inf"
@@ -97,12 +119,14 @@ def _describe(err: dict[str, Any]) -> str:
     shown = json.dumps(given) if isinstance(given, (str, int, float, bool)) or given is None else repr(given)
     if allowed:
         return f"{key}: got {shown}; allowed: {allowed}"
+    if err["type"] == "value_error":  # our own validators' words, without pydantic's "Value error, " in front
+        return f"{key}: got {shown}; {err['ctx']['error']}"
     return f"{key}: got {shown}; {err['msg'][0].lower()}{err['msg'][1:]}"
 
 
-def _section_at(loc: list[str]) -> type[BaseModel] | None:
+def _section_at(loc: list[str], root: type[BaseModel] = Recipe) -> type[BaseModel] | None:
     """The schema class at a dotted location (list indices skipped), for 'did you mean' suggestions."""
-    cls: Any = Recipe
+    cls: Any = root
     for part in loc:
         if part.isdigit():
             continue
@@ -175,9 +199,24 @@ def _grpo_checks(recipe: Recipe) -> list[str]:
     if recipe.grpo.replay and (recipe.datasets or recipe.eval_datasets):
         problems.append("datasets: grpo.replay trains on the file's rollouts only; remove datasets and eval_datasets")
     if recipe.data.packing:
-        problems.append("data.packing: GRPO trains one completion per row; set data.packing: false")
+        problems.append("data.packing: true is written in the recipe (or one it extends), and GRPO trains one "
+                        "completion per row; set data.packing: false (or leave it out: false is GRPO's default)")
     if recipe.loss.z_loss:
         problems.append("loss.z_loss: not with train.objective grpo (it adds to token losses)")
+    return problems + _reward_args_checks(recipe)
+
+
+def _reward_args_checks(recipe: Recipe) -> list[str]:
+    """A built-in reward's args, checked as recipe keys are: a misspelt one would train with the default."""
+    problems = []
+    for i, reward in enumerate(recipe.grpo.rewards):
+        model = BUILT_IN_ARGS.get(reward.function)
+        if model is None:
+            continue
+        try:
+            model.model_validate(reward.args)
+        except ValidationError as e:
+            problems += _describe_all(e.errors(), model, f"grpo.rewards.{i}.args.")
     return problems
 
 
@@ -202,7 +241,22 @@ def _number_checks(recipe: Recipe) -> list[str]:
         if size > NAME_MAX:
             problems.append(f"output_dir: a folder name of {size} bytes ({name[:20]}...); file systems take at most "
                             f"{NAME_MAX} bytes per name: use a shorter one")
-    return problems
+    return problems + _output_dir_place(recipe.output_dir)
+
+
+def _output_dir_place(output_dir: str) -> list[str]:
+    """A file system's root or the user's home is nobody's run directory: a run writes recipe.yaml, metrics.jsonl,
+    checkpoints/ and final/ into it, and --overwrite would later remove them from there."""
+    try:
+        place = Path(output_dir).expanduser().resolve()
+        home = Path.home().resolve()
+    except (OSError, RuntimeError):  # no home to find (an odd environment): nothing to compare with
+        return []
+    what = "the file system's root" if place == Path(place.anchor) else "your home folder" if place == home else None
+    if what is None:
+        return []
+    return [f"output_dir: {output_dir} is {what} ({place}); a run writes recipe.yaml, metrics.jsonl, checkpoints/ "
+            "and final/ into its output_dir: give it a folder of its own, e.g. runs/NAME"]
 
 
 def _objective_checks(recipe: Recipe) -> list[str]:
@@ -297,6 +351,29 @@ def missing_inputs(recipe: Recipe) -> list[str]:
             local = local_data_path(ds.path)
             if local is not None and not local.exists():  # a directory is told apart when the data is read
                 problems.append(f"{key}.{i}.path: {data_file_not_found(ds.path)}")
+    return problems + _missing_models(recipe)
+
+
+# A hub id: a name, or an owner and a name (huggingface_hub's rule, simplified: no path has two slashes).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _missing_models(recipe: Recipe) -> list[str]:
+    """A model or tokenizer path that can only be local (absolute, ./, ../, ~, or not a hub id) and does not exist:
+    said now, naming it, rather than after the hub has been asked for it as a repository id."""
+    t, g, d = recipe.train.objective, recipe.grpo, recipe.dpo
+    paths = [("model.path", recipe.model.path if recipe.model.init == "pretrained" else None),
+             ("tokenizer.path", recipe.tokenizer.path),
+             ("grpo.reference", g.reference if t == "grpo" and g.beta > 0 and g.reference != "auto" else None),
+             ("dpo.reference", d.reference if t == "dpo" and d.reference != "auto" else None)]
+    problems = []
+    for key, value in paths:
+        if not value or "://" in value or Path(value).expanduser().exists():
+            continue
+        if value.startswith(("/", "./", "../", "~")) or not _HUB_ID.fullmatch(value):
+            problems.append(f"{key}: {value} does not exist (a local path: a relative one is looked up next to the "
+                            f"recipe file, then in the current directory, {Path.cwd()}); a hub model is named "
+                            "ORG/NAME")
     return problems
 
 

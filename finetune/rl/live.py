@@ -75,7 +75,8 @@ class LiveRollouts:
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         keys = sorted({k for p in asked for k in p.fields})
         fields = {k: [p.fields.get(k) for p in asked] for k in keys}
-        per_function = score(self.rewards, [p.prompt for p in asked], texts, fields, lambda i: asked[i].where)
+        per_function = score(self.rewards, [p.prompt for p in asked], texts, fields, lambda i: asked[i].where,
+                             self.recipe.grpo.reward_timeout_s, self.stop)
         weights = {r.name: r.weight for r in self.rewards}
         totals = total(per_function, weights) if per_function else [0.0] * len(asked)
         self._seconds = {"generate": generated - start, "reward": time.perf_counter() - generated}

@@ -11,11 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.data.chat_spans import render_chat
+from finetune.data.messages import MessageFields, chat_message
+from finetune.data.samples import message_fields
 from finetune.data.sources import DEFAULT_MAX_ROW_BYTES, BadRow, read_rows
 from finetune.data.stats import DataStats
 from finetune.data.tokenize import encode
 from finetune.errors import UserError
 from finetune.recipe import DatasetConfig
+
+PLAIN = MessageFields()  # messages as {role, content, ...}: no field or role mapping
 
 
 @dataclass
@@ -28,12 +32,20 @@ class Prompt:
     where: str = ""
 
 
-def prompt_ids(prompt: Any, tokenizer: Any, template_kwargs: dict | None, where: str) -> list[int]:
+def prompt_messages(prompt: list, where: str, fields: MessageFields = PLAIN) -> list[dict[str, Any]]:
+    """A prompt's messages as the template gets them, checked by SFT's rule (data/messages.py: known roles or
+    datasets[].role_map, every field read); a BadRow naming `where` and the message otherwise."""
+    if not prompt or not all(isinstance(m, dict) for m in prompt):
+        raise BadRow(f"{where}: prompt messages are objects with a role and content")
+    return [chat_message(where, i, m, fields) for i, m in enumerate(prompt)]
+
+
+def prompt_ids(prompt: Any, tokenizer: Any, template_kwargs: dict | None, where: str,
+               fields: MessageFields = PLAIN) -> list[int]:
     """Messages rendered with the chat template and its generation prompt, or text as it is; tokenized without
     added special tokens (the template writes them)."""
     if isinstance(prompt, list):
-        if not prompt or not all(isinstance(m, dict) and "role" in m for m in prompt):
-            raise BadRow(f"{where}: prompt messages are objects with a role and content")
+        prompt = prompt_messages(prompt, where, fields)
         try:
             prompt = render_chat(tokenizer, prompt, template_kwargs, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - the template's own error, for this row
@@ -45,9 +57,9 @@ def prompt_ids(prompt: Any, tokenizer: Any, template_kwargs: dict | None, where:
 
 def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwargs: dict | None,
                  on_bad_row: str, max_prompt_tokens: int | None, key: str = "datasets",
-                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> tuple[list[Prompt], int]:
+                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, ignore: tuple[str, ...] = ()) -> tuple[list[Prompt], int]:
     """Every prompt row of the datasets, and how many bad rows were skipped (on_bad_row: skip). A row over
-    `max_row_bytes` (data.max_row_bytes) is a bad row, not read."""
+    `max_row_bytes` (data.max_row_bytes) is a bad row, not read; `ignore`: data.ignore_message_fields."""
     prompts, stats = [], DataStats()
     for index, cfg in enumerate(configs):
         taken = 0
@@ -57,7 +69,8 @@ def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwar
                     break
                 stats.rows_read += 1
                 try:
-                    prompts.append(_prompt(row, tokenizer, template_kwargs, max_prompt_tokens))
+                    prompts.append(_prompt(row, tokenizer, template_kwargs, max_prompt_tokens,
+                                           message_fields(cfg, ignore)))
                     taken += 1
                 except BadRow as e:
                     stats.bad_row(e, on_bad_row)  # the SFT path's rule and message: stop naming file:line, or count
@@ -68,13 +81,14 @@ def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwar
     return prompts, stats.bad_rows_skipped
 
 
-def _prompt(row: Any, tokenizer: Any, template_kwargs: dict | None, max_prompt_tokens: int | None) -> Prompt:
+def _prompt(row: Any, tokenizer: Any, template_kwargs: dict | None, max_prompt_tokens: int | None,
+            fields: MessageFields) -> Prompt:
     if row.error:
         raise BadRow(f"{row.origin}: {row.error}")
     if "prompt" not in row.data:
         raise BadRow(f"{row.origin}: a prompt row needs a `prompt` (text or messages); it has "
                      f"{sorted(row.data) or 'no fields'}")
-    ids = prompt_ids(row.data["prompt"], tokenizer, template_kwargs, row.origin)
+    ids = prompt_ids(row.data["prompt"], tokenizer, template_kwargs, row.origin, fields)
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise BadRow(f"{row.origin}: the prompt is {len(ids)} tokens; data.max_seq_len - grpo.max_new_tokens "
                      f"leaves {max_prompt_tokens}")

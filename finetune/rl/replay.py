@@ -18,6 +18,7 @@ from typing import Any
 from finetune.data.chat_spans import render_chat
 from finetune.data.tokenize import encode
 from finetune.errors import UserError
+from finetune.rl.prompts import prompt_messages
 from finetune.rl.rewards import total
 from finetune.rl.rollout import Rollout
 
@@ -29,7 +30,8 @@ def read_replay(path: str | Path, tokenizer: Any, group_size: int, weights: dict
     """Every rollout of the file, checked: ids inside the vocabulary, whole consecutive groups, finite rewards."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # "\n" only, as JSON lines are: str.splitlines would also split inside a string at U+2028, U+0085, ...
+        lines = path.read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"grpo.replay: cannot read {path}: {e}") from e
     vocab = len(tokenizer)
@@ -50,6 +52,8 @@ def _object(line: str, where: str) -> dict[str, Any]:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not JSON ({e.msg})") from e
+    except RecursionError:  # valid JSON nested past the depth Python's reader can follow
+        raise UserError(f"{where}: JSON nested too deeply to read (past Python's recursion limit)") from None
     if not isinstance(obj, dict):
         raise UserError(f"{where}: a rollout is a JSON object, not {type(obj).__name__}")
     unknown = sorted(set(obj) - KNOWN)
@@ -74,8 +78,7 @@ def _prompt_ids(obj: dict, where: str, tokenizer: Any, vocab: int, template_kwar
         return _ids(obj["prompt_ids"], "prompt_ids", where, vocab)
     prompt = obj.get("prompt")
     if isinstance(prompt, list):
-        if not all(isinstance(m, dict) and "role" in m for m in prompt):
-            raise UserError(f"{where}: prompt messages are objects with a role and content")
+        prompt = prompt_messages(prompt, where)  # SFT's rule for messages, as prompt datasets have
         try:
             prompt = render_chat(tokenizer, prompt, template_kwargs, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - the template's own error, for this line
@@ -153,3 +156,38 @@ def _check_groups(rollouts: list[Rollout], group_size: int) -> None:
             raise UserError(f"{rollouts[i].where}: group {group!r} has {j - i} completions; grpo.num_generations "
                             f"is {group_size}")
         i = j
+
+
+def row_limit(recipe: Any, lm: Any) -> tuple[int, str] | None:
+    """The most tokens a rollout's row (prompt + completion) may hold, and what sets it: data.max_seq_len, or the
+    model's position limit (max_position_embeddings) when that is lower or the only one; None when neither is set."""
+    limits = []
+    if recipe.data.max_seq_len is not None:
+        limits.append((recipe.data.max_seq_len, "data.max_seq_len"))
+    positions = getattr(getattr(lm, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        limits.append((positions, "the model's position limit (max_position_embeddings)"))
+    return min(limits) if limits else None
+
+
+def fitting(rollouts: list[Rollout], limit: tuple[int, str] | None, on_bad_row: str,
+            group_size: int) -> tuple[list[Rollout], int]:
+    """The rollouts whose rows fit `limit`, checked as generated rows are: a longer one stops the run naming its
+    line (data.on_bad_row: error), or its whole group is skipped and counted (skip: advantages are group-relative,
+    so a group is used whole or not at all). Returns the rollouts kept and the number of lines skipped."""
+    if limit is None:
+        return rollouts, 0
+    most, what = limit
+    kept: list[Rollout] = []
+    for start in range(0, len(rollouts), group_size):
+        group = rollouts[start:start + group_size]
+        long = next((r for r in group if len(r.prompt_ids) + len(r.completion_ids) > most), None)
+        if long is None:
+            kept.extend(group)
+            continue
+        if on_bad_row == "error":
+            raise UserError(f"{long.where}: the rollout is {len(long.prompt_ids) + len(long.completion_ids)} tokens "
+                            f"(prompt {len(long.prompt_ids)} + completion {len(long.completion_ids)}), over {what} "
+                            f"({most}); it would train on a row the model is not trained for. Fix the line, or set "
+                            "data.on_bad_row: skip to skip its group (counted)")
+    return kept, len(rollouts) - len(kept)

@@ -7,15 +7,16 @@ completion (TRL's calling convention, so a function written for TRL's GRPOTraine
 
 from __future__ import annotations
 
-import importlib
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.errors import UserError
-from finetune.recipe import RewardConfig
+from finetune.errors import Interrupted, UserError
+from finetune.recipe import Recipe, code
+from finetune.rl.deadline import call_limited
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -52,7 +53,7 @@ def exact_answer(prompts: list, completions: list[str], field: str = "answer", *
     return [1.0 if _same(extract_answer(c), want) else 0.0 for c, want in zip(completions, fields[field])]
 
 
-def format_regex(prompts: list, completions: list[str], pattern: str = "", **fields: Any) -> list[float | None]:
+def format_regex(prompts: list, completions: list[str], pattern: str, **fields: Any) -> list[float | None]:
     """1.0 when the whole completion matches `pattern` (re.fullmatch, DOTALL), else 0.0."""
     compiled = re.compile(pattern, re.DOTALL)
     return [1.0 if compiled.fullmatch(c.strip()) else 0.0 for c in completions]
@@ -67,24 +68,6 @@ def length(prompts: list, completions: list[str], target: int = 100, scale: floa
 BUILT_INS: dict[str, RewardFn] = {"exact_answer": exact_answer, "format_regex": format_regex, "length": length}
 
 
-def load_function(spec: str) -> RewardFn:
-    """A built-in by name, or `module.path:function` imported from the user's code."""
-    if spec in BUILT_INS:
-        return BUILT_INS[spec]
-    if ":" not in spec:
-        raise UserError(f"grpo.rewards: unknown reward function {spec!r}; built-ins: {', '.join(BUILT_INS)}, "
-                        "or module.path:function from your code")
-    module_name, name = spec.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"grpo.rewards: cannot import {module_name!r} for {spec!r}: {e}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UserError(f"grpo.rewards: {module_name!r} has no function {name!r}")
-    return fn
-
-
 @dataclass
 class Reward:
     """One configured reward function."""
@@ -93,48 +76,109 @@ class Reward:
     weight: float
     fn: RewardFn
     args: dict[str, Any]
+    key: str = ""
+    """Its recipe key (grpo.rewards.0), for messages."""
 
 
-def load_rewards(configs: Sequence[RewardConfig]) -> list[Reward]:
+def load_rewards(recipe: Recipe) -> list[Reward]:
+    """The recipe's reward functions: built-ins by name; the user's own imported, only with the user's consent
+    (recipe/code.py: this is the gate every import of a recipe's code goes through)."""
+    configs = recipe.grpo.rewards
     names = [c.label for c in configs]
     if len(set(names)) != len(names):
         raise UserError(f"grpo.rewards: two reward functions share a name ({names}); give each a `name`")
-    return [Reward(c.label, c.weight, load_function(c.function), dict(c.args)) for c in configs]
+    refs = {ref.key: ref for ref in code.references(recipe)}
+    rewards = []
+    for i, c in enumerate(configs):
+        if c.function in BUILT_INS:
+            fn = BUILT_INS[c.function]
+        else:
+            code.require_consent(recipe)
+            fn = code.import_ref(refs[f"grpo.rewards.{i}.function"])
+        rewards.append(Reward(c.label, c.weight, fn, dict(c.args), f"grpo.rewards.{i}"))
+    return rewards
 
 
 def score(rewards: Sequence[Reward], prompts: list, completions: list[str], fields: dict[str, list],
-          where: Callable[[int], str]) -> dict[str, list[float]]:
-    """Each function's rewards (NaN for None) by name. A function that raises, or returns the wrong number of
-    values or a non-finite one, is a UserError naming it and the row (`where(i)`: the prompt's file:line)."""
+          where: Callable[[int], str], timeout_s: float | None = None, stop: Callable[[], bool] = lambda: False,
+          ) -> dict[str, list[float]]:
+    """Each function's rewards (NaN for None) by name. A function that raises, returns anything but one real number
+    (or None) per completion, or a non-finite one, is a UserError naming it and the row (`where(i)`: the prompt's
+    file:line); so is a call longer than `timeout_s`. `stop` (the run's stop request) ends a call at once
+    (errors.Interrupted)."""
     out: dict[str, list[float]] = {}
     for reward in rewards:
+        span = f"the completions of {where(0)} to {where(len(completions) - 1)}"
+
+        def call(reward: Reward = reward) -> Any:
+            return reward.fn(prompts, completions, **reward.args, **fields)
+
         try:
-            values = reward.fn(prompts, completions, **reward.args, **fields)
-        except UserError:
+            values = call_limited(call, timeout_s, stop, f"reward function {reward.name!r} (scoring {span})",
+                                  "grpo.reward_timeout_s")
+        except (UserError, Interrupted):
             raise
         except Exception as e:  # noqa: BLE001 - the user's code: any failure is reported with its name
             raise UserError(f"reward function {reward.name!r} raised {type(e).__name__}: {e} "
-                            f"({_culprit(reward, e, prompts, completions, fields, where)})") from e
-        values = list(values) if values is not None else []
-        if len(values) != len(completions):
-            raise UserError(f"reward function {reward.name!r} returned {len(values)} values for "
-                            f"{len(completions)} completions")
-        for i, v in enumerate(values):
-            if v is not None and (not isinstance(v, int | float) or not math.isfinite(v)):
-                raise UserError(f"reward function {reward.name!r} returned {v!r} for {where(i)}: rewards are "
-                                "finite numbers or None")
-        out[reward.name] = [math.nan if v is None else float(v) for v in values]
+                            f"({_culprit(reward, e, prompts, completions, fields, where, timeout_s, stop)})") from e
+        out[reward.name] = _numbers(reward, values, len(completions), where)
     return out
 
 
+def _numbers(reward: Reward, values: Any, n: int, where: Callable[[int], str]) -> list[float]:
+    """One float per completion (NaN: None) from what a function returned: any sequence of real scalars (int,
+    float, bool, numpy scalars, 0-d arrays or tensors) or None; anything else is a UserError saying what came."""
+    expected = f"expected a list of {n} numbers (one per completion; None for no opinion)"
+    if values is None or isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise UserError(f"reward function {reward.name!r} returned {_shown(values)}; {expected}")
+    values = list(values)
+    if len(values) != n:
+        raise UserError(f"reward function {reward.name!r} returned {len(values)} values for {n} completions; "
+                        f"{expected}")
+    out = []
+    for i, v in enumerate(values):
+        number = _real(v)
+        if number is None and v is not None:
+            raise UserError(f"reward function {reward.name!r} returned {_shown(v)} for {where(i)}: rewards are real "
+                            "numbers (int, float, bool, a numpy scalar, a 0-d tensor) or None")
+        if number is not None and not math.isfinite(number):
+            raise UserError(f"reward function {reward.name!r} returned {number!r} for {where(i)}: rewards are "
+                            "finite numbers or None")
+        out.append(math.nan if number is None else number)
+    return out
+
+
+def _real(v: Any) -> float | None:
+    """v as a float when it is one real scalar (a numpy scalar or a 0-d array or tensor: its item), else None."""
+    if getattr(v, "shape", None) == () and callable(getattr(v, "item", None)):
+        v = v.item()
+    if isinstance(v, numbers.Real):  # bool, int, float, numpy's registered scalar types
+        return float(v)
+    return None
+
+
+def _shown(v: Any) -> str:
+    """A returned value for a message: its repr (cut at 60 characters) and its type."""
+    text = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+    kind = type(v).__name__ if type(v).__module__ == "builtins" else f"{type(v).__module__}.{type(v).__qualname__}"
+    return f"{text} (a {kind})"
+
+
 def _culprit(reward: Reward, error: Exception, prompts: list, completions: list[str], fields: dict[str, list],
-             where: Callable[[int], str]) -> str:
+             where: Callable[[int], str], timeout_s: float | None, stop: Callable[[], bool]) -> str:
     """Which row made the batch call raise: the first completion whose call alone raises the same exception type
-    (the function is called again, one completion at a time, only on this failure path); the batch's rows when no
-    single one does (a failure that needs the whole batch)."""
+    (the function is called again, one completion at a time, only on this failure path, each call under the same
+    limits); the batch's rows when no single one does (a failure that needs the whole batch)."""
     for i, completion in enumerate(completions):
+        def one(i: int = i, completion: str = completion) -> Any:
+            return reward.fn(prompts[i:i + 1], [completion], **reward.args,
+                             **{k: v[i:i + 1] for k, v in fields.items()})
+
         try:
-            reward.fn(prompts[i:i + 1], [completion], **reward.args, **{k: v[i:i + 1] for k, v in fields.items()})
+            call_limited(one, timeout_s, stop, f"reward function {reward.name!r} (scoring {where(i)} alone)",
+                         "grpo.reward_timeout_s")
+        except (UserError, Interrupted):
+            raise
         except Exception as e:  # noqa: BLE001 - the user's code, as above
             if type(e) is type(error):
                 text = completion if len(completion) <= 60 else completion[:57] + "..."

@@ -21,7 +21,7 @@ from finetune.rl.generation import HFGenerator
 from finetune.rl.live import LiveRollouts
 from finetune.rl.plan import RolloutPlan, group_batch, policy_scorer, replay_plan
 from finetune.rl.prompts import read_prompts
-from finetune.rl.replay import read_replay
+from finetune.rl.replay import fitting, read_replay, row_limit
 from finetune.rl.rewards import load_rewards
 from finetune.rl.rollout import end_ids
 
@@ -57,21 +57,25 @@ def rollout_plan(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, net: torch
     if g.replay:
         rollouts = read_replay(g.replay, tokenizer, g.num_generations, {r.label: r.weight for r in g.rewards},
                                recipe.tokenizer.chat_template_kwargs)
+        rollouts, skipped = fitting(rollouts, row_limit(recipe, lm), recipe.data.on_bad_row, g.num_generations)
         missing = [r.where for r in rollouts if r.logprobs is None]
         if g.ratio_against == "replay" and missing:
             raise UserError(f"{missing[0]}: grpo.ratio_against: replay needs `logprobs` on every line "
                             f"({len(missing)} lines have none)")
-        return replay_plan(rollouts, recipe, world_size, ends, scorer)
+        plan = replay_plan(rollouts, recipe, world_size, ends, scorer)
+        if skipped:
+            plan.note = f"replay: {skipped} lines skipped (data.on_bad_row: skip): their groups hold a rollout too long"
+        return plan
     longest = recipe.data.max_seq_len - g.max_new_tokens if recipe.data.max_seq_len else None
     read = [read_prompts(configs, tokenizer, recipe.tokenizer.chat_template_kwargs, recipe.data.on_bad_row,
-                         longest, key, recipe.data.max_row_bytes) for key, configs in (
-                             ("datasets", recipe.datasets), ("eval_datasets", recipe.eval_datasets))]
+                         longest, key, recipe.data.max_row_bytes, tuple(recipe.data.ignore_message_fields))
+            for key, configs in (("datasets", recipe.datasets), ("eval_datasets", recipe.eval_datasets))]
     (prompts, skipped), (evals, _) = read
     if not prompts:
         raise UserError("datasets: no prompts to generate from")
     size = group_batch(recipe, world_size)
     generator = HFGenerator(lm, tokenizer, g, ends, device, recipe.train.micro_batch_size * g.num_generations)
-    live = LiveRollouts(prompts, recipe, world, generator, load_rewards(g.rewards), tokenizer, size)
+    live = LiveRollouts(prompts, recipe, world, generator, load_rewards(recipe), tokenizer, size)
     plan = RolloutPlan(live, live.batches, recipe, world_size, ends, scorer, prefetch=False)
     live.stop = lambda: plan.stop()
     plan.evaluator = (lambda: live.evaluate(evals)) if evals else None

@@ -177,7 +177,8 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
     if not path.is_file():
         raise UserError(f"{path} not found: {run_dir} is not a training run directory, or its run has not "
                         "logged a step yet")
-    text_lines = [t for t in path.read_text(encoding="utf-8").splitlines() if t.strip()]
+    # "\n" only, as JSON lines are: str.splitlines would also split inside a string at U+2028, U+0085, ...
+    text_lines = [t for t in path.read_text(encoding="utf-8").split("\n") if t.strip()]
     train: dict[int, dict[str, Any]] = {}
     evals: dict[int, dict[str, Any]] = {}
     lines: list[dict[str, Any]] = []
@@ -190,6 +191,7 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
             raise UserError(f"{path}:{line_no}: not a JSON object ({e.msg}); fix or delete that line") from None
         if not isinstance(record, dict) or "step" not in record:
             raise UserError(f"{path}:{line_no}: not a metrics record (needs a 'step' field)")
+        record = {k: float(v) if v in NON_FINITE else v for k, v in record.items()}
         if is_eval(record):
             evals[int(record["step"])] = record
         elif "loss" in record:
@@ -198,6 +200,10 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
     if not train and not evals:
         raise UserError(f"{path} has no metrics records (empty file): the run has not logged a step yet")
     return RunMetrics(path, [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], lines)
+
+
+# How metrics.jsonl writes a number that is not finite (metrics/sinks.py JsonlSink); read back as floats.
+NON_FINITE = ("NaN", "Infinity", "-Infinity")
 
 
 def total_elapsed(lines: list[dict[str, Any]]) -> float:
@@ -228,7 +234,9 @@ def truncate_metrics(run: RunDir, step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if not line.strip():
+            continue
         try:
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError, first_line
+from finetune.model import files
 from finetune.model.loading import load_base, quiet_peft
 from finetune.model.tokenizer import load_tokenizer
 from finetune.recipe import Recipe, TokenizerConfig
@@ -24,11 +25,12 @@ def load_trained(run_dir: str | Path, recipe: Recipe | None = None) -> tuple[tor
     `recipe` defaults to the run's own (`finetune eval` passes the run's recipe with the user's overrides)."""
     saved, final = finished_run(run_dir)
     recipe = recipe or saved
+    files.check_model_dir(final, files.FINAL)  # a damaged file named before anything reads it
     tokenizer = load_tokenizer(TokenizerConfig(path=str(final)), recipe.model)
     if has_adapter(final):
         return load_adapted_model(run_dir, final, recipe, tokenizer), tokenizer
     trained = recipe.model.model_copy(update={"path": str(final), "init": "pretrained", "gguf_file": None})
-    return load_base(trained, tokenizer, recipe.seed), tokenizer
+    return load_base(trained, tokenizer, recipe.seed, key=files.FINAL), tokenizer
 
 
 def has_adapter(final: Path) -> bool:
@@ -41,11 +43,12 @@ def load_adapted_model(run_dir: str | Path, final: Path, recipe: Recipe, tokeniz
     transformers versions the run used (recorded in versions.json): checked here."""
     from peft import PeftModel
 
+    files.check_model_dir(final, files.FINAL)  # before the base loads: `finetune merge` comes here directly
     if recipe.model.init == "random":
         check_rebuild_versions(Path(run_dir))
     base = load_base(recipe.model, tokenizer, recipe.seed)
     try:
-        with quiet_peft():
+        with quiet_peft(), files.load_errors(final, files.FINAL):
             return PeftModel.from_pretrained(base, str(final)).eval()
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"{final}: the adapter does not load onto the run's base model "

@@ -23,6 +23,7 @@ from finetune.model.isolation import check_packable, check_packing_isolation, is
 from finetune.model.loading import count_parameters
 from finetune.objectives import Objective
 from finetune.recipe import Recipe, features, to_yaml
+from finetune.recipe.code import run_record
 from finetune.rl.plan import RolloutPlan
 from finetune.run import atomic, checkpoint, startup
 from finetune.run.directory import RunDir, truncate_metrics, write_run_header
@@ -133,7 +134,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
                                                                     str(resume_from))):
             warn(console, note)
         console.print(f"resumed from {resume_from} at step {start.step}")
-    logger = _open_run_dir(recipe, out, console, replaced, versions.snapshot(warnings) | {"run": kernels_used}, plan,
+    record = kernels_used | ({"code": code} if (code := run_record(recipe)) else {})  # imported already: cheap
+    logger = _open_run_dir(recipe, out, console, replaced, versions.snapshot(warnings) | {"run": record}, plan,
                            start, resumed=resume_from is not None) if world.is_main else None
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
                plan, parts.evals, parts.samples_key, logger, start, n_params,

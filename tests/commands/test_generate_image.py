@@ -10,11 +10,13 @@ size (the same token ids) but different pixels change the model's next-token log
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import run_cli
 from PIL import Image
-from vision_fixtures import recipe_yaml, write_data
+from vision_fixtures import bomb_png, recipe_yaml, write_data
 
 from finetune.commands.generate import (
     GenerationOptions,
@@ -160,6 +162,26 @@ def test_image_on_a_text_only_model_is_refused(images, tmp_path):
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp_path / "text")
     with pytest.raises(UserError, match="--image: this model is text-only"):
         generate(str(tmp_path / "text"), PROMPT, GREEDY, images=[str(images / "red.png")])
+
+
+def test_decompression_bombs_are_refused_unread(run_dir, loaded, tmp_path):
+    """An image whose header says more pixels than data.max_image_pixels' default is a UserError naming it, before
+    the model loads and before any pixel is decoded: never PIL's DecompressionBombError (a traceback) or warning."""
+    model, tokenizer = loaded
+    for side in (20000, 12000):  # over twice PIL's Image.MAX_IMAGE_PIXELS (it raises), over it (it warns)
+        (tmp_path / f"bomb{side}.png").write_bytes(bomb_png(side, side))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(UserError, match=r"--image .*bomb20000\.png: the image is 20000x20000 \(400,000,000 "
+                                            r"pixels\), over data\.max_image_pixels' default \(50,000,000\); resize it"):
+            generate(str(tmp_path / "no-run-needed"), PROMPT, GREEDY, images=[str(tmp_path / "bomb20000.png")])
+        with pytest.raises(UserError, match=r"bomb12000\.png: the image is 12000x12000 \(144,000,000 pixels\)"):
+            complete(model, tokenizer, _messages(1), GREEDY, stream=None, images=[str(tmp_path / "bomb12000.png")])
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    result = run_cli("generate", str(run_dir), "--image", str(tmp_path / "bomb20000.png"), "--prompt", PROMPT)
+    assert result.returncode == 2 and "bomb20000.png: the image is 20000x20000 (400,000,000 pixels)" in result.stderr
+    assert "Traceback" not in result.stderr and "DecompressionBomb" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_cli_generate_with_images(run_dir, images):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections import Counter
 
 import pytest
@@ -183,17 +182,10 @@ def test_best_fit_decreasing_efficiency_on_long_tail():
     rng = random.Random(0)
     lengths = [max(1, int(rng.lognormvariate(5.5, 1.0))) for _ in range(4000)]
     samples = [{"input_ids": [1] * n, "labels": [1] * n} for n in lengths]
-    start = time.perf_counter()
-    rows, stats = pack_samples(samples, 2048, seed=0)
-    seconds = time.perf_counter() - start
+    rows, stats = pack_samples(samples, 2048, seed=0)  # its speed: benchmarks/packing.py
     lower_bound = math.ceil(stats.tokens / 2048)
-    print(
-        f"BFD: {len(samples)} samples -> {stats.rows} rows (lower bound {lower_bound}), "
-        f"efficiency {stats.efficiency:.4f}, {stats.truncated} truncated, {seconds * 1000:.0f} ms"
-    )
     assert stats.efficiency >= 0.98
     assert stats.rows <= lower_bound * 1.01 + 1
-    assert seconds < 10
 
 
 # --- collate_packed -------------------------------------------------------------------------------------
@@ -309,20 +301,12 @@ class CachingWrapper(torch.nn.Module):
 
 
 @pytest.mark.parametrize(("config_cls", "impl"), ISOLATING)
-def test_isolation_check_passes_fast_and_restores_modes(config_cls: type, impl: str):
+def test_isolation_check_passes_and_restores_modes(config_cls: type, impl: str):
     model = tiny_model(config_cls, impl).train()
     model.model.layers[0].eval()  # a module deliberately in eval mode must stay so
-    # Single-threaded and best of three: on a shared 2-core machine wall time is mostly other processes.
     with one_thread():
-        timings, errors = [], []
-        for _ in range(3):
-            start = time.perf_counter()
-            errors.append(check_packing_isolation(model, VOCAB))
-            timings.append(time.perf_counter() - start)
-    print(f"{config_cls.__name__} {impl}: isolation check error {errors[0]:.1e}, "
-          f"{', '.join(f'{t * 1000:.1f}' for t in timings)} ms")  # fmt: skip
-    assert max(errors) <= default_tolerance(torch.float32)
-    assert min(timings) < 1.0
+        error = check_packing_isolation(model, VOCAB)
+    assert error <= default_tolerance(torch.float32)
     assert model.training and not model.model.layers[0].training and model.model.layers[1].training
 
 

@@ -407,11 +407,10 @@ def test_liger_impl_on_cpu_is_a_user_error(monkeypatch):
 
 def test_import_is_light():
     code = (
-        "import sys, time; import torch; t = time.perf_counter(); import finetune.loss.fused; "
-        "dt = time.perf_counter() - t; "
+        "import sys; import torch; import finetune.loss.fused; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'liger_kernel', 'triton')"
         " or (m.startswith('finetune.') and m not in ('finetune.loss', 'finetune.loss.fused', 'finetune.loss.liger', 'finetune.errors', 'finetune.labels'))]; "
-        "assert not bad, bad; assert dt < 0.5, dt"
+        "assert not bad, bad"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)

@@ -373,3 +373,18 @@ def test_update_ratio_sample_is_bounded_and_exact_for_a_uniform_change():
     delta, norm = update_sums(before, [small, big]).tolist()
     assert abs((delta / norm) ** 0.5 - 0.01) < 1e-6
     assert update_sums(before, before).tolist()[0] == 0.0
+
+
+def test_non_finite_numbers_are_written_as_strict_json_and_read_back_as_floats(tmp_path):
+    """Overflowing rewards or a NaN loss are data; metrics.jsonl writes them as the strings "NaN", "Infinity",
+    "-Infinity" (strict JSON has no such numbers) and read_metrics gives the floats back."""
+    from finetune.metrics.sinks import JsonlSink
+
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.write({"step": 1, "loss": math.nan, "reward": math.inf, "reward_std": -math.inf, "tokens": 3})
+    sink.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text == '{"step": 1, "loss": "NaN", "reward": "Infinity", "reward_std": "-Infinity", "tokens": 3}\n'
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name} in metrics.jsonl"))
+    [line] = read_metrics(tmp_path).train
+    assert math.isnan(line["loss"]) and line["reward"] == math.inf and line["reward_std"] == -math.inf

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -136,6 +137,39 @@ def test_several_errors_are_collected_in_one_message():
 
 
 # --- cross-field checks ----------------------------------------------------------------------------------
+
+def test_an_objective_gets_the_default_it_can_use_and_only_a_written_value_is_refused():
+    """GRPO trains one completion per row: data.packing defaults to false for it; written true, it is refused."""
+    grpo = {"datasets": [{"path": "p.jsonl", "format": "prompt"}], "train": {"objective": "grpo"},
+            "grpo": {"rewards": [{"function": "exact_answer"}]}}
+    recipe = validate({**base(), **grpo})
+    assert recipe.data.packing is False and validate(base()).data.packing is True
+    msg = error_of({**base(), **grpo, "data": {"packing": True}})
+    assert "data.packing: true is written in the recipe (or one it extends), and GRPO trains one completion per " \
+           "row; set data.packing: false (or leave it out: false is GRPO's default)" in msg
+
+
+@pytest.mark.parametrize("where", ["/", "~", "~/", "~/../{home_name}"])
+def test_output_dir_is_neither_the_root_nor_the_home_folder(where):
+    home = Path.home().resolve()
+    output_dir = where.format(home_name=home.name)
+    msg = error_of(with_(output_dir=output_dir))
+    what = "the file system's root" if where == "/" else "your home folder"
+    assert f"output_dir: {output_dir} is {what} ({'/' if where == '/' else home}); a run writes recipe.yaml" in msg
+    validate(with_(output_dir=str(home / "runs" / "x")))  # a folder inside it is fine
+
+
+def test_an_override_with_bytes_that_are_not_utf8_says_so_not_to_quote_it():
+    import os
+
+    raw = base()
+    item = os.fsdecode(b"output_dir=/tmp/\xff")
+    with pytest.raises(UserError) as info:
+        apply_override(raw, item)
+    assert str(info.value) == ("override 'output_dir=/tmp/\\xff': it holds bytes that are not UTF-8 text; recipe "
+                               "values are UTF-8 (YAML), so quoting cannot help: give a path or value that is UTF-8 "
+                               "(rename the file, or link to it from a UTF-8 name)")
+
 
 def test_packing_needs_max_seq_len():
     msg = error_of(with_(data={"packing": True, "max_seq_len": None}))
@@ -443,22 +477,22 @@ def test_validate_debug_shows_the_traceback(write_recipe):
     assert "train.lrr: unknown key" in result.stderr
 
 
-def test_validate_imports_no_torch_and_answers_fast():
+def test_validate_imports_no_torch():
+    """What keeps `finetune validate` well under a second: neither torch nor transformers is imported (checked by
+    module, not by the clock, which a busy machine moves)."""
     script = textwrap.dedent(f"""
-        import json, sys, time, io, contextlib
-        start = time.perf_counter()
+        import json, sys, io, contextlib
         from finetune.cli import main
         with contextlib.redirect_stdout(io.StringIO()):
             rc = main(["validate", {str(REPO_ROOT / "examples" / "yaml" / "quickstart.yaml")!r}])
-        print(json.dumps({{"rc": rc, "seconds": time.perf_counter() - start,
-                          "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}}))
+        print(json.dumps({{"rc": rc, "torch": "torch" in sys.modules,
+                          "transformers": "transformers" in sys.modules}}))
     """)
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     facts = json.loads(result.stdout.strip().splitlines()[-1])
     assert facts["rc"] == 0
     assert not facts["torch"] and not facts["transformers"]
-    assert facts["seconds"] < 2.0, facts
 
 
 def test_load_raw_returns_the_merged_dict(write_recipe):

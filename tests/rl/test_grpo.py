@@ -18,10 +18,9 @@ from finetune.batch import Targets
 from finetune.data.collate import collate
 from finetune.errors import UserError
 from finetune.objectives.grpo import GRPO
-from finetune.recipe import DataConfig, GRPOConfig, RewardConfig
+from finetune.recipe import DataConfig, GRPOConfig
 from finetune.rl.advantages import group_advantages
 from finetune.rl.replay import read_replay
-from finetune.rl.rewards import load_rewards, score, total
 from finetune.rl.rollout import Rollout, training_row
 from finetune.train.step import forward_backward, read_step, step_counts
 
@@ -52,37 +51,6 @@ def test_unscored_completions_leave_the_baseline_and_get_0():
 
 
 # --- rewards ------------------------------------------------------------------------------------------------------
-
-
-def test_built_in_rewards_and_their_total():
-    rewards = load_rewards([RewardConfig(function="exact_answer"), RewardConfig(
-        function="format_regex", weight=0.5, args={"pattern": r".*\\boxed\{.*\}"})])
-    completions = ["so \\boxed{12}", "it is 1,200", "no idea"]
-    got = score(rewards, ["p"] * 3, completions, {"answer": ["12", "1200", "3"]}, lambda i: f"row {i}")
-    assert got == {"exact_answer": [1.0, 1.0, 0.0], "format_regex": [1.0, 0.0, 0.0]}
-    assert total(got, {"exact_answer": 1.0, "format_regex": 0.5}) == [1.5, 1.0, 0.0]
-    assert total({"a": [math.nan, 1.0], "b": [math.nan, math.nan]}, {}) [1] == 1.0
-    assert math.isnan(total({"a": [math.nan], "b": [math.nan]}, {})[0])  # no function had an opinion
-
-
-def test_a_reward_function_that_raises_is_named_with_the_row(tmp_path, monkeypatch):
-    """The function and the one row whose completion makes it raise (found by calling it again one completion at a
-    time), not the batch's range; the range only when no single completion raises alone."""
-    (tmp_path / "my_rewards.py").write_text(
-        "def boom(prompts, completions, **kw):\n    return [float({'x': 1}[c]) for c in completions]\n"
-        "def pairs(prompts, completions, **kw):\n    assert len(completions) == 1, 'one at a time'\n    return [1.0]\n"
-        "def bad(prompts, completions, **kw):\n    return [float('inf')] * len(completions)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    batch = ["x", "x", "oops", "y"]
-    for name, message in (("boom", r"'boom' raised KeyError: 'oops' \(on a completion of p.jsonl:3: 'oops'\)$"),
-                          ("pairs", r"'pairs' raised AssertionError: one at a time \(on the completions of p.jsonl:1 "
-                                    r"to p.jsonl:4; no single one raises alone\)"),
-                          ("bad", "returned inf for p.jsonl:1")):
-        fn = load_rewards([RewardConfig(function=f"my_rewards:{name}")])
-        with pytest.raises(UserError, match=message):
-            score(fn, ["p"] * 4, batch, {}, lambda i: f"p.jsonl:{i + 1}")
-    with pytest.raises(UserError, match="unknown reward function 'nope'"):
-        load_rewards([RewardConfig(function="nope")])
 
 
 def test_rollout_figures_give_mean_and_std_per_function_and_in_total():
@@ -366,7 +334,8 @@ def test_a_raising_reward_names_the_prompt_row_through_the_cli(tmp_path):
                 "train.objective=grpo", f"datasets.0.path={prompts}", "datasets.0.format=prompt", "eval_datasets=[]",
                 "data.shuffle=false", "grpo.num_generations=2", "grpo.max_new_tokens=2",
                 "grpo.rewards=[{function: 'boom_rewards:explode'}]", "train.micro_batch_size=2",
-                "train.gradient_accumulation_steps=2", "train.max_steps=1", env={"PYTHONPATH": str(tmp_path)})
+                "train.gradient_accumulation_steps=2", "train.max_steps=1", "--allow-code",
+                env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"reward function 'explode' raised ZeroDivisionError: division by zero (on a completion of " \
            f"{prompts}:2: " in r.stderr, r.stderr[-2000:]

@@ -56,8 +56,15 @@ BAD_LINES = {
     "group_not_scalar": ([G0, G0, {**G1, "group": [1]}], 3, "`group` (a string or number"),
     "missing_prompt": ([G0, G0, G1, without(G1, "prompt_ids")], 4, "give prompt_ids, or prompt (text or messages)"),
     "empty_prompt_text": ([G0, G0, G1, {**without(G1, "prompt_ids"), "prompt": ""}], 4, "give prompt_ids, or prompt"),
+    "prompt_messages_not_objects": ([G0, G0, {**without(G1, "prompt_ids"), "prompt": ["hi"]}], 3,
+                                    "prompt messages are objects with a role and content"),
     "prompt_messages_without_role": ([G0, G0, {**without(G1, "prompt_ids"), "prompt": [{"content": "hi"}]}], 3,
-                                     "prompt messages are objects with a role and content"),
+                                     "message 0 has unknown role None; allowed: system, user, assistant, tool"),
+    "prompt_unknown_role": ([G0, G0, {**without(G1, "prompt_ids"), "prompt": [{"role": "wizard", "content": "hi"}]}],
+                            3, "message 0 has unknown role 'wizard'; allowed: system, user, assistant, tool "
+                               "(datasets[].role_map names other roles)"),
+    "nested_too_deep": ([G0, G0, "[" * 100_000 + "]" * 100_000], 3,
+                        "JSON nested too deeply to read (past Python's recursion limit)"),
     "prompt_ids_not_ids": ([G0, G0, G1, {**G1, "prompt_ids": [5, "6"]}], 4, "prompt_ids must be a list of token ids"),
     "prompt_id_outside_vocabulary": ([G0, G0, G1, {**G1, "prompt_ids": [5, 1024]}], 4,
                                      "prompt_ids holds id 1024, outside the tokenizer's vocabulary of 1024"),
@@ -132,6 +139,37 @@ def test_good_lines_around_blank_ones_read(tmp_path, tokenizer):
     assert rollouts[3].logprobs == [-0.5, -0.1] and rollouts[2].logprobs is None
 
 
+def test_a_line_is_split_at_newlines_only(tmp_path, tokenizer):
+    """U+2028, U+2029 and U+0085 are line breaks to str.splitlines, but text inside a JSON string: the line reads."""
+    prompt = "a\u2028b\u2029c\x85d"
+    line = json.dumps({**without(G1, "prompt_ids"), "prompt": prompt}, ensure_ascii=False)
+    path = tmp_path / "replay.jsonl"
+    path.write_text("\n".join([json.dumps(G0), json.dumps(G0), line, line]) + "\n", encoding="utf-8")
+    rollouts = read_replay(path, tokenizer, 2, {})
+    assert [r.where for r in rollouts] == [f"{path}:{n}" for n in (1, 2, 3, 4)]
+    assert tokenizer.decode(rollouts[2].prompt_ids) == prompt
+
+
+def test_a_rollout_longer_than_a_row_stops_the_run_or_its_group_is_skipped(tmp_path, tokenizer):
+    """Checked as generated rows are: data.max_seq_len or the model's position limit, whichever is lower."""
+    from types import SimpleNamespace
+
+    from finetune.rl.replay import fitting, row_limit
+
+    long = {**G1, "completion_ids": [7] * 300}
+    rollouts = read_replay(write_lines(tmp_path / "replay.jsonl", [G0, G0, G1, long, G0 | {"group": 2}] * 1
+                                       + [G0 | {"group": 2}]), tokenizer, 2, {})
+    recipe = SimpleNamespace(data=SimpleNamespace(max_seq_len=256))
+    limit = row_limit(recipe, SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024)))
+    assert limit == (256, "data.max_seq_len")
+    assert row_limit(recipe, SimpleNamespace(config=SimpleNamespace(max_position_embeddings=128)))[0] == 128
+    with pytest.raises(UserError, match=r"replay.jsonl:4: the rollout is 302 tokens \(prompt 2 \+ completion 300\), "
+                                        r"over data.max_seq_len \(256\)"):
+        fitting(rollouts, limit, "error", 2)
+    kept, skipped = fitting(rollouts, limit, "skip", 2)
+    assert skipped == 2 and [r.group for r in kept] == [0, 0, 2, 2]
+
+
 # --- through the CLI: exit 2, no traceback, file:line -----------------------------------------------------------
 
 CLI_CASES = {
@@ -140,6 +178,8 @@ CLI_CASES = {
     "group_not_consecutive": ([G0] * 4 + [G1] * 4 + [G0] * 4, (), 9, "group 0 appears again after other groups"),
     "completion_lone_surrogate": ([G0, G0, G0, {**without(G0, "completion_ids"), "completion": f"x {LONE}"}], (), 4,
                                   "the tokenizer cannot encode this row: the text holds a lone surrogate '\\ud800'"),
+    "rollout_over_max_seq_len": ([G0] * 4 + [G1] * 3 + [{**G1, "completion_ids": [7] * 300}], (), 8,
+                                 "the rollout is 302 tokens (prompt 2 + completion 300), over data.max_seq_len (256)"),
     "ratio_against_replay_without_logprobs": ([{**G0, "logprobs": [-1.0, -1.0]}] * 4 + [G1] * 4,
                                               ("grpo.ratio_against=replay",), 5,
                                               "grpo.ratio_against: replay needs `logprobs` on every line (4 lines "
@@ -204,3 +244,21 @@ def test_a_prompt_row_over_max_row_bytes_is_a_bad_row(tmp_path, tokenizer):
     assert skipped == 1 and len(prompts) == 2
     _, (prompts, skipped) = _prompts(tmp_path, tokenizer, rows, "skip")  # the default limit, 8 MiB
     assert skipped == 0 and len(prompts) == 3
+
+
+def test_a_prompt_message_of_an_unknown_role_is_a_bad_row_as_in_sft(tmp_path, tokenizer):
+    """One rule for messages (data/messages.py): an unknown role stops or is skipped; role_map names other roles."""
+    rows = [PROMPT_ROWS[3], {"prompt": [{"role": "wizard", "content": "hi"}], "answer": "1"}, PROMPT_ROWS[3]]
+    path = tmp_path / "prompts.jsonl"
+    with pytest.raises(BadRow, match=f"^{path}:2: message 0 has unknown role 'wizard'; allowed: system, user, "
+                                     r"assistant, tool \(datasets\[\].role_map names other roles\)"):
+        _prompts(tmp_path, tokenizer, rows, "error")
+    _, (prompts, skipped) = _prompts(tmp_path, tokenizer, rows, "skip")
+    assert skipped == 1 and len(prompts) == 2
+    write_lines(path, rows)
+    mapped, _ = read_prompts([DatasetConfig(path=str(path), format="prompt", role_map={"wizard": "user"})],
+                             tokenizer, None, "error", None)
+    from finetune.rl.prompts import prompt_ids
+
+    assert len(mapped) == 3 and mapped[1].prompt_ids == prompt_ids([{"role": "user", "content": "hi"}], tokenizer,
+                                                                    None, "x")

@@ -92,7 +92,7 @@ def _args(tmp_path, out, every, at_start, steps: int = 2) -> list[str]:
             "grpo.num_generations=4", "grpo.max_new_tokens=4", "grpo.rewards=[{function: 'stop_rewards:length'}]",
             "train.micro_batch_size=4", "train.gradient_accumulation_steps=2", f"train.max_steps={steps}",
             "eval.every_steps=1", f"eval.at_start={str(at_start).lower()}", f"output_dir={out}",
-            "model.config.attention_dropout=0.1",  # the RNG's state must come back too
+            "model.config.attention_dropout=0.1", "--allow-code",  # the RNG's state must come back too
             *([f"checkpoint.every_steps={every}", "checkpoint.keep_last=5"] if every else [])]
 
 
@@ -135,10 +135,10 @@ def test_sigterm_during_an_eval_stops_before_the_next_generation_and_resume_cont
 
 
 def test_sigterm_to_one_rank_while_generating_stops_both_after_the_same_step(tmp_path):
-    """Under torchrun only rank 1 gets the signal (in its eval after step 1): its step-2 generation stops at once,
-    rank 0 generates its whole share (a third reward call) and then learns from the agreement that rank 1 was cut
-    short; both drop the batch and write step 1's checkpoint together (a collective: had they disagreed, one would
-    wait forever in the gather while the other saved)."""
+    """Under torchrun only rank 1 gets the signal, inside its reward call of the eval after step 1: that call ends
+    there (rl/deadline.py), rank 0 scores its whole share of the eval and then learns from the agreement that rank 1
+    was cut short; neither generates step 2's batch (two reward calls each), and both write step 1's checkpoint
+    together (a collective: had they disagreed, one would wait forever in the gather while the other saved)."""
     from helpers import run_process
 
     (tmp_path / "stop_rewards.py").write_text(REWARDS.replace("LOG = {log!r}", "LOG = {log!r} + os.environ['RANK']")
@@ -155,5 +155,5 @@ def test_sigterm_to_one_rank_while_generating_stops_both_after_the_same_step(tmp
     assert text.count(f"stopped on SIGTERM after step 1 of 2: {out / 'checkpoints' / 'step-1'}") == 2, text[-3000:]
     assert "exitcode  : 143" in text, text[-3000:]
     calls = [len((tmp_path / f"calls{rank}").read_text().splitlines()) for rank in (0, 1)]
-    assert calls == [3, 2], calls
+    assert calls == [2, 2], calls
     assert [p.name for p in checkpoint.complete_checkpoints(out / "checkpoints")] == ["step-1"]

@@ -173,12 +173,11 @@ def test_rank_0_failing_while_the_others_wait_ends_the_run_with_its_message(tmp_
     data = tmp_path / "bad.jsonl"
     rows = QUICKSTART.parent.joinpath("..", "data", "quickstart_train.jsonl").read_text().splitlines()[:20]
     data.write_text("\n".join([*rows, '{"messages": ['""]) + "\n")
-    started = time.monotonic()
+    # The hang guard is the timeout: waiting in a barrier, rank 1 would wait for hours (FINETUNE_DIST_WAIT_S).
     r = torchrun("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *TINY, "train.max_steps=2",
                  f"datasets.0.path={data}", timeout=120)
     assert r.returncode != 0
     assert "bad.jsonl:21" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
-    assert time.monotonic() - started < 90
 
 
 def test_nproc_refuses_an_existing_run_before_torchrun_starts(tmp_path):
@@ -206,9 +205,8 @@ def test_killing_one_rank_ends_the_run_quickly(tmp_path):
             time.sleep(0.5)
         victim = _rank_pid(proc.pid, rank=1)
         os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
+        # The hang guard: left to itself, rank 0 would wait in its collective for the process group's timeout.
         code = proc.wait(timeout=60)
-        elapsed = time.monotonic() - killed_at
     finally:
         # torchrun starts each worker in its own session: kill them by pid, not through torchrun's group.
         for pid in _worker_pids(proc.pid):
@@ -216,7 +214,6 @@ def test_killing_one_rank_ends_the_run_quickly(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert code != 0
-    assert elapsed < 30, f"the run took {elapsed:.1f}s to end after a rank died"
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):

