@@ -5,7 +5,7 @@ only with --allow-approx, announced) or refused (it cannot be carried over faith
 A key set to null is unset in Axolotl (it drops None values), so it is skipped whatever its table. A refused or
 approximated key whose value is off (false, 0, empty) is unset too. docs/migrating-from-axolotl.md is written from
 these tables (scripts/gen_migrating_doc.py), and tests/convert/test_convert.py holds them to Axolotl's schema: every field
-name sits in exactly one table.
+name sits in exactly one table, and only OUTSIDE_SCHEMA's keys (dropped: Axolotl ignores them) are no field.
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ MAPPED: dict[str, str] = {
     "evals_per_epoch": "eval.every_epochs (1 / evals_per_epoch), or eval.every_steps with max_steps",
     "eval_steps": "eval.every_steps (a fraction: of the run's steps)",
     "eval_strategy": "epoch: eval.every_epochs: 1; no: no evaluation",
-    "saves_per_epoch": "checkpoint.every_epochs (1 / saves_per_epoch), or checkpoint.every_steps with max_steps",
+    "saves_per_epoch": "checkpoint.every_epochs (1 / saves_per_epoch), or checkpoint.every_steps with max_steps; "
+                       "1 over 1 epoch is Axolotl's default (one save, at the epoch's end: finetune's final model, "
+                       "or checkpoint.every_epochs: 1 with max_steps)",
     "save_steps": "checkpoint.every_steps (a fraction: of the run's steps)",
     "save_strategy": "epoch: checkpoint.every_epochs: 1; steps; no; best is refused",
     "save_total_limit": "checkpoint.keep_last (4 when unset)",
@@ -144,6 +146,24 @@ MAPPED: dict[str, str] = {
                          "nothing to do with a text model",
     "role_boundaries": "approximated: finetune finds each message from the chat template's rendering, not from "
                        "these markers (the same turns when they are the template's own)",
+}
+
+# Keys outside Axolotl's config schema that its own examples still set. Axolotl validates a config into its schema's
+# pydantic model and keeps only the model's fields (validate_config's model_dump), so it ignores these whatever
+# their value: dropping them trains what Axolotl trains. They are named here, not left to the unknown-key error,
+# because they are stale options, not typos (a typo of a real key, adam_eps for adam_epsilon, stays an error).
+_IGNORED = "not in Axolotl's config schema, so Axolotl ignores it"
+OUTSIDE_SCHEMA: dict[str, str] = {
+    "debug": f"{_IGNORED} (its --debug flag logs tokenized samples: nothing that is trained)",
+    **_each("gptq_groupsize gptq_model_v1", f"{_IGNORED}: read only by Axolotl's first GPTQ loader, replaced in 2023 "
+                                            "(a GPTQ base is `gptq` now, which is refused)"),
+    "gptq_disable_exllama": f"{_IGNORED} (a GPTQ kernel switch: the same math; only with `gptq`, which is refused)",
+    "sample_packing_seq_len_multiplier": f"{_IGNORED}: removed in 2023 with the multipack sampler that read it",
+    "base_model_ignore_patterns": f"{_IGNORED}: removed in 2023 (it chose which files a hub download skipped)",
+    "torch_dtype": f"{_IGNORED}: Axolotl sets it itself from bf16, fp16 and the like (model.dtype here)",
+    "eta_min": f"{_IGNORED} (read nowhere; its cosine schedule's floor is cosine_min_lr_ratio)",
+    "full_finetune": f"{_IGNORED} (read nowhere; no `adapter` is full fine-tuning)",
+    "test_value": f"{_IGNORED} (read nowhere)",
 }
 
 DROPPED: dict[str, str] = {
@@ -228,6 +248,7 @@ DROPPED: dict[str, str] = {
     **_each("nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_datasets "
             "nemo_gym_auto_start nemo_gym_head_port nemo_gym_server_timeout nemo_gym_verify_timeout "
             "nemo_gym_run_timeout nemo_gym_max_turns nemo_gym_model_name nemo_gym_multi_turn", _plugin("NeMo Gym")),
+    **OUTSIDE_SCHEMA,
 }
 
 # Key -> what the recipe does instead (carried over only with --allow-approx).

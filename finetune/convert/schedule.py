@@ -34,7 +34,7 @@ def cadence_rules(c: Conversion, has_eval_data: bool) -> None:
     n = c.integer("saves_per_epoch")  # 0 or unset: none
     if n and 1.0 / (n * epochs) < 1.0:
         save_steps = 1.0 / (n * epochs)  # Axolotl's normalize_config
-    else:
+    else:  # 1 over 1 epoch: Axolotl keeps its default, a save at each epoch's end (below), as if it were unset
         n = None
     strategy = c.text("save_strategy")
     if strategy == "best":

@@ -24,6 +24,7 @@ from finetune.convert.keys import (
     DATASET_REFUSED,
     DROPPED,
     MAPPED,
+    OUTSIDE_SCHEMA,
     REFUSED,
 )
 from finetune.errors import UserError
@@ -112,8 +113,10 @@ def test_every_axolotl_schema_field_is_in_exactly_one_table():
                           ("datasets", (DATASET_MAPPED, DATASET_DROPPED, DATASET_REFUSED))):
         for name in names[level]:
             assert sum(name in table for table in tables) == 1, f"{level}: {name}"
-        extra = set().union(*tables) - set(names[level])
+        extra = set().union(*tables) - set(names[level]) - set(OUTSIDE_SCHEMA)
         assert not extra, f"{level}: keys that are no Axolotl field: {extra}"
+    # Keys Axolotl ignores because its schema lacks them: one that became a field again must be placed by its use.
+    assert set(OUTSIDE_SCHEMA) <= set(DROPPED) and not set(OUTSIDE_SCHEMA) & set(names["top"])
 
 
 class _Recording(dict):
@@ -198,11 +201,46 @@ def test_strict_reading(tmp_path):
 
 
 def test_unknown_keys_get_the_closest_axolotl_key(tmp_path):
-    message = _error(tmp_path, MINIMAL + "lerning_rate: 1e-4\ngptq_model_v1: true\n")
+    message = _error(tmp_path, MINIMAL + "lerning_rate: 1e-4\nzzyzx: true\nadam_eps: 1e-8\n")
     assert "lerning_rate: not an Axolotl key (Axolotl ignores it silently); did you mean 'learning_rate'?" in message
-    assert "gptq_model_v1: not an Axolotl key (Axolotl ignores it silently); remove it" in message
+    assert "zzyzx: not an Axolotl key (Axolotl ignores it silently); remove it" in message
+    assert "adam_eps: not an Axolotl key (Axolotl ignores it silently); did you mean 'adam_epsilon'?" in message
     message = _error(tmp_path, MINIMAL.replace("type: alpaca", "type: alpaca, feild: text"))
     assert "datasets.0.feild: not an Axolotl dataset key (Axolotl ignores it silently); did you mean 'field'?" in message
+
+
+def test_keys_outside_axolotls_schema_are_dropped_with_why(tmp_path):
+    """Stale keys Axolotl's own examples still set (Axolotl ignores them: its schema lacks them) convert, each listed
+    in the header with its reason; set to null they are unset, as any key."""
+    stale = "debug: true\ngptq_groupsize: 128\ngptq_model_v1: false\neta_min: 7e-7\nfull_finetune: true\n" \
+            "test_value: true\ntorch_dtype: bfloat16\n"
+    converted = _convert(tmp_path, MINIMAL + stale)
+    assert yaml.safe_load(converted.text) == yaml.safe_load(_convert(tmp_path, MINIMAL).text)  # the same training
+    dropped = dict(converted.conversion.dropped)
+    assert set(dropped) == set(yaml.safe_load(stale)) and all("Axolotl ignores it" in why for why in dropped.values())
+    header = converted.text.split("\noutput_dir:")[0]
+    assert "#   gptq_groupsize, gptq_model_v1: not in Axolotl's config schema, so Axolotl ignores it" in header
+    converted = _convert(tmp_path, MINIMAL + "gptq_groupsize:\ngptq_model_v1:\n")
+    assert converted.conversion.unset == ["gptq_groupsize", "gptq_model_v1"] and not converted.conversion.dropped
+
+
+@pytest.mark.parametrize(("keys", "checkpoint"), [
+    ("saves_per_epoch: 4\n", {"every_epochs": 0.25}),
+    ("saves_per_epoch: 2\nnum_epochs: 3\n", {"every_epochs": 0.5}),
+    ("saves_per_epoch: 1\nnum_epochs: 3\n", {"every_epochs": 1}),
+    ("saves_per_epoch: 4\nmax_steps: 100\n", {"every_steps": 25}),
+    ("saves_per_epoch: 2\nnum_epochs: 3\nmax_steps: 100\n", {"every_steps": 17}),  # ceil(100 / 6)
+    ("saves_per_epoch: 1\nmax_steps: 100\n", {"every_epochs": 1}),  # Axolotl's default: each epoch's end
+    ("saves_per_epoch: 1\n", {}),  # one save at the one epoch's end: the final model
+])
+def test_saves_per_epoch_becomes_the_checkpoint_cadence(tmp_path, keys, checkpoint):
+    """Axolotl's save_steps = 1 / (saves_per_epoch x num_epochs) when below 1 (a fraction of the run), else its
+    default, a save at each epoch's end: the same recipe as without saves_per_epoch."""
+    recipe = yaml.safe_load(_convert(tmp_path, MINIMAL + keys).text)
+    assert {k: v for k, v in recipe["checkpoint"].items() if k != "keep_last"} == checkpoint
+    if keys.startswith("saves_per_epoch: 1\n"):
+        unset = yaml.safe_load(_convert(tmp_path, MINIMAL + keys.replace("saves_per_epoch: 1\n", "")).text)
+        assert recipe == unset
 
 
 _WEIRD = ({"a": 1}, [1, "x"], "text", -3, 2.5, True, [])
