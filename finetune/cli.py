@@ -25,6 +25,9 @@ EXIT_USER_ERROR = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from finetune.progress import log_friendly_libraries
+
+    log_friendly_libraries()  # before transformers is imported: off a terminal, no carriage-return bars
     parser = build_parser()
     # Options may come before or after the key=value overrides: argparse stops filling `overrides` at the first
     # option, so whatever it leaves over is taken as more overrides (and anything else is an error).
@@ -203,6 +206,11 @@ def load_recipe_arg(args: argparse.Namespace, overrides: Sequence[str] | None = 
         from finetune.recipe.code import import_all
 
         import_all(recipe)  # consent first; then a broken reference fails here, before anything slow
+        from finetune.model.hub import offline_if_unreachable
+
+        note = offline_if_unreachable(recipe)  # before the hub's library is imported: it reads its switch once
+        if note and os.environ.get("RANK", "0") == "0":
+            print(f"note: {note}", file=sys.stderr)
     return recipe
 
 
@@ -302,7 +310,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     recipe = load_recipe_arg(args)
     from finetune.commands.verify import verify
 
-    result = verify(recipe, world_size=args.world, reference_micro_batch=args.reference_micro_batch)
+    result = verify(recipe, world_size=args.world, reference_micro_batch=args.reference_micro_batch,
+                    say=lambda message: print(message, file=sys.stderr, flush=True))
     table = Table(title=f"first step: {result.rows} rows, {result.micro_batches} micro-batches, "
                         f"{result.targets} {'target tokens' if result.unit == 'tokens' else result.unit.replace('_', ' ')}")
     table.add_column("parameter group")

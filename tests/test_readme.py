@@ -12,8 +12,8 @@ a few seconds): each command is checked as far as it can be without running it.
   the file `.` sources. Any other executable fails the test until this file is taught it, except those in SKIPPED.
 - `finetune ...` (also `python -m finetune`, `torchrun ... -m finetune`, and the Makefile's own lines behind a
   `make` target) parses with finetune.cli.build_parser() and cli.main's rule for what argparse leaves over. A
-  recipe command's recipe loads with its overrides (load_recipe, which imports no torch), its inputs checked
-  (check_inputs) unless one of them is a run that an earlier command makes.
+  recipe command's recipe loads with its overrides (load_recipe, which imports no torch), and its inputs are checked
+  as check_inputs checks them, except those under runs/, which an earlier command must make (below).
 - Paths under runs/ exist only if an earlier command made them: a `finetune train` whose output_dir it is (the
   recipe's, after overrides) or `finetune merge`'s output; a train into an output_dir that an earlier command wrote
   is refused by finetune without --overwrite (or `resume`), and so here. Repository paths (examples/, scripts/,
@@ -100,7 +100,7 @@ def fences(text: str) -> list[Fence]:
             current = None
         elif current is not None:
             current.body.append((number, line))
-    assert current is None, f"README line {found[-1].line if found else 0}+: a fence is never closed"
+    assert current is None, f"the fence opened on line {current.line} is never closed"
     return found
 
 
@@ -176,8 +176,8 @@ def makefile() -> tuple[dict[str, list[str]], dict[str, str]]:
             current = []
             for target in rule.group(1).split():
                 rules[target] = current
-        elif not line.strip() or line.startswith("#"):
-            current = None if not line.strip() else current
+        elif not line.strip():
+            current = None  # a blank line ends a rule; a comment line does not
 
     def expand(text: str) -> str:
         for _ in range(10):
@@ -231,7 +231,7 @@ def named_paths(argv: tuple[str, ...]) -> list[str]:
     out = []
     for token in argv:
         value = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
-        if value.startswith("-") or ("=" in value and not value.startswith("--")):
+        if value.startswith("-") or "=" in value:
             continue
         if value.split("/")[0] in REPO_DIRS | MADE_DIRS and "/" in value:
             out.append(value)
@@ -357,22 +357,19 @@ def check_recipe(parsed, walk: Walk) -> list[str]:
     """The recipe loads with its overrides; inputs that earlier commands make are checked against them, the rest
     by load_recipe's check_inputs; a train into a run an earlier command wrote needs --overwrite or resume."""
     from finetune.errors import UserError
-    from finetune.recipe import load_recipe
-
-    def load(check_inputs: bool):
-        return load_recipe(parsed.recipe, list(parsed.overrides), check_inputs=check_inputs,
-                           allow_code=parsed.allow_code)
+    from finetune.recipe import load_recipe, missing_inputs
 
     try:
         with in_repository():
-            recipe = load(check_inputs=False)
+            recipe = load_recipe(parsed.recipe, list(parsed.overrides), allow_code=parsed.allow_code)
             made = [p for p in recipe_inputs(recipe)
                     if (rel := repo_relative(p)) is not None and rel.split("/")[0] in MADE_DIRS]
-            if not made:
-                load(check_inputs=True)
+            # check_inputs's own checks (load_recipe(check_inputs=True) adds exactly these), but for made inputs
+            missing = [m for m in missing_inputs(recipe) if not any(p in m for p in made)]
     except UserError as e:
         return [f"the recipe does not load: {e}"]
-    problems = [p for path in made for p in need(path, walk, "recipe input")]
+    problems = [f"the recipe does not load: {m}" for m in missing]
+    problems += [p for path in made for p in need(path, walk, "recipe input")]
     if parsed.command == "train":
         out = repo_relative(recipe.output_dir) or recipe.output_dir
         if out in walk.runs and not parsed.overwrite and recipe.resume is None:
@@ -516,6 +513,8 @@ def test_a_run_that_no_earlier_command_makes_is_caught():
     dpo_first = problems_of(_sh("finetune train examples/yaml/quickstart-dpo.yaml", "make quickstart"))
     assert "runs/quickstart/final: no earlier command" in " ".join(dpo_first[0]) and dpo_first[1] == []
     assert problems_of(_sh("make quickstart", "finetune train examples/yaml/quickstart-dpo.yaml")) == [[], []]
+    other_input = "finetune train examples/yaml/quickstart-dpo.yaml datasets.0.path=nope.jsonl"
+    assert "data file not found: nope.jsonl" in " ".join(problems_of(_sh("make quickstart", other_input))[1])
     assert "no earlier command" in " ".join(problems_of(_sh("finetune plot runs/quickstart --out c.png"))[0])
 
 

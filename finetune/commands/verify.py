@@ -15,7 +15,9 @@ which shows the check has power on this data.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +25,7 @@ from finetune import dist
 from finetune.batch import MicroBatch
 from finetune.data import collate
 from finetune.objectives import Objective
+from finetune.progress import Phase
 from finetune.recipe import Recipe
 from finetune.train.parts import load_parts, plan_for
 from finetune.train.step import forward_backward, step_counts, step_micro_batches
@@ -55,11 +58,13 @@ class VerifyResult:
         return self.configured_max <= self.tolerance
 
 
-def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | None = None) -> VerifyResult:
-    """Gradients of the first optimizer step: configured vs reference vs naive (one process, W simulated)."""
+def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | None = None,
+           say: Callable[[str], Any] = lambda message: None) -> VerifyResult:
+    """Gradients of the first optimizer step: configured vs reference vs naive (one process, W simulated). `say`
+    hears what loading the data and the model says (the CLI prints it on stderr)."""
     torch.manual_seed(recipe.seed)
     device = dist.default_device()
-    parts = load_parts(recipe, dist.from_env(), device, lambda message: None, splits=("train",))
+    parts = load_parts(recipe, dist.from_env(), device, say, splits=("train",))
     lm, net, objective = parts.lm, parts.net, parts.objective
     lm.eval()  # dropout would make the three passes differ for reasons unrelated to accumulation
     step_rows = plan_for(recipe, parts, dist.from_env(), world_size).step(0)[1]
@@ -72,12 +77,16 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     configured = [batch for rank in ranks for batch in rank]
     totals = step_counts(objective, configured, dist.World(), device)[0]
 
-    ref = _gradients(lm, lambda: _backward(net, objective, reference, device, naive=False))
-    # The trainer's own step, rank by rank: each backpropagates its micro-batches over the step's counts (one
-    # process: no DDP average to undo), so the ranks' gradients add up as DDP's all-reduce would.
-    got = _gradients(lm, lambda: [forward_backward(net, objective, rank, totals, dist.World(), device)
-                                  for rank in ranks])
-    naive = _gradients(lm, lambda: _backward(net, objective, configured, device, naive=True))
+    with Phase(f"verify: the first step's gradient three ways ({len(step_rows)} rows)", 3, "passes") as phase:
+        ref = _gradients(lm, lambda: _backward(net, objective, reference, device, naive=False))
+        phase.advance()
+        # The trainer's own step, rank by rank: each backpropagates its micro-batches over the step's counts (one
+        # process: no DDP average to undo), so the ranks' gradients add up as DDP's all-reduce would.
+        got = _gradients(lm, lambda: [forward_backward(net, objective, rank, totals, dist.World(), device)
+                                      for rank in ranks])
+        phase.advance()
+        naive = _gradients(lm, lambda: _backward(net, objective, configured, device, naive=True))
+        phase.advance()
     lm.eval()  # forward_backward switches the model to training mode
     groups: dict[str, tuple[float, float]] = defaultdict(lambda: (0.0, 0.0))
     for name, g_ref in ref.items():

@@ -37,8 +37,9 @@ import torch
 
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
-from finetune.model import architectures, files, kernels, vision, vocab
+from finetune.model import architectures, files, hub, kernels, vision, vocab
 from finetune.model.tokenizer import gguf_location
+from finetune.progress import Phase
 from finetune.recipe import AdapterConfig, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -160,9 +161,13 @@ def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int, key: str = "model.
     kwargs: dict[str, Any] = {"dtype": dtype, **common}
     if gguf:
         kwargs["gguf_file"] = gguf
+    if hub.local_files_only(path, key):
+        kwargs["local_files_only"] = True  # the hub is out of reach and the cache has it: no minute of retries
+    # GGUF weights are de-quantized tensor by tensor inside transformers (minutes on a CPU): said while it runs.
+    what = f"model: de-quantizing {gguf} (GGUF)" if gguf else f"model: loading {path}"
     try:
         # A tensor of another shape is named from the directory's files, which a GGUF model does not have.
-        with files.load_errors(path, key, None if gguf else auto, cfg.trust_remote_code):
+        with files.load_errors(path, key, None if gguf else auto, cfg.trust_remote_code), Phase(what):
             model = auto.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         fix = ("Use a local HF model directory, a .gguf file, or model.init: random" if key == "model.path"

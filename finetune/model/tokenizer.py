@@ -15,7 +15,7 @@ from typing import Any
 
 from finetune import templates
 from finetune.errors import UserError, first_line
-from finetune.model import vision, vocab
+from finetune.model import hub, vision, vocab
 from finetune.recipe import ModelConfig, TokenizerConfig
 
 PKG_SCHEME = "pkg://"
@@ -72,6 +72,8 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
     kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
     if gguf:
         kwargs["gguf_file"] = gguf
+    if hub.local_files_only(path, "tokenizer.path" if tok.path else "model.path"):
+        kwargs["local_files_only"] = True  # the hub is out of reach and the cache has it: no minute of retries
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as e:  # OSError offline / missing files, ValueError for unknown formats

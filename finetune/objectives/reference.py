@@ -34,6 +34,7 @@ from finetune.model.digest import weights_digest
 from finetune.model.loading import load_model
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives.pairs import pair_logps
+from finetune.progress import Phase
 from finetune.recipe import AdapterConfig, Recipe
 
 REFERENCE_VERSION = 2  # bump when what is computed here changes
@@ -110,13 +111,16 @@ def _compute(net: CausalLMWithLoss, samples: list[dict], recipe: Recipe, pad_id:
     micro = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
     training = net.training
     net.eval()
-    with torch.no_grad():
+    # Minutes on a CPU before the first step: said with a rate and the time left (this rank's share).
+    mine = -(-len(samples) // world.size)
+    with torch.no_grad(), Phase("reference log-probabilities (once, before training)", mine, "pairs") as phase:
         for rows in rank_micro_batches(tagged, micro, world.size, world.rank):
             batch = collate(rows, data, pad_id)
             p = pair_logps(net, batch, device)
             if batch.pairs.count:
                 index = torch.tensor([r["index"] for r in rows], device=device)
                 out[index] = torch.stack([p.chosen, p.rejected], dim=1).double()
+            phase.advance(len(rows))
     net.train(training)
     return dist.all_reduce_sum(out).cpu().numpy()
 

@@ -19,6 +19,7 @@ import torch
 from finetune import dist
 from finetune.data import DataStats, StepPlan
 from finetune.loss.fused import resolve_impl
+from finetune.model import hub
 from finetune.model.loading import load_model
 from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
@@ -57,6 +58,7 @@ def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Cal
     `fresh_model`: the model has not trained yet (False on a resume: the objective's reference is reloaded).
     `splits`: the samples the objective prepares (the DPO reference pass costs a forward over each).
     `check_model(lm, tokenizer)`: the caller's checks of the loaded model, before the objective prepares."""
+    hub.check_recipe(recipe)  # a hub id out of reach is one line now, not a minute of retries in the first load
     if trained_run is not None:
         lm, tokenizer = load_trained(trained_run, recipe)
     else:
