@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/chat_masking.py                        # 2,000 and 10,000 messages, 4 families
     .venv/bin/python benchmarks/chat_masking.py --messages 400 --one-by-one --families qwen2.5 mistral-nemo
 
-Each message is located with four renderings of the conversation whatever its length (finetune/data/chat_regions.py),
+Each message is located with four renderings of the conversation whatever its length (finetune/chat/regions.py),
 so the time grows linearly with N. `--one-by-one` also times locating the messages one rendering per message, the
 way used for a conversation the fast way cannot check (quadratic: keep N small). Families and tokenizers are the
 ones the tests use (tests/chat_families.py: vendored, offline). Timings depend on the machine and its load.
@@ -24,8 +24,8 @@ for extra in (ROOT, ROOT / "tests"):
 
 from chat_families import FAMILY  # noqa: E402
 
-from finetune.data.chat_regions import regions_one_by_one  # noqa: E402
-from finetune.data.chat_spans import render_chat  # noqa: E402
+from finetune.chat.regions import regions_one_by_one  # noqa: E402
+from finetune.chat.spans import render_chat  # noqa: E402
 from finetune.data.formats import to_example  # noqa: E402
 from finetune.data.sources import RawRow  # noqa: E402
 from finetune.data.tokenize import tokenize_example  # noqa: E402

@@ -1,7 +1,7 @@
 """The chat-template families that assistant-only masking is tested on: official templates, tokenizers, and for
 every family a hand-written statement of exactly what each assistant turn trains (`expected`).
 
-tests/data/test_chat_templates.py checks finetune's masking against `expected` on fixed and random conversations;
+tests/chat/test_templates.py checks finetune's masking against `expected` on fixed and random conversations;
 scripts/gen_chat_templates_doc.py writes docs/chat-templates.md from this table and from what finetune trains.
 The vendored files and their sources and licences are listed in tests/fixtures/chat/README.md.
 

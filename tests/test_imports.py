@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 
-LEAVES = {"errors", "labels", "versions", "dist", "templates", "batch", "attention", "progress"}
+LEAVES = {"errors", "labels", "versions", "dist", "templates", "batch", "attention", "progress", "chat"}
 SIBLINGS = {"data", "loss", "metrics"}
 # What each top-level module or package may import from the package (beyond `errors`, which everything may
 # import). A package is one module here: its files may import each other.
@@ -20,16 +20,17 @@ ALLOWED = {
     "versions": set(),
     "dist": set(),  # rank and world facts, each rank's device, the few collectives
     "templates": set(),  # the chat templates shipped by name (tokenizer.chat_template: chatml)
-    "progress": set(),  # a long phase's progress on stderr (a line in place on a terminal, a line per update off one)
+    "progress": set(),
+    "chat": set(),  # the chat rendering engine: any Jinja template's messages, turns and their tokens (SFT and RL)  # a long phase's progress on stderr (a line in place on a terminal, a line per update off one)
     "recipe": {"versions", "templates"},  # `requires:` is checked by the version rules; chat template names
     "batch": {"labels"},  # the micro-batch: what collate makes and the objectives and the model read
-    "data": {"recipe", "labels", "batch", "progress"},  # recipe datasets -> samples -> rows -> micro-batches
+    "data": {"recipe", "labels", "batch", "chat", "progress"},  # recipe datasets -> samples -> rows -> micro-batches
     "attention": {"batch"},  # packed attention: transformers' extension point and the kernels behind it
     "loss": {"labels", "batch"},  # the fused linear cross-entropy, per-token log-probabilities
     "model": {"attention", "batch", "data", "loss", "progress", "recipe", "templates"},  # loading, the model with its loss
     # the seam, SFT, DPO/ORPO, the reference; GRPO's plan and rows from rl
     "objectives": {"batch", "data", "dist", "loss", "model", "progress", "recipe", "rl"},
-    "rl": {"batch", "data", "dist", "labels", "progress", "recipe"},  # rollouts (replayed), rewards, advantages, which rows each step trains
+    "rl": {"batch", "chat", "data", "dist", "labels", "progress", "recipe"},  # rollouts (replayed), rewards, advantages, which rows each step trains
     "run": {"dist", "model", "recipe"},  # the run directory, checkpoints, a finished run's model
     "metrics": {"recipe", "run"},
     "train": {"attention", "batch", "data", "dist", "loss", "metrics", "model", "objectives", "progress", "recipe",

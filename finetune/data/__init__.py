@@ -1,8 +1,8 @@
 """Data: recipe datasets -> tokenized samples -> each epoch's rows -> each optimizer step's micro-batches.
 
 A plain re-export. Where things are: sources.py reads rows, formats.py turns them into examples (messages.py
-reads one chat message), tokenize.py masks one example (chat_spans.py, chat_regions.py, chat_turns.py and
-chat_shapes.py locate its turns), samples.py builds all samples (stats.py counts what happened), pack.py packs them
+reads one chat message), tokenize.py masks one example (chat/spans.py, chat/regions.py, chat/turns.py and
+chat/shapes.py locate its turns), samples.py builds all samples (stats.py counts what happened), pack.py packs them
 into rows, batching.py deals rows to steps and ranks, collate.py makes tensors, store.py keeps samples as flat arrays
 on disk (memory-mapped), cache.py keys and checks those stores, and report.py prints what `finetune preprocess` shows.
 """

@@ -282,7 +282,7 @@ def place(origin: str, text: str, paths: Sequence[str], layout: ImageLayout) -> 
 
 
 def moved_turns(turns: Sequence[Any], placed: Placed) -> tuple[Any, ...]:
-    """The trained spans (chat_spans.TurnSpan) at their places in the expanded text."""
+    """The trained spans (chat.spans.TurnSpan) at their places in the expanded text."""
     m = placed.moved
     return tuple(dataclasses.replace(t, start=m(t.start), content_start=m(t.content_start),
                                      content_end=m(t.content_end), end=m(t.end)) for t in turns)

@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from finetune.data.chat_spans import TemplateFacts, template_facts
+from finetune.chat.spans import TemplateFacts, template_facts
 from finetune.data.formats import Example
 from finetune.data.images import ImageLayout, adopt, cut, layout_for
 from finetune.data.pairs import PairExample, fit_pair, pair_sample, tokenize_pair, unfit_reason

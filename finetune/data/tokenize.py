@@ -1,7 +1,7 @@
 """Examples -> token ids and labels, with -100 on every token that is not trained.
 
 A chat example is rendered once with the tokenizer's chat template (and the recipe's
-tokenizer.chat_template_kwargs, and the row's `tools`) and that text is tokenized. chat_spans.py finds the character span of every
+tokenizer.chat_template_kwargs, and the row's `tools`) and that text is tokenized. chat/spans.py finds the character span of every
 trained message in it; a token is trained when its first character lies in one. For an assistant turn the span
 is what follows the assistant header up to and including the end-of-turn marker (ChatML: the content plus
 `<|im_end|>`, not the newline the template writes between turns: the model stops at `<|im_end|>`). Which
@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from finetune.data.chat_spans import (
+from finetune.chat.spans import (
     REASONING_FIELDS,
     ChatLayout,
     TemplateFacts,
@@ -41,10 +41,10 @@ from finetune.data.chat_spans import (
     render_chats,
     template_facts,
 )
+from finetune.chat.token_ranges import EncodingOffsets, trained_tokens
 from finetune.data.formats import Example
 from finetune.data.images import finish, layout_for, moved_turns, part_texts, place
 from finetune.data.sources import BadRow
-from finetune.data.token_ranges import EncodingOffsets, trained_tokens
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
@@ -62,7 +62,7 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
     The first token's label is always IGNORE_INDEX: nothing predicts it, and a packed row then never trains
     one document's last token to predict the next document's first. `notes`, when given, counts what the
     template did to the example's trained turns (NOTE_* keys). `rendered`: a chat example's rendering, when made
-    already (render_ahead); `facts`: chat_spans.template_facts(tokenizer, template_kwargs), when kept for many
+    already (render_ahead); `facts`: chat.spans.template_facts(tokenizer, template_kwargs), when kept for many
     examples.
     """
     if example.completion is not None:

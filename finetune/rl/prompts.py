@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.data.chat_spans import render_chat
+from finetune.chat.spans import render_chat
 from finetune.data.messages import MessageFields, chat_message
 from finetune.data.samples import message_fields
 from finetune.data.sources import DEFAULT_MAX_ROW_BYTES, BadRow, read_rows

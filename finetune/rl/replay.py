@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from finetune.data.chat_spans import render_chat
+from finetune.chat.spans import render_chat
 from finetune.data.tokenize import encode
 from finetune.errors import UserError
 from finetune.rl.prompts import prompt_messages

@@ -10,8 +10,8 @@ import pytest
 from chat_families import FRAGMENTS, USER_ONLY, _base_tokenizer
 from conftest import TOKENIZER_DIR
 
+from finetune.chat.token_ranges import EncodingOffsets
 from finetune.data.sources import BadRow
-from finetune.data.token_ranges import EncodingOffsets
 from finetune.data.tokenize import _plain_backend, encode
 
 

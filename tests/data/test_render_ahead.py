@@ -1,4 +1,4 @@
-"""A chunk's chat rows rendered in one call (tokenize.render_ahead, chat_spans.render_chats) give exactly the
+"""A chunk's chat rows rendered in one call (tokenize.render_ahead, chat.spans.render_chats) give exactly the
 renderings, and so the samples, of rendering each row by itself, for every template family; a template that refuses
 one row of the chunk makes that row a bad row and no other."""
 
@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from chat_families import FAMILIES, FAMILY, conversations, random_conversation
 
-from finetune.data.chat_spans import render_chat, render_chats
+from finetune.chat.spans import render_chat, render_chats
 from finetune.data.formats import Example
 from finetune.data.shards import tokenize_chunk
 from finetune.data.sources import BadRow

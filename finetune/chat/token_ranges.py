@@ -1,5 +1,5 @@
 """Which tokens a chat turn's characters became: a token is trained when its first character lies in the turn's
-span (chat_spans.TurnSpan), so each turn's tokens are one index range, found from the tokens' offsets."""
+span (spans.TurnSpan), so each turn's tokens are one index range, found from the tokens' offsets."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from finetune.data.chat_spans import TurnSpan
+from finetune.chat.spans import TurnSpan
 
 _FIRST = operator.itemgetter(0)
 

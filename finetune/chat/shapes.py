@@ -1,6 +1,6 @@
-"""The rendering of a conversation with every message's text replaced by sentinels (chat_regions.py), kept per
+"""The rendering of a conversation with every message's text replaced by sentinels (regions.py), kept per
 shape: such a rendering holds none of the row's text, only its shape (roles, other fields, indices), so rows of one
-shape render it once. Also kept with it: chat_spans.py's turn plans.
+shape render it once. Also kept with it: spans.py's turn plans.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from finetune.data.chat_regions import _Marks
+    from finetune.chat.regions import _Marks
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
@@ -42,7 +42,7 @@ SentinelKey = tuple[Hashable, str, str]
 
 @dataclass(frozen=True)
 class Sentinels:
-    """The rendering with every message replaced (`every`), and its sentinels. `plans`: what chat_spans.py derives
+    """The rendering with every message replaced (`every`), and its sentinels. `plans`: what spans.py derives
     once per shape (its turn plans), kept here so that it leaves the cache with the entry."""
 
     every: str
@@ -61,7 +61,7 @@ class SentinelRenders:
 
     Exact for a template whose rendering is a function of those inputs: the kept rendering is the one rendering it
     again would give, so every region, and the check of each row's own real rendering, is what it was without the
-    cache. The caller keeps none for templates that read the clock or draw at random (chat_spans.py): the check
+    cache. The caller keeps none for templates that read the clock or draw at random (spans.py): the check
     would not catch a stale one, since the four-rendering way attributes text that changed to a message's region.
     """
 
@@ -70,8 +70,8 @@ class SentinelRenders:
         self._entries: OrderedDict[SentinelKey, tuple[Sentinels, int]] = OrderedDict()
         self._held = 0  # characters of the entries' renderings and keys
         self.layouts: dict[Hashable, Any] = {}
-        """chat_spans.py's turn plans of conversations of plain messages, with their shapes' entries, by a key
-        told apart from the messages' roles alone (chat_spans._known_key): such rows are laid out without building
+        """spans.py's turn plans of conversations of plain messages, with their shapes' entries, by a key
+        told apart from the messages' roles alone (spans._known_key): such rows are laid out without building
         their messages with sentinels. Emptied when it grows past `size`."""
 
     def key(self, scope: Hashable | None, c: str, replaced: list[dict[str, Any]]) -> SentinelKey | None:

@@ -16,9 +16,9 @@ from chat_families import ANSWER, FAMILIES, FAMILY, QWEN_CALL, TOOL_EXPECTED, WE
 from conftest import tiny_recipe
 from helpers import profile_events
 
+from finetune.chat.regions import regions_at_once, regions_one_by_one
+from finetune.chat.spans import render_chat
 from finetune.data import build_samples
-from finetune.data.chat_regions import regions_at_once, regions_one_by_one
-from finetune.data.chat_spans import render_chat
 from finetune.data.formats import MessageFields, to_example
 from finetune.data.pairs import to_pair, tokenize_pair
 from finetune.data.sources import BadRow, RawRow

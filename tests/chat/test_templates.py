@@ -32,8 +32,8 @@ from chat_families import (
 )
 from conftest import REPO_ROOT, tiny_recipe
 
+from finetune.chat.spans import render_chat
 from finetune.data import DataStats, build_samples
-from finetune.data.chat_spans import render_chat
 from finetune.data.formats import to_example
 from finetune.data.report import template_notes
 from finetune.data.sources import BadRow, RawRow

@@ -1,4 +1,4 @@
-"""Locating each message in its rendering (finetune/data/chat_regions.py): the linear way (four renderings) gives
+"""Locating each message in its rendering (finetune/chat/regions.py): the linear way (four renderings) gives
 exactly what rendering once per message gives, on every family's fixed and random conversations; a conversation
 it cannot check goes the slow way; and a long chat costs a fixed number of renderings, so time linear in its length.
 """
@@ -11,8 +11,8 @@ import pytest
 from chat_families import FAMILIES, FAMILY, conversations, random_conversation
 from helpers import CountingTokenizer, profile_events
 
-from finetune.data.chat_regions import find_regions, regions_at_once, regions_one_by_one
-from finetune.data.chat_spans import chat_layout, render_chat
+from finetune.chat.regions import find_regions, regions_at_once, regions_one_by_one
+from finetune.chat.spans import chat_layout, render_chat
 from finetune.data.formats import to_example
 from finetune.data.sources import RawRow
 from finetune.data.tokenize import tokenize_example

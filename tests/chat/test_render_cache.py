@@ -1,4 +1,4 @@
-"""The cache of sentinel renderings (chat_regions.SentinelRenders, one per tokenizer: chat_spans.py): rows of one
+"""The cache of sentinel renderings (chat.regions.SentinelRenders, one per tokenizer: chat/spans.py): rows of one
 shape render the rendering with every message replaced once; tokenizers, templates, kwargs and tools never share
 an entry; a template that is not a pure substitution still gets exactly the regions of rendering afresh; and a
 template whose output can change between calls (a date) is never kept. The turn plans kept beside it (rows whose
@@ -15,10 +15,10 @@ import pytest
 from chat_families import FAMILIES, FAMILY, FRAGMENTS, USER_ONLY, conversations, random_conversation
 from helpers import CountingTokenizer
 
-from finetune.data import chat_spans
-from finetune.data.chat_regions import find_regions, regions_one_by_one
-from finetune.data.chat_shapes import SentinelRenders, Sentinels
-from finetune.data.chat_spans import chat_layout, render_chat
+from finetune.chat import spans
+from finetune.chat.regions import find_regions, regions_one_by_one
+from finetune.chat.shapes import SentinelRenders, Sentinels
+from finetune.chat.spans import chat_layout, render_chat
 
 QWEN = FAMILY["qwen2.5"]
 PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}<|im_end|>{% endfor %}"
@@ -167,12 +167,12 @@ def test_turn_plans_give_the_layouts_of_a_fresh_tokenizer(family):
                 assert chat_layout(kept, messages, wanted, family.kwargs) == fresh, messages
                 verbatim += fresh.verbatim
     if verbatim and _probes_header(inner, family.kwargs):  # plans were made, and kept with the shapes' entries
-        assert any(entry.plans for entry, _ in chat_spans._SENTINEL_RENDERS[kept]._entries.values())
+        assert any(entry.plans for entry, _ in spans._SENTINEL_RENDERS[kept]._entries.values())
     family.build()
 
 
 def _probes_header(tokenizer: Any, kwargs: Any) -> str:
-    return chat_spans._probes(tokenizer, kwargs)[0]
+    return spans._probes(tokenizer, kwargs)[0]
 
 
 EDGES = ["", " ", "\n", "  \n", "\t"]
@@ -181,13 +181,13 @@ EDGES = ["", " ", "\n", "  \n", "\t"]
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_plain_rows_of_a_known_shape_are_laid_out_as_a_fresh_tokenizer_lays_them_out(family, monkeypatch):
     # Rows whose messages are a role and a content only take their shape's kept plan without being rebuilt with
-    # sentinels (chat_spans._known_key, SentinelRenders.layouts). Contents with whitespace at either end, which some
+    # sentinels (spans._known_key, SentinelRenders.layouts). Contents with whitespace at either end, which some
     # templates strip, are not written verbatim: those rows must fall back to the regions, and agree all the same.
     inner = family.build()
     kept = CountingTokenizer(inner)
     slow = []
-    laid_out = chat_spans._laid_out
-    monkeypatch.setattr(chat_spans, "_laid_out", lambda *a: slow.append(1) or laid_out(*a))
+    laid_out = spans._laid_out
+    monkeypatch.setattr(spans, "_laid_out", lambda *a: slow.append(1) or laid_out(*a))
     rng = random.Random(f"known-{family.name}")
     shape = conversations(False)["multi"]
     seen_verbatim = fast = 0

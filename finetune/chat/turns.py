@@ -1,6 +1,6 @@
-"""Where a trained turn starts and ends around its message's region (chat_regions.py): after the assistant header
+"""Where a trained turn starts and ends around its message's region (regions.py): after the assistant header
 in front of the content, and through the end-of-turn marker the template writes after it, never reaching into a
-neighbouring message's region. chat_spans.py asks this for the first row of each shape; its turn plans give the
+neighbouring message's region. spans.py asks this for the first row of each shape; its turn plans give the
 others.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.chat_regions import sentinel_char
+from finetune.chat.regions import sentinel_char
 
 
 @dataclass
@@ -34,7 +34,7 @@ class TurnContext:
 
 class Neighbours:
     """For a message's region, where the regions of the others end before it and start after it (bisect: linear in
-    the conversation overall). Regions never overlap (chat_regions.py checks), so sorted by start they are sorted by
+    the conversation overall). Regions never overlap (regions.py checks), so sorted by start they are sorted by
     end too."""
 
     def __init__(self, regions: Sequence[tuple[int, int] | None], length: int) -> None:

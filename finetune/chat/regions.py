@@ -1,5 +1,5 @@
 """Where each message's text lands in a conversation's rendering: its region, the stretch of the whole rendering
-that changes when the message's free text is replaced by a sentinel (chat_spans.py turns regions into spans).
+that changes when the message's free text is replaced by a sentinel (spans.py turns regions into spans).
 
 A message's free text: its content, its reasoning fields and the arguments of its tool calls. The sentinel is made
 of a character that occurs nowhere in the conversation or its rendering (a private-use one): `c7c` for message 7's
@@ -23,7 +23,7 @@ Two ways to find them, with the same answer:
   conversation that fails (a template that renders one message differently when another's text changes, or
   renders a message's text twice) is passed to the second way, which either agrees or reports the template.
   S holds none of the conversation's text, only its shape (roles, other fields, indices): a cache
-  (`SentinelRenders`, chat_shapes.py) keeps it per shape, so rows of a shape seen before render once (the real rendering) or three
+  (`SentinelRenders`, shapes.py) keeps it per shape, so rows of a shape seen before render once (the real rendering) or three
   times, and the check still compares each row's own real rendering.
 * `regions_one_by_one`: N+1 renderings for N messages, each with one message replaced (quadratic time).
 
@@ -37,7 +37,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.data.chat_shapes import SentinelRenders, Sentinels
+from finetune.chat.shapes import SentinelRenders, Sentinels
 from finetune.errors import UserError
 
 # Message fields besides `content` whose text a template renders (transformers aliases them onto each other).

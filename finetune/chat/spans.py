@@ -1,6 +1,6 @@
 """Where each message of a conversation lands in its chat-template rendering: the trained character spans.
 
-The conversation is rendered once, and that text is what gets tokenized. chat_regions.py locates each message's
+The conversation is rendered once, and that text is what gets tokenized. regions.py locates each message's
 text in it (its region: what changes when the message's content, reasoning and tool-call arguments are replaced by
 a sentinel), exactly for every template, also for those that render a turn differently depending on what follows
 it (Qwen3, Phi-3.5, gpt-oss), in a number of renderings that does not grow with the conversation.
@@ -23,7 +23,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.chat_regions import (
+from finetune.chat.regions import (
     REASONING_FIELDS,
     TemplateNotLocal,
     common_prefix,
@@ -31,8 +31,8 @@ from finetune.data.chat_regions import (
     swapped_regions,
     unused_char,
 )
-from finetune.data.chat_shapes import SentinelRenders, Sentinels, exact_key
-from finetune.data.chat_turns import Neighbours, TurnContext, turn_end, turn_start
+from finetune.chat.shapes import SentinelRenders, Sentinels, exact_key
+from finetune.chat.turns import Neighbours, TurnContext, turn_end, turn_start
 
 __all__ = ["REASONING_FIELDS", "ChatLayout", "TemplateNotLocal", "TurnSpan", "added_tokens", "chat_layout",
            "end_of_turn_markers", "render_chat"]
@@ -74,7 +74,7 @@ class ChatLayout:
     calls_not_rendered: tuple[int, ...] = ()
     """Messages whose tool calls the template does not render, all or some (a template without tool support)."""
     verbatim: bool = False
-    """Every message's content is written verbatim (chat_regions.Regions.verbatim_shape): no turn's text changed."""
+    """Every message's content is written verbatim (regions.Regions.verbatim_shape): no turn's text changed."""
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None,
@@ -270,7 +270,7 @@ def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: S
 def _laid_out(tokenizer: Any, msgs: list[dict[str, Any]], wanted: tuple[int, ...],
               template_kwargs: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None, full: str,
               facts: TemplateFacts) -> tuple[ChatLayout, tuple[Sentinels, _Plan] | None]:
-    """chat_layout from the regions (chat_regions.py), and the shape's kept rendering and turn plan, when it has
+    """chat_layout from the regions (regions.py), and the shape's kept rendering and turn plan, when it has
     one."""
 
     def render(part: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
