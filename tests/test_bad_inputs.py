@@ -595,8 +595,8 @@ CASES = [
     Case("grpo_replay_rollout_too_long", "GRPO replay: a rollout longer than data.max_seq_len", "data",
          ("{d}/replay.jsonl:4: the rollout is 202 tokens (prompt 2 + completion 200), over data.max_seq_len (128)",
           "data.on_bad_row: skip"),
-         patch=GRPO_REPLAY, files={"replay.jsonl": jsonl(ROLLOUT, ROLLOUT, ROLLOUT_1,
-                                                         {**ROLLOUT_1, "completion_ids": [7] * 200})}),
+         patch=deep_merge(GRPO_REPLAY, {"grpo": {"max_new_tokens": 256}}),
+         files={"replay.jsonl": jsonl(ROLLOUT, ROLLOUT, ROLLOUT_1, {**ROLLOUT_1, "completion_ids": [7] * 200})}),
     Case("output_dir_root", "`output_dir: /`, the file system's root", "recipe",
          ("output_dir: / is the file system's root (/); a run writes recipe.yaml, metrics.jsonl, checkpoints/ and "
           "final/ into its output_dir: give it a folder of its own",), patch={"output_dir": "/"}),

@@ -16,6 +16,7 @@ from typing import Any
 
 from finetune.data.batching import steps_in
 from finetune.errors import UserError
+from finetune.labels import IGNORE_INDEX
 from finetune.recipe import Recipe
 from finetune.rl.advantages import group_advantages
 from finetune.rl.rollout import Rollout, training_row
@@ -156,6 +157,8 @@ def rollout_figures(rollouts: list[Rollout], truncated: list[bool], zero_std: fl
     lengths = [len(r.completion_ids) for r in rollouts]
     figures |= {"completion_length": sum(lengths) / len(lengths), "completion_length_max": max(lengths),
                 "truncated": sum(truncated) / len(truncated)}
+    if any(r.env_mask is not None for r in rollouts):  # multi-turn: the environment's share of the completions
+        figures["env_tokens"] = sum(r.env_tokens for r in rollouts) / len(rollouts)
     return figures
 
 
@@ -177,9 +180,18 @@ def policy_scorer(net: Any, recipe: Recipe, pad_id: int, device: Any) -> Scorer:
                 logp, _ = net(**batch.model_inputs(), per_token=True, temperature=recipe.grpo.temperature)
                 values = logp.double().cpu().tolist()
                 for n, row in zip(batch.rollouts.scored, chunk):
-                    completion = len(row["input_ids"]) - row["rollout"]["prompt_length"]
-                    out.append(values[:n] if n == completion else None)
+                    out.append(_per_completion_token(row, values[:n]) if n else None)
                     values = values[n:]
         return out
 
     return score
+
+
+def _per_completion_token(row: dict, scored: list[float]) -> list[float]:
+    """The log-probabilities of a row's scored tokens laid out one per completion token, as a replay file's are: a
+    token with no label (the environment's, in a multi-turn completion) gets 0.0, which is never read."""
+    start = row["rollout"]["prompt_length"]
+    out, values = [], iter(scored)
+    for label in row["labels"][start:]:
+        out.append(0.0 if label == IGNORE_INDEX else next(values))
+    return out

@@ -22,7 +22,7 @@ from finetune.rl.prompts import prompt_messages
 from finetune.rl.rewards import total
 from finetune.rl.rollout import Rollout
 
-KNOWN = {"group", "prompt", "prompt_ids", "completion", "completion_ids", "reward", "rewards", "logprobs"}
+KNOWN = {"group", "prompt", "prompt_ids", "completion", "completion_ids", "reward", "rewards", "logprobs", "env_mask"}
 
 
 def read_replay(path: str | Path, tokenizer: Any, group_size: int, weights: dict[str, float],
@@ -129,14 +129,40 @@ def _rollout(obj: dict, where: str, tokenizer: Any, vocab: int, weights: dict[st
     prompt_ids = _prompt_ids(obj, where, tokenizer, vocab, template_kwargs)
     completion_ids = _completion_ids(obj, where, tokenizer, vocab)
     rewards, reward = _rewards(obj, where, weights)
-    logprobs = obj.get("logprobs")
-    if logprobs is not None:
-        if not isinstance(logprobs, list) or len(logprobs) != len(completion_ids) or not all(
-                isinstance(x, int | float) and math.isfinite(x) and x <= 0 for x in logprobs):
-            raise UserError(f"{where}: logprobs must be {len(completion_ids)} finite numbers <= 0, one per "
-                            "completion token")
-        logprobs = [float(x) for x in logprobs]
-    return Rollout(obj["group"], prompt_ids, completion_ids, rewards, reward, logprobs, where)
+    env_mask = _env_mask(obj.get("env_mask"), len(completion_ids), where)
+    logprobs = _logprobs(obj.get("logprobs"), env_mask or [1] * len(completion_ids), where)
+    return Rollout(obj["group"], prompt_ids, completion_ids, rewards, reward, logprobs, where, env_mask=env_mask)
+
+
+def _env_mask(value: Any, n: int, where: str) -> list[int] | None:
+    """A multi-turn line's env_mask: one 1 (sampled by the policy) or 0 (written by the environment) per completion
+    token, at least one 1. TRL pads a short mask with 1s and trains what the environment wrote; here any other
+    length is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(type(x) is int and x in (0, 1) for x in value):
+        raise UserError(f"{where}: env_mask must be a list of 0 and 1 (1: a token the policy sampled, 0: one the "
+                        "environment wrote), one per completion token")
+    if len(value) != n:
+        raise UserError(f"{where}: env_mask has {len(value)} entries for a completion of {n} tokens; one per "
+                        "completion token (a shorter mask would train the environment's tokens)")
+    if not any(value):
+        raise UserError(f"{where}: env_mask marks no completion token as sampled by the policy: nothing to train")
+    return [int(x) for x in value]
+
+
+def _logprobs(value: Any, sampled: list[int], where: str) -> list[float] | None:
+    """The sampling policy's log-probability of each completion token: a finite number <= 0 for each token the
+    policy sampled; a token the environment wrote may have null (never read: it carries no loss)."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and len(value) == len(sampled) and all(
+        (x is None and not mine) or (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+                                     and x <= 0) for x, mine in zip(value, sampled))
+    if not ok:
+        raise UserError(f"{where}: logprobs must be {len(sampled)} finite numbers <= 0, one per completion token "
+                        "(null allowed where env_mask is 0)")
+    return [0.0 if x is None else float(x) for x in value]
 
 
 def _check_groups(rollouts: list[Rollout], group_size: int) -> None:
@@ -170,24 +196,32 @@ def row_limit(recipe: Any, lm: Any) -> tuple[int, str] | None:
     return min(limits) if limits else None
 
 
-def fitting(rollouts: list[Rollout], limit: tuple[int, str] | None, on_bad_row: str,
-            group_size: int) -> tuple[list[Rollout], int]:
-    """The rollouts whose rows fit `limit`, checked as generated rows are: a longer one stops the run naming its
-    line (data.on_bad_row: error), or its whole group is skipped and counted (skip: advantages are group-relative,
-    so a group is used whole or not at all). Returns the rollouts kept and the number of lines skipped."""
-    if limit is None:
-        return rollouts, 0
-    most, what = limit
+def fitting(rollouts: list[Rollout], limit: tuple[int, str] | None, on_bad_row: str, group_size: int,
+            max_new_tokens: int | None = None) -> tuple[list[Rollout], int]:
+    """The rollouts within the limits generated ones keep, checked as generated rows are: a completion of at most
+    `max_new_tokens` (grpo.max_new_tokens: the whole multi-turn completion, as TRL's max_completion_length) and a
+    row (prompt + completion) within `limit`. A line over either stops the run naming it (data.on_bad_row: error),
+    or its whole group is skipped and counted (skip: advantages are group-relative, so a group is used whole or not
+    at all). Returns the rollouts kept and the number of lines skipped."""
     kept: list[Rollout] = []
     for start in range(0, len(rollouts), group_size):
         group = rollouts[start:start + group_size]
-        long = next((r for r in group if len(r.prompt_ids) + len(r.completion_ids) > most), None)
-        if long is None:
+        problem = next((p for r in group if (p := _over(r, limit, max_new_tokens)) is not None), None)
+        if problem is None:
             kept.extend(group)
-            continue
-        if on_bad_row == "error":
-            raise UserError(f"{long.where}: the rollout is {len(long.prompt_ids) + len(long.completion_ids)} tokens "
-                            f"(prompt {len(long.prompt_ids)} + completion {len(long.completion_ids)}), over {what} "
-                            f"({most}); it would train on a row the model is not trained for. Fix the line, or set "
-                            "data.on_bad_row: skip to skip its group (counted)")
+        elif on_bad_row == "error":
+            raise UserError(f"{problem}. Fix the line, or set data.on_bad_row: skip to skip its group (counted)")
     return kept, len(rollouts) - len(kept)
+
+
+def _over(rollout: Rollout, limit: tuple[int, str] | None, max_new_tokens: int | None) -> str | None:
+    """Why `rollout` is over a limit a generated one keeps (None when it is within them)."""
+    n_prompt, n_completion = len(rollout.prompt_ids), len(rollout.completion_ids)
+    if max_new_tokens is not None and n_completion > max_new_tokens:
+        return (f"{rollout.where}: the completion is {n_completion} tokens, over grpo.max_new_tokens "
+                f"({max_new_tokens}), which a generated one never passes (the `constant` normalizer counts it)")
+    if limit is not None and n_prompt + n_completion > limit[0]:
+        return (f"{rollout.where}: the rollout is {n_prompt + n_completion} tokens (prompt {n_prompt} + completion "
+                f"{n_completion}), over {limit[1]} ({limit[0]}); it would train on a row the model is not trained "
+                "for")
+    return None

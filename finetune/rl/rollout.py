@@ -3,6 +3,11 @@
 TRL's conventions (docs/rl.md): the completion's tokens are exactly the ids sampled, the end token included, and
 each is scored from the logits at the position before it; a completion is truncated when its last id is neither
 an end token nor padding, and with mask_truncated it trains nothing but still counts as a completion.
+
+A multi-turn completion (tool calls, an environment) holds tokens the environment wrote between the policy's turns
+(tool results, the headers the template adds): `env_mask` says which (1: sampled by the policy, 0: written by the
+environment; TRL's polarity). They stay in the row, as context the model attends to, but carry no label: no loss,
+no KL, no entropy, and no place in any count of the step (docs/rl.md, "Multi-turn rollouts").
 """
 
 from __future__ import annotations
@@ -31,18 +36,26 @@ class Rollout:
     prompt: Any = None
     completion: str = ""
     fields: dict[str, Any] = field(default_factory=dict)
+    env_mask: list[int] | None = None
+    """One per completion token: 1 sampled by the policy, 0 written by the environment (None: all sampled)."""
+
+    @property
+    def env_tokens(self) -> int:
+        return 0 if self.env_mask is None else len(self.env_mask) - sum(self.env_mask)
 
     def truncated(self, end_ids: Collection[int]) -> bool:
         return not self.completion_ids or self.completion_ids[-1] not in end_ids
 
 
 def training_row(rollout: Rollout, advantage: float, masked: bool, sampled_logprobs: bool = False) -> dict[str, Any]:
-    """The row the objective trains on: prompt + completion, labels on the completion only (none when `masked`),
-    and the completion's advantage under "rollout", with its sampling log-probabilities as the ratio's
-    denominator when `sampled_logprobs` (grpo.ratio_against: replay; else the policy's own, found later)."""
+    """The row the objective trains on: prompt + completion, labels on the completion's sampled tokens only (none
+    when `masked`, none on the environment's), and the completion's advantage under "rollout", with its sampling
+    log-probabilities as the ratio's denominator when `sampled_logprobs` (grpo.ratio_against: replay; else the
+    policy's own, found later)."""
     n_prompt = len(rollout.prompt_ids)
-    labels = [IGNORE_INDEX] * n_prompt + ([IGNORE_INDEX] * len(rollout.completion_ids) if masked
-                                          else list(rollout.completion_ids))
+    sampled = rollout.env_mask or [1] * len(rollout.completion_ids)
+    labels = [IGNORE_INDEX] * n_prompt + [IGNORE_INDEX if masked or not mine else token
+                                          for token, mine in zip(rollout.completion_ids, sampled)]
     return {"input_ids": [*rollout.prompt_ids, *rollout.completion_ids], "labels": labels,
             "rollout": {"advantage": advantage, "logprobs": rollout.logprobs if sampled_logprobs else None,
                         "where": rollout.where,

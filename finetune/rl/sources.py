@@ -57,7 +57,8 @@ def rollout_plan(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, net: torch
     if g.replay:
         rollouts = read_replay(g.replay, tokenizer, g.num_generations, {r.label: r.weight for r in g.rewards},
                                recipe.tokenizer.chat_template_kwargs)
-        rollouts, skipped = fitting(rollouts, row_limit(recipe, lm), recipe.data.on_bad_row, g.num_generations)
+        rollouts, skipped = fitting(rollouts, row_limit(recipe, lm), recipe.data.on_bad_row, g.num_generations,
+                                    g.max_new_tokens)
         missing = [r.where for r in rollouts if r.logprobs is None]
         if g.ratio_against == "replay" and missing:
             raise UserError(f"{missing[0]}: grpo.ratio_against: replay needs `logprobs` on every line "

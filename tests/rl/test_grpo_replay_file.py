@@ -93,6 +93,15 @@ BAD_LINES = {
                            "logprobs must be 2 finite numbers <= 0, one per completion token"),
     "logprobs_too_long": ([G0, G0, {**G1, "logprobs": [-1.0, -1.0, -1.0]}], 3, "logprobs must be 2 finite numbers"),
     "logprobs_positive": ([G0, G0, {**G1, "logprobs": [-1.0, 0.5]}], 3, "logprobs must be 2 finite numbers <= 0"),
+    "env_mask_too_short": ([G0, G0, G1, {**G1, "env_mask": [1]}], 4,
+                           "env_mask has 1 entries for a completion of 2 tokens; one per completion token"),
+    "env_mask_not_bits": ([G0, G0, {**G1, "env_mask": [1, 2]}], 3, "env_mask must be a list of 0 and 1"),
+    "env_mask_booleans": ([G0, G0, {**G1, "env_mask": [True, False]}], 3, "env_mask must be a list of 0 and 1"),
+    "env_mask_all_environment": ([G0, G0, G1, {**G1, "env_mask": [0, 0]}], 4,
+                                 "env_mask marks no completion token as sampled by the policy: nothing to train"),
+    "logprobs_null_where_sampled": ([G0, G0, {**G1, "env_mask": [0, 1], "logprobs": [-1.0, None]}], 3,
+                                    "logprobs must be 2 finite numbers <= 0, one per completion token (null allowed "
+                                    "where env_mask is 0)"),
     "group_too_small": ([G0, G0, "", G1, {**G1, "group": 2}, {**G1, "group": 2}], 4,
                         "group 1 has 1 completions; grpo.num_generations is 2"),
     "group_too_large": ([G0, G0, G1, G1, G1], 3, "group 1 has 3 completions; grpo.num_generations is 2"),
@@ -139,6 +148,15 @@ def test_good_lines_around_blank_ones_read(tmp_path, tokenizer):
     assert rollouts[3].logprobs == [-0.5, -0.1] and rollouts[2].logprobs is None
 
 
+def test_a_multi_turn_line_reads_its_env_mask_and_null_logprobs_where_the_environment_wrote(tmp_path, tokenizer):
+    path = write_lines(tmp_path / "replay.jsonl", [
+        G0, G0, {**G1, "completion_ids": [7, 8, 9, 2], "env_mask": [1, 0, 0, 1], "logprobs": [-1.0, None, None, -0.5]},
+        {**G1, "completion_ids": [7, 2]}])
+    rollouts = read_replay(path, tokenizer, 2, {})
+    assert rollouts[2].env_mask == [1, 0, 0, 1] and rollouts[2].logprobs == [-1.0, 0.0, 0.0, -0.5]
+    assert rollouts[2].env_tokens == 2 and rollouts[3].env_mask is None and rollouts[3].env_tokens == 0
+
+
 def test_a_line_is_split_at_newlines_only(tmp_path, tokenizer):
     """U+2028, U+2029 and U+0085 are line breaks to str.splitlines, but text inside a JSON string: the line reads."""
     prompt = "a\u2028b\u2029c\x85d"
@@ -178,8 +196,13 @@ CLI_CASES = {
     "group_not_consecutive": ([G0] * 4 + [G1] * 4 + [G0] * 4, (), 9, "group 0 appears again after other groups"),
     "completion_lone_surrogate": ([G0, G0, G0, {**without(G0, "completion_ids"), "completion": f"x {LONE}"}], (), 4,
                                   "the tokenizer cannot encode this row: the text holds a lone surrogate '\\ud800'"),
-    "rollout_over_max_seq_len": ([G0] * 4 + [G1] * 3 + [{**G1, "completion_ids": [7] * 300}], (), 8,
+    "rollout_over_max_seq_len": ([G0] * 4 + [G1] * 3 + [{**G1, "completion_ids": [7] * 300}],
+                                 ("grpo.max_new_tokens=512",), 8,
                                  "the rollout is 302 tokens (prompt 2 + completion 300), over data.max_seq_len (256)"),
+    "completion_over_max_new_tokens": ([G0] * 4 + [G1] * 3 + [{**G1, "completion_ids": [7] * 20}],
+                                       ("grpo.max_new_tokens=16",), 8,
+                                       "the completion is 20 tokens, over grpo.max_new_tokens (16), which a generated "
+                                       "one never passes"),
     "ratio_against_replay_without_logprobs": ([{**G0, "logprobs": [-1.0, -1.0]}] * 4 + [G1] * 4,
                                               ("grpo.ratio_against=replay",), 5,
                                               "grpo.ratio_against: replay needs `logprobs` on every line (4 lines "

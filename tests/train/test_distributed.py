@@ -59,12 +59,13 @@ DATA = ROOT / "examples" / "data"
 DPO = [*TINY, "train.max_steps=3", "train.objective=dpo", f"datasets.0.path={DATA / 'quickstart_pref_train.jsonl'}",
        "datasets.0.format=preference", f"eval_datasets.0.path={DATA / 'quickstart_pref_eval.jsonl'}",
        "eval_datasets.0.format=preference", "datasets.0.max_rows=200", "eval_datasets.0.max_rows=20"]
-# GRPO on replayed rollouts (examples/data/grpo_replay.jsonl: groups of 4), KL to the model as loaded: the advantages
-# are computed over the whole step before it is dealt to the ranks, and each rank runs the reference on its share.
+# GRPO on replayed rollouts (examples/data/grpo_replay_multiturn.jsonl: groups of 4, most of them multi-turn, with the
+# environment's tokens unlabelled), KL to the model as loaded: the advantages are computed over the whole step before
+# it is dealt to the ranks, and each rank runs the reference on its share.
 # The quickstart's warmup, as the other cases: at lr 1e-2 from step one, AdamW's first step moves an entry whose
 # gradient is float noise by +-lr either way (measured: one o_proj entry of 1024, 1.9e-4 on that tensor).
 GRPO = [*TINY, "train.max_steps=3", "train.objective=grpo", "datasets=[]", "eval_datasets=[]", "data.packing=false",
-        f"grpo.replay={DATA / 'grpo_replay.jsonl'}", "grpo.num_generations=4", "grpo.beta=0.04"]
+        f"grpo.replay={DATA / 'grpo_replay_multiturn.jsonl'}", "grpo.num_generations=4", "grpo.beta=0.04"]
 CASES = {"packed": [*TINY, "train.max_steps=3"], "short": SHORT, "lora": LORA, "dpo": DPO, "grpo": GRPO}
 
 
