@@ -4,6 +4,7 @@
         .venv/bin/pip install --no-deps --target /tmp/trl_pkgs trl==1.16.0   (its other needs are in our venv)
     .venv/bin/python benchmarks/grpo_vs_trl.py --cli all    # ours through `finetune train` for every case (slow)
     .venv/bin/python benchmarks/grpo_vs_trl.py --pins       # also print TRL's figures as tests/rl/test_grpo_trl.py pins
+    .venv/bin/python benchmarks/grpo_vs_trl.py --trl-path /tmp/trl_pkgs --only multiturn   # issue 42's cases only
 
 One optimizer step of a 2-layer Llama (hidden 32, vocabulary 1024, float32, CPU, weights drawn from a seeded
 generator: `write_model`) on 16 replayed completions (4 groups of 4, `write_replay`), for each TRL loss_type and
@@ -12,6 +13,15 @@ beta (0; 0.04 against a separate reference model) x split (micro 16 x accumulati
 both step-one losses and pre-clip gradient norms, their relative differences, and the relative difference of the
 whole gradient (||ours - TRL|| / ||TRL||). Then TRL's bnpo (per-micro-batch token mean) at each split against its
 own one-batch step, which we do not reproduce on purpose.
+
+Multi-turn (issue 42; rows "mt16-..." and "mt64-..."): the same grid on the first 16 rollouts of
+examples/data/grpo_replay_multiturn.jsonl (step one of examples/yaml/grpo-replay-multiturn.yaml: 4 groups, 10 of the
+16 calling the calculator tool, whose result and the template's headers are 12 environment tokens, env_mask 0), the
+lines copied as they are (`write_multiturn_replay`). TRL's rollout function returns each line's `env_mask` (all 1s
+for a line without one: a completion the policy wrote alone), which GRPOTrainer multiplies into its loss mask;
+max_new_tokens = max_completion_length = 128 (grpo.max_new_tokens' default, the example recipe's; dr_grpo's
+constant). Extra rows: the whole file as one step (mt64, 16 x 4), plain k3, temperature 0.7, and rollouts carrying
+the policy's log-probabilities with the environment's left null.
 
 Ours: the trainer's own step functions (train/parts.py load_parts and plan_for, the collated micro-batches,
 train/step.py step_counts, forward_backward, clip_gradients, read_step: what `finetune train` runs) for every
@@ -73,6 +83,8 @@ LOSS_TYPE = {"tokens": "dapo", "sequences": "grpo", "constant": "dr_grpo"}
 SCALES = ("group", "batch", "none")
 BETAS = (0.0, 0.04)
 SPLITS = ((16, 1), (4, 4), (1, 16))
+MULTITURN = ROOT / "examples" / "data" / "grpo_replay_multiturn.jsonl"
+MULTITURN_MAX_NEW = 128  # grpo.max_new_tokens' default, as examples/yaml/grpo-replay-multiturn.yaml runs; >= 74 ids
 
 
 # --- the fixed inputs: model, reference, rollouts ------------------------------------------------------------
@@ -150,13 +162,20 @@ class Case:
     trl_bf16: bool = False  # TRL only: its GRPOConfig's default bf16=True (autocast, on a CPU too)
     temperature: float = 1.0  # grpo.temperature; TRL's temperature
     logprobs_noise: float | None = None  # rollouts with sampling log-probs: the policy's + N(0, this)
+    multiturn: int = 0  # the first N rollouts of MULTITURN (env_mask); 0: write_replay's single-turn rollouts
 
     @property
     def name(self) -> str:
         extra = ("-masked" if self.mask_truncated else "") + ("-k3" if self.kl_gradient != "exact" else "")
         extra += ("-trlbf16" if self.trl_bf16 else "") + (f"-t{self.temperature:g}" if self.temperature != 1 else "")
         extra += f"-lp{self.logprobs_noise:g}" if self.logprobs_noise is not None else ""
-        return f"{self.normalize}-{self.scale}-b{self.beta:g}-{self.micro}x{self.accum}{extra}"
+        turns = f"mt{self.multiturn}-" if self.multiturn else ""
+        return f"{turns}{self.normalize}-{self.scale}-b{self.beta:g}-{self.micro}x{self.accum}{extra}"
+
+    @property
+    def max_new(self) -> int:
+        """grpo.max_new_tokens = TRL's max_completion_length: dr_grpo's constant, and at least every completion."""
+        return MULTITURN_MAX_NEW if self.multiturn else MAX_NEW
 
     @property
     def known_difference(self) -> bool:
@@ -164,8 +183,9 @@ class Case:
         return self.trl_bf16
 
 
-def all_cases() -> list[Case]:
-    return [Case(n, s, b, m, a) for b in BETAS for n in LOSS_TYPE for s in SCALES for m, a in SPLITS]
+def all_cases(multiturn: int = 0) -> list[Case]:
+    return [Case(n, s, b, m, a, multiturn=multiturn) for b in BETAS for n in LOSS_TYPE for s in SCALES
+            for m, a in SPLITS]
 
 
 # Beyond the grid: truncated completions masked, the plain-k3 KL gradient (TRL: use_bias_correction_kl=False), and
@@ -179,10 +199,40 @@ EXTRA_CASES = [Case("tokens", "group", 0.04, 4, 4, mask_truncated=True),
                Case("tokens", "group", 0.04, 16, 1, temperature=0.7),
                Case("tokens", "group", 0.04, 4, 4, logprobs_noise=0.05)]
 
+# Multi-turn beyond its grid: the whole file as one step of 64 (16 prompts) per normalizer; the plain-k3 KL
+# gradient and temperature 0.7 (both score the environment's tokens too, and must still leave them out); rollouts
+# with the policy's log-probabilities, null on the environment's tokens (both ignore them: ratio against the policy).
+MULTITURN_EXTRA_CASES = [*(Case(n, "group", 0.04, 16, 4, multiturn=64) for n in LOSS_TYPE),
+                         Case("tokens", "group", 0.04, 4, 4, kl_gradient="k3", multiturn=16),
+                         Case("sequences", "group", 0.04, 16, 1, temperature=0.7, multiturn=16),
+                         Case("tokens", "group", 0.04, 4, 4, logprobs_noise=0.05, multiturn=16)]
+
+
+def write_multiturn_replay(path: Path, lines: int) -> Path:
+    """The first `lines` rollouts of examples/data/grpo_replay_multiturn.jsonl, byte for byte (whole groups of 4:
+    each step of the example recipe is 16 of them)."""
+    path.write_text("".join(MULTITURN.read_text().splitlines(keepends=True)[:lines]))
+    return path
+
+
+def case_files(case: Case, work: Path, inputs: tuple[Path, Path, Path]) -> tuple[Path, Path, Path]:
+    """(policy, reference, rollouts) of `case`: the multi-turn ones or `inputs`' own, with log-probabilities when
+    the case asks for them (each file written once)."""
+    policy, reference, replay = inputs
+    if case.multiturn:
+        replay = work / f"multiturn-{case.multiturn}.jsonl"
+        if not replay.exists():
+            write_multiturn_replay(replay, case.multiturn)
+    if case.logprobs_noise is not None:
+        noisy = replay.with_name(f"{replay.stem}-lp{case.logprobs_noise:g}.jsonl")
+        replay = noisy if noisy.exists() else replay_with_logprobs(replay, policy, case.logprobs_noise)
+    return policy, reference, replay
+
 
 def replay_with_logprobs(replay: Path, policy: Path, noise: float, seed: int = 1) -> Path:
     """The rollouts with `logprobs`: the policy's own log-probabilities of each completion token (float64 from
-    its logits), plus N(0, noise) (a sampler slightly off the trainer), capped at 0."""
+    its logits), plus N(0, noise) (a sampler slightly off the trainer), capped at 0; null on the environment's
+    tokens (env_mask 0), which no sampler scored."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -194,7 +244,9 @@ def replay_with_logprobs(replay: Path, policy: Path, noise: float, seed: int = 1
         start = len(line["prompt_ids"])
         with torch.no_grad():
             logps = torch.log_softmax(model(ids).logits[0, start - 1:-1], -1).gather(1, ids[0, start:, None])
-        lines.append({**line, "logprobs": [min(0.0, x + rng.gauss(0, noise)) for x in logps[:, 0].tolist()]})
+        sampled = [min(0.0, x + rng.gauss(0, noise)) for x in logps[:, 0].tolist()]
+        mine = line.get("env_mask") or [1] * len(sampled)
+        lines.append({**line, "logprobs": [x if m else None for x, m in zip(sampled, mine, strict=True)]})
     path = replay.with_name(f"{replay.stem}-lp{noise:g}.jsonl")
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
@@ -205,7 +257,7 @@ def replay_with_logprobs(replay: Path, policy: Path, noise: float, seed: int = 1
 def write_recipe(case: Case, work: Path, policy: Path, reference: Path, replay: Path) -> Path:
     import yaml
 
-    grpo = {"replay": str(replay), "num_generations": GROUP_SIZE, "max_new_tokens": MAX_NEW, "beta": case.beta,
+    grpo = {"replay": str(replay), "num_generations": GROUP_SIZE, "max_new_tokens": case.max_new, "beta": case.beta,
             "normalize": case.normalize, "scale_rewards": case.scale, "mask_truncated": case.mask_truncated,
             "kl_gradient": case.kl_gradient, "temperature": case.temperature}
     if case.beta:
@@ -272,6 +324,14 @@ def ours_cli(recipe_path: Path) -> tuple[float, float]:
 
 # --- TRL -----------------------------------------------------------------------------------------------------
 
+def line_reward(line: dict) -> float:
+    """A replay line's total reward as ours reads it with no grpo.rewards weights: `reward`, or the sum of
+    `rewards`' non-null values (the multi-turn file's {"exact_answer": ...})."""
+    if "reward" in line:
+        return line["reward"]
+    return sum(v for v in line["rewards"].values() if v is not None)
+
+
 def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Path, replay: Path
              ) -> tuple[float, float, dict[str, Any]]:
     """(loss, pre-clip grad norm, gradients by name) of TRL's GRPOTrainer's first step on the replayed rollouts."""
@@ -287,7 +347,8 @@ def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Pa
 
     def rollout_func(prompts: list[str], trainer: Any) -> dict[str, list]:
         """The replayed completions of each prompt (a group's name), in file order; TRL calls it with every
-        prompt repeated num_generations times."""
+        prompt repeated num_generations times. Multi-turn rollouts add `env_mask`, one list per completion (a
+        line without one is all the policy's: 1s), which GRPOTrainer takes as its tool_mask."""
         seen: Counter = Counter()
         picked = []
         for prompt in prompts:
@@ -295,8 +356,11 @@ def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Pa
             picked.append(groups[group][seen[group]])
             seen[group] += 1
         logprobs = [x["logprobs"] for x in picked] if "logprobs" in picked[0] else None
-        return {"prompt_ids": [x["prompt_ids"] for x in picked], "completion_ids": [x["completion_ids"] for x in
-                picked], "logprobs": logprobs, "replay_reward": [x["reward"] for x in picked]}
+        out = {"prompt_ids": [x["prompt_ids"] for x in picked], "completion_ids": [x["completion_ids"] for x in
+               picked], "logprobs": logprobs, "replay_reward": [line_reward(x) for x in picked]}
+        if any("env_mask" in x for x in picked):
+            out["env_mask"] = [x.get("env_mask") or [1] * len(x["completion_ids"]) for x in picked]
+        return out
 
     def replay_reward(prompts: list, completions: list, replay_reward: list[float], **kwargs: Any) -> list[float]:
         return list(replay_reward)
@@ -312,7 +376,7 @@ def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Pa
         model.config._name_or_path = str(reference)
     args = GRPOConfig(
         output_dir=str(work / f"trl-{loss_type}-{case.name}"), per_device_train_batch_size=case.micro,
-        gradient_accumulation_steps=case.accum, num_generations=GROUP_SIZE, max_completion_length=MAX_NEW,
+        gradient_accumulation_steps=case.accum, num_generations=GROUP_SIZE, max_completion_length=case.max_new,
         beta=case.beta, loss_type=loss_type, scale_rewards=case.scale,
         mask_truncated_completions=case.mask_truncated, use_bias_correction_kl=case.kl_gradient == "exact",
         temperature=case.temperature, bf16=case.trl_bf16, learning_rate=1e-3, lr_scheduler_type="constant",
@@ -345,13 +409,11 @@ def grad_rel(a: dict[str, Any], b: dict[str, Any]) -> float:
 def compare(cases: list[Case], cli: set[str], work: Path, inputs: tuple[Path, Path, Path]) -> list[dict]:
     """Each case: ours (step functions; the CLI too when named in `cli`) and TRL."""
     rows = []
-    header = (f"{'case':<32} {'ours loss':>14} {'TRL loss':>14} {'rel':>8} {'ours |g|':>12} {'TRL |g|':>12} "
+    header = (f"{'case':<36} {'ours loss':>14} {'TRL loss':>14} {'rel':>8} {'ours |g|':>12} {'TRL |g|':>12} "
               f"{'rel':>8} {'grad rel':>8} {'CLI rel':>8}")
     print(header, flush=True)
     for case in cases:
-        files = inputs
-        if case.logprobs_noise is not None:
-            files = (*inputs[:2], replay_with_logprobs(inputs[2], inputs[0], case.logprobs_noise))
+        files = case_files(case, work, inputs)
         recipe = write_recipe(case, work, *files)
         loss, norm, grads = ours_step(recipe)
         t_loss, t_norm, t_grads = trl_step(case, LOSS_TYPE[case.normalize], work, *files)
@@ -365,7 +427,7 @@ def compare(cases: list[Case], cli: set[str], work: Path, inputs: tuple[Path, Pa
         rows.append(row)
         cli_rel = f"{row['cli_rel']:.1e}" if "cli_rel" in row else "-"
         mark = "*" if abs(t_loss) < 1e-6 else "!" if case.known_difference else " "
-        print(f"{case.name:<32} {loss:>14.9f} {t_loss:>14.9f} {row['loss_rel']:>7.1e}{mark} {norm:>12.7f} "
+        print(f"{case.name:<36} {loss:>14.9f} {t_loss:>14.9f} {row['loss_rel']:>7.1e}{mark} {norm:>12.7f} "
               f"{t_norm:>12.7f} {row['grad_norm_rel']:>8.1e} {row['grad_rel']:>8.1e} {cli_rel:>8}", flush=True)
     return rows
 
@@ -393,8 +455,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-path", help="a directory holding the trl package (pip install --target)")
     parser.add_argument("--work", type=Path, help="where models, rollouts and runs go (default: a temp dir)")
-    parser.add_argument("--cli", nargs="*", default=[f"{n}-group-b{b:g}-4x4" for b in BETAS for n in LOSS_TYPE],
+    parser.add_argument("--cli", nargs="*", default=[f"{t}{n}-group-b{b:g}-4x4" for t in ("", "mt16-")
+                                                     for b in BETAS for n in LOSS_TYPE],
                         help="case names also run through `finetune train` (all: every case)")
+    parser.add_argument("--only", choices=("single", "multiturn"),
+                        help="the single-turn cases (and bnpo) or the multi-turn ones only (default: both)")
     parser.add_argument("--varied-prompts", action="store_true", help="prompts of 3 to 9 ids (TRL left-pads them)")
     parser.add_argument("--quick", action="store_true", help="the split 4 x 4 only")
     parser.add_argument("--json", type=Path, help="write every row here")
@@ -421,10 +486,15 @@ def main() -> None:
     inputs = (policy, reference, write_replay(work / "replay.jsonl", args.varied_prompts))
     print(f"policy {weights_digest(policy)[:16]}, reference {weights_digest(reference)[:16]}, rollouts "
           f"{hashlib.sha256(inputs[2].read_bytes()).hexdigest()[:16]} (sha256)")
-    cases = [c for c in all_cases() if not args.quick or (c.micro, c.accum) == (4, 4)]
-    cases += EXTRA_CASES
+    multiturn = write_multiturn_replay(work / "multiturn-16.jsonl", 16)
+    print(f"multi-turn rollouts {hashlib.sha256(multiturn.read_bytes()).hexdigest()[:16]} (sha256; the first 16 "
+          f"lines of {MULTITURN.relative_to(ROOT)})")
+    cases = []
+    for multiturn, extra in ((0, EXTRA_CASES), (16, MULTITURN_EXTRA_CASES)):
+        if args.only != ("single" if multiturn else "multiturn"):
+            cases += [c for c in all_cases(multiturn) if not args.quick or (c.micro, c.accum) == (4, 4)] + extra
     rows = compare(cases, set(args.cli), work, inputs)
-    rows += bnpo(work, inputs)
+    rows += [] if args.only == "multiturn" else bnpo(work, inputs)
     worst = max(max(r["loss_rel"], r["grad_norm_rel"], r.get("cli_rel", 0.0)) for r in rows
                 if "loss_rel" in r and not r["known_difference"])
     print(f"\n* a loss that is 0 mathematically: absolute difference\n! a setting where ours and TRL's differ "
