@@ -15,7 +15,7 @@ whole gradient (||ours - TRL|| / ||TRL||). Then TRL's bnpo (per-micro-batch toke
 own one-batch step, which we do not reproduce on purpose.
 
 Multi-turn (issue 42; rows "mt16-..." and "mt64-..."): the same grid on the first 16 rollouts of
-examples/data/grpo_replay_multiturn.jsonl (step one of examples/yaml/grpo-replay-multiturn.yaml: 4 groups, 10 of the
+examples/data/grpo_replay_multiturn.jsonl (step one of examples/yaml/grpo-replay-multiturn.yaml: 4 groups, 12 of the
 16 calling the calculator tool, whose result and the template's headers are 12 environment tokens, env_mask 0), the
 lines copied as they are (`write_multiturn_replay`). TRL's rollout function returns each line's `env_mask` (all 1s
 for a line without one: a completion the policy wrote alone), which GRPOTrainer multiplies into its loss mask;

@@ -1,5 +1,5 @@
-"""Code a recipe names, where each reference came from, and the user's consent to run it (docs/rl.md, "Code in
-recipes").
+"""Code a recipe names (reward functions, tools, an environment), where each reference came from, and the user's
+consent to run it (docs/rl.md, "Code in recipes").
 
 A reward function given as `module.path:function` is imported and called with the rows: running it is the same
 trust as running that Python yourself. A recipe can reach a user through a recipe repository or an `extends:` chain
@@ -91,8 +91,11 @@ def references(recipe: Recipe) -> list[CodeRef]:
     """Every piece of code the recipe names that needs consent, with its origin (recipe.code_origins, filled by
     the loader; a recipe built in code is the user's own)."""
     origins = recipe.code_origins
-    refs = [CodeRef(f"grpo.rewards.{i}.function", r.function, origins.get(f"grpo.rewards.{i}.function", COMMAND_LINE))
-            for i, r in enumerate(recipe.grpo.rewards) if r.function not in BUILT_IN_REWARDS]
+    named = [(f"grpo.rewards.{i}.function", r.function) for i, r in enumerate(recipe.grpo.rewards)
+             if r.function not in BUILT_IN_REWARDS]
+    named += [(f"grpo.tools.{i}", spec) for i, spec in enumerate(recipe.grpo.tools)]
+    named += [("grpo.environment", recipe.grpo.environment)] if recipe.grpo.environment else []
+    refs = [CodeRef(key, spec, origins.get(key, COMMAND_LINE)) for key, spec in named]
     remote = origins.get(REMOTE_CODE_KEY, COMMAND_LINE)
     if recipe.model.trust_remote_code and not remote.own:
         refs.append(CodeRef(REMOTE_CODE_KEY, f"the Python files of model {recipe.model.path}", remote))
@@ -203,7 +206,8 @@ def describe_for_validate(recipe: Recipe) -> list[str]:
 
 def candidate_keys(recipe: Recipe) -> list[str]:
     """The dotted keys where a recipe can name code (the loader finds who wrote each)."""
-    return [f"grpo.rewards.{i}.function" for i in range(len(recipe.grpo.rewards))] + [REMOTE_CODE_KEY]
+    return ([f"grpo.rewards.{i}.function" for i in range(len(recipe.grpo.rewards))]
+            + [f"grpo.tools.{i}" for i in range(len(recipe.grpo.tools))] + ["grpo.environment", REMOTE_CODE_KEY])
 
 
 def origin_of(key: str, trail: Sequence[tuple[Origin, dict[str, Any]]], overrides: Sequence[str]) -> Origin | None:

@@ -134,6 +134,51 @@ class GRPOConfig(Section):
     replay: str | None = None
     """A JSON-lines file of rollouts used instead of generating (docs/rl.md, "The replay file"): each optimizer step
     takes the next micro_batch_size x gradient_accumulation_steps x ranks lines."""
+    tools: list[str] = Field(default_factory=list)
+    """Functions the policy may call, each module.path:function with type hints and a docstring (their schema is
+    transformers' get_json_schema); generated rollouts then run over several turns (docs/rl.md, "Tools and
+    environments"). Your code: it runs only with --allow-code or allow_code: true."""
+    environment: str | None = None
+    """A class (module.path:Class), one instance per rollout: reset(**row) -> text added to the prompt's last message
+    (or None); its public methods are tools; get_reward() (optional) is a reward read after the episode. A TRL
+    environment_factory class runs unchanged. Your code: it runs only with --allow-code or allow_code: true."""
+    max_turns: int = Field(8, ge=1)
+    """The most policy turns of one rollout (a turn that calls no tool ends it sooner); max_new_tokens budgets the
+    whole multi-turn completion, the environment's tokens included (TRL's max_completion_length)."""
+    tool_timeout_s: float | None = Field(60.0, gt=0)
+    """The longest one tool call may take; past it the call's result is an error (counted in tool_timeouts)."""
+    tool_result_max_tokens: int | None = Field(512, gt=0)
+    """The most tokens a tool result's text keeps (cut on the side tool_result_keep does not keep; counted in
+    tool_results_cut). null: no limit."""
+    tool_result_keep: Literal["head", "tail"] = "head"
+    """Which end of a long tool result is kept: its start (head) or its end (tail)."""
+    tool_call_format: Literal["auto", "tokenizer", "hermes", "llama3", "mistral", "mistral_v7"] = "auto"
+    """How tool calls are read from the policy's text: auto = the tokenizer's own response_template, else the format
+    the chat template writes (hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]); or one by name."""
+    template_rewrites: Literal["keep", "refuse"] = "keep"
+    """A chat template that rewrites earlier turns when a turn is added (Qwen3 drops earlier reasoning): keep trains
+    the tokens the policy saw and renders the environment's turn after them; refuse stops naming the turn."""
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_references(cls, value: list[str]) -> list[str]:
+        bad = [f"{spec!r} ({problem})" for spec in value if (problem := spec_problem(spec)) is not None]
+        if bad:
+            raise ValueError(f"each tool is module.path:function: {', '.join(bad)}")
+        return value
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_is_a_reference(cls, value: str | None) -> str | None:
+        problem = spec_problem(value) if value is not None else None
+        if problem is not None:
+            raise ValueError(f"{value!r} is not module.path:Class ({problem})")
+        return value
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether generated rollouts run over several turns (tools or an environment)."""
+        return bool(self.tools or self.environment)
 
     @property
     def clip_high(self) -> float:

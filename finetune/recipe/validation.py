@@ -189,13 +189,17 @@ def _grpo_checks(recipe: Recipe) -> list[str]:
             if ds.format != "prompt":
                 problems.append(f"{key}.{i}.format: train.objective grpo generates from prompts; use format: prompt "
                                 f"(a prompt, text or messages, and the fields its rewards read), not {ds.format}")
-    if not recipe.grpo.replay and not recipe.grpo.rewards:
-        problems.append("grpo.rewards: generating rollouts needs at least one reward function (docs/rl.md)")
+    if not recipe.grpo.replay and not recipe.grpo.rewards and not recipe.grpo.environment:
+        problems.append("grpo.rewards: generating rollouts needs at least one reward function (or an environment "
+                        "whose get_reward() gives one; docs/rl.md)")
     if not recipe.grpo.replay and recipe.distributed.strategy == "fsdp":
         problems.append("distributed.strategy: GRPO's generation runs on each rank's own prompts; with fsdp the "
                         "ranks' generate calls would have to stay in step: use ddp, or grpo.replay")
     if recipe.grpo.ratio_against == "replay" and not recipe.grpo.replay:
         problems.append("grpo.ratio_against: replay takes the replay file's logprobs; set grpo.replay, or use policy")
+    if recipe.grpo.replay and recipe.grpo.multi_turn:
+        problems.append("grpo.tools / grpo.environment: they act in generated rollouts; a replay file's are recorded "
+                        "already (its lines carry env_mask): remove them, or grpo.replay")
     if recipe.grpo.replay and (recipe.datasets or recipe.eval_datasets):
         problems.append("datasets: grpo.replay trains on the file's rollouts only; remove datasets and eval_datasets")
     if recipe.data.packing:

@@ -27,6 +27,10 @@ POLL_S = 0.05  # how often the watcher asks the stop request and the clock
 RESEND_S = 1.0  # how often the signal is sent again while the call has not returned
 
 
+class Timeout(UserError):
+    """A call past its limit (call_limited): a reward's stops the run; a tool's becomes its error result."""
+
+
 class _Ended(BaseException):
     """Raised inside the user's call by the watcher's signal (never seen outside call_limited)."""
 
@@ -76,6 +80,6 @@ def call_limited(fn: Callable[[], T], timeout_s: float | None, stop: Callable[[]
     if (reason and reason[0] == "stop") or (not reason and stop()):  # a stop noted during the call, however short
         raise Interrupted
     if reason:
-        raise UserError(f"{what} did not return within {timeout_s:g} s ({limit_key}), so the run stops: a function "
-                        f"that hangs? If it is only slow, raise {limit_key} (null: no limit)")
+        raise Timeout(f"{what} did not return within {timeout_s:g} s ({limit_key}), so the run stops: a function "
+                      f"that hangs? If it is only slow, raise {limit_key} (null: no limit)")
     return result

@@ -25,9 +25,11 @@ def never() -> bool:
 
 
 class Generator(Protocol):
-    def generate(self, prompts: list[list[int]], greedy: bool = False, stop: StopAsked = never) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], greedy: bool = False, stop: StopAsked = never,
+                 max_new_tokens: int | None = None) -> list[list[int]]:
         """One completion per prompt (repeat a prompt for a group): its token ids, cut after the first end
-        token (kept), at most max_new_tokens. Raises Interrupted once `stop()` is true (asked between tokens)."""
+        token (kept), at most `max_new_tokens` (None: grpo.max_new_tokens; a multi-turn rollout's turn gets what its
+        budget has left). Raises Interrupted once `stop()` is true (asked between tokens)."""
         ...
 
 
@@ -40,23 +42,25 @@ class HFGenerator:
         self.pad_id = tokenizer.pad_token_id
         self.batch_size = batch_size
 
-    def generate(self, prompts: list[list[int]], greedy: bool = False, stop: StopAsked = never) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], greedy: bool = False, stop: StopAsked = never,
+                 max_new_tokens: int | None = None) -> list[list[int]]:
         training = self.lm.training
         self.lm.eval()
         out: list[list[int]] = []
+        most = max_new_tokens or self.cfg.max_new_tokens
         try:
             with torch.no_grad():
                 for i in range(0, len(prompts), self.batch_size):
                     if stop():
                         raise Interrupted
-                    out += self._batch(prompts[i:i + self.batch_size], greedy, stop)
+                    out += self._batch(prompts[i:i + self.batch_size], greedy, stop, most)
         finally:
             self.lm.train(training)
         if stop():  # asked during the last batch, which generate then cut short
             raise Interrupted
         return out
 
-    def _batch(self, prompts: list[list[int]], greedy: bool, stop: StopAsked) -> list[list[int]]:
+    def _batch(self, prompts: list[list[int]], greedy: bool, stop: StopAsked, most: int) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -66,7 +70,7 @@ class HFGenerator:
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": self.cfg.temperature,
                                                         "top_p": self.cfg.top_p, "top_k": 0}
         out = self.lm.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                               max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.end_ids,
+                               max_new_tokens=most, eos_token_id=self.end_ids,
                                pad_token_id=self.pad_id, use_cache=True,
                                stopping_criteria=StoppingCriteriaList([_Asking(stop)]), **sampling)
         return [self._cut(row) for row in out[:, width:].tolist()]

@@ -20,6 +20,7 @@ import torch
 from finetune import dist
 from finetune.errors import Interrupted
 from finetune.recipe import Recipe
+from finetune.rl.episodes import Episodes
 from finetune.rl.generation import Generator, StopAsked, never
 from finetune.rl.prompts import Prompt
 from finetune.rl.rewards import Reward, score, total
@@ -40,6 +41,7 @@ class LiveRollouts:
         self.figures: dict[str, float] = {}
         self._seconds = {"generate": 0.0, "reward": 0.0}  # the last rollouts_of call's
         self.stop: StopAsked = never  # the run's stop request (the loop sets it)
+        self.episodes: Episodes | None = None  # multi-turn rollouts (tools, an environment): sources.py sets it
 
     def _order(self, epoch: int) -> list[Prompt]:
         order = list(self.prompts)
@@ -61,28 +63,50 @@ class LiveRollouts:
             rollouts = dist.all_gather_objects(rollouts)
         seconds = self._seconds["generate"]  # this rank's: its share of the prompts
         self.figures = {"generation_s": seconds, "generation_tokens_per_s": tokens / max(seconds, 1e-9),
-                        "reward_s": self._seconds["reward"]}
+                        "reward_s": self._seconds["reward"]} | self._episode_figures(rollouts)
         return rollouts
+
+    def _episode_figures(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """The multi-turn figures of this rank's episodes: turns and tool calls per rollout, the calls' errors,
+        timeouts and cut results, the turns whose calls did not parse, and the time in tools (apart from
+        generate's; generation_s counts the whole episodes)."""
+        if self.episodes is None or not self.episodes.last:
+            return {}
+        made, counts = self.episodes.last, self.episodes.counts
+        n = len(made)
+        return {"turns": sum(e.turns for e in made) / n, "tool_calls": counts.calls / n,
+                "tool_errors": counts.errors / n, "tool_timeouts": counts.timeouts / n,
+                "tool_results_cut": counts.cut / n, "unparsed_calls": sum(e.malformed for e in made) / n,
+                "template_rewrites": sum(e.rewritten for e in made) / n, "tool_s": self.episodes.seconds["tools"]}
 
     def rollouts_of(self, prompts: list[Prompt], greedy: bool = False) -> list[Rollout]:
         """num_generations sampled completions of each prompt (one greedy completion each with `greedy`), with
-        their rewards."""
+        their rewards: one turn each, or, with tools or an environment, episodes of several (rl/episodes.py)."""
         n = 1 if greedy else self.group
         asked = [p for p in prompts for _ in range(n)]
-        start = time.perf_counter()
-        completions = self.generator.generate([p.prompt_ids for p in asked], greedy=greedy, stop=self.stop)
-        generated = time.perf_counter()
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         keys = sorted({k for p in asked for k in p.fields})
         fields = {k: [p.fields.get(k) for p in asked] for k in keys}
+        start = time.perf_counter()
+        if self.episodes is not None:
+            made = self.episodes.run(asked, greedy, self.stop)
+            prompt_ids, completions = [e.prompt_ids for e in made], [e.completion for e in made]
+            masks = [e.env_mask if 0 in e.env_mask else None for e in made]
+            texts: list = [e.completion_messages for e in made]  # rewards get the episode's messages (TRL's)
+            fields |= {"environments": [e.environment for e in made]} if self.recipe.grpo.environment else {}
+        else:
+            completions = self.generator.generate([p.prompt_ids for p in asked], greedy=greedy, stop=self.stop)
+            prompt_ids, masks = [p.prompt_ids for p in asked], [None] * len(asked)
+            texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        generated = time.perf_counter()
         per_function = score(self.rewards, [p.prompt for p in asked], texts, fields, lambda i: asked[i].where,
                              self.recipe.grpo.reward_timeout_s, self.stop)
         weights = {r.name: r.weight for r in self.rewards}
         totals = total(per_function, weights) if per_function else [0.0] * len(asked)
         self._seconds = {"generate": generated - start, "reward": time.perf_counter() - generated}
-        return [Rollout(p.where, p.prompt_ids, ids, {k: v[i] for k, v in per_function.items()}, totals[i],
-                        where=p.where, prompt=p.prompt, completion=text, fields=p.fields)
-                for i, (p, ids, text) in enumerate(zip(asked, completions, texts))]
+        return [Rollout(p.where, ids_p, ids, {k: v[i] for k, v in per_function.items()}, totals[i],
+                        where=p.where, prompt=p.prompt, completion=text if isinstance(text, str) else "",
+                        fields=p.fields, env_mask=mask)
+                for i, (p, ids_p, ids, text, mask) in enumerate(zip(asked, prompt_ids, completions, texts, masks))]
 
     def evaluate(self, prompts: list[Prompt]) -> dict[str, float]:
         """Mean reward of one greedy completion per held-out prompt (each rank its share, summed over ranks)."""

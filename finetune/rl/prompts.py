@@ -30,6 +30,8 @@ class Prompt:
     prompt_ids: list[int]
     fields: dict[str, Any] = field(default_factory=dict)
     where: str = ""
+    messages: list[dict[str, Any]] | None = None
+    """The prompt's messages as the template gets them (role_map applied); None for a text prompt."""
 
 
 def prompt_messages(prompt: list, where: str, fields: MessageFields = PLAIN) -> list[dict[str, Any]]:
@@ -41,13 +43,13 @@ def prompt_messages(prompt: list, where: str, fields: MessageFields = PLAIN) -> 
 
 
 def prompt_ids(prompt: Any, tokenizer: Any, template_kwargs: dict | None, where: str,
-               fields: MessageFields = PLAIN) -> list[int]:
-    """Messages rendered with the chat template and its generation prompt, or text as it is; tokenized without
-    added special tokens (the template writes them)."""
+               fields: MessageFields = PLAIN, tools: Sequence[dict] | None = None) -> list[int]:
+    """Messages rendered with the chat template and its generation prompt (and the tools' schemas, for a multi-turn
+    rollout), or text as it is; tokenized without added special tokens (the template writes them)."""
     if isinstance(prompt, list):
         prompt = prompt_messages(prompt, where, fields)
         try:
-            prompt = render_chat(tokenizer, prompt, template_kwargs, add_generation_prompt=True)
+            prompt = render_chat(tokenizer, prompt, template_kwargs, add_generation_prompt=True, tools=tools)
         except Exception as e:  # noqa: BLE001 - the template's own error, for this row
             raise BadRow(f"{where}: the chat template cannot render the prompt ({e})") from e
     if not isinstance(prompt, str) or not prompt.strip():
@@ -57,9 +59,11 @@ def prompt_ids(prompt: Any, tokenizer: Any, template_kwargs: dict | None, where:
 
 def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwargs: dict | None,
                  on_bad_row: str, max_prompt_tokens: int | None, key: str = "datasets",
-                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, ignore: tuple[str, ...] = ()) -> tuple[list[Prompt], int]:
+                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, ignore: tuple[str, ...] = (),
+                 tools: Sequence[dict] | None = None) -> tuple[list[Prompt], int]:
     """Every prompt row of the datasets, and how many bad rows were skipped (on_bad_row: skip). A row over
-    `max_row_bytes` (data.max_row_bytes) is a bad row, not read; `ignore`: data.ignore_message_fields."""
+    `max_row_bytes` (data.max_row_bytes) is a bad row, not read; `ignore`: data.ignore_message_fields; `tools`: the
+    schemas a multi-turn rollout's prompt is rendered with (its length counts them)."""
     prompts, stats = [], DataStats()
     for index, cfg in enumerate(configs):
         taken = 0
@@ -70,7 +74,7 @@ def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwar
                 stats.rows_read += 1
                 try:
                     prompts.append(_prompt(row, tokenizer, template_kwargs, max_prompt_tokens,
-                                           message_fields(cfg, ignore)))
+                                           message_fields(cfg, ignore), tools))
                     taken += 1
                 except BadRow as e:
                     stats.bad_row(e, on_bad_row)  # the SFT path's rule and message: stop naming file:line, or count
@@ -82,15 +86,16 @@ def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwar
 
 
 def _prompt(row: Any, tokenizer: Any, template_kwargs: dict | None, max_prompt_tokens: int | None,
-            fields: MessageFields) -> Prompt:
+            fields: MessageFields, tools: Sequence[dict] | None = None) -> Prompt:
     if row.error:
         raise BadRow(f"{row.origin}: {row.error}")
     if "prompt" not in row.data:
         raise BadRow(f"{row.origin}: a prompt row needs a `prompt` (text or messages); it has "
                      f"{sorted(row.data) or 'no fields'}")
-    ids = prompt_ids(row.data["prompt"], tokenizer, template_kwargs, row.origin, fields)
+    ids = prompt_ids(row.data["prompt"], tokenizer, template_kwargs, row.origin, fields, tools)
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise BadRow(f"{row.origin}: the prompt is {len(ids)} tokens; data.max_seq_len - grpo.max_new_tokens "
                      f"leaves {max_prompt_tokens}")
-    fields = {k: v for k, v in row.data.items() if k != "prompt"}
-    return Prompt(row.data["prompt"], ids, fields, row.origin)
+    messages = prompt_messages(row.data["prompt"], row.origin, fields) if isinstance(row.data["prompt"], list) else None
+    others = {k: v for k, v in row.data.items() if k != "prompt"}
+    return Prompt(row.data["prompt"], ids, others, row.origin, messages)

@@ -35,6 +35,14 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
+def _text(completion: Any) -> str:
+    """A completion's text: itself, or, for a multi-turn rollout's messages, the last assistant message's content."""
+    if isinstance(completion, list):
+        said = [m.get("content") for m in completion if isinstance(m, dict) and m.get("role") == "assistant"]
+        return said[-1] if said and isinstance(said[-1], str) else ""
+    return completion
+
+
 def _same(given: str | None, expected: Any) -> bool:
     if given is None or expected is None:
         return False
@@ -50,19 +58,19 @@ def exact_answer(prompts: list, completions: list[str], field: str = "answer", *
     if field not in fields:
         raise UserError(f"reward exact_answer compares with the rows' {field!r} field, which they do not have "
                         f"(fields: {sorted(fields) or 'none'}); set args: {{field: NAME}}")
-    return [1.0 if _same(extract_answer(c), want) else 0.0 for c, want in zip(completions, fields[field])]
+    return [1.0 if _same(extract_answer(_text(c)), want) else 0.0 for c, want in zip(completions, fields[field])]
 
 
 def format_regex(prompts: list, completions: list[str], pattern: str, **fields: Any) -> list[float | None]:
     """1.0 when the whole completion matches `pattern` (re.fullmatch, DOTALL), else 0.0."""
     compiled = re.compile(pattern, re.DOTALL)
-    return [1.0 if compiled.fullmatch(c.strip()) else 0.0 for c in completions]
+    return [1.0 if compiled.fullmatch(_text(c).strip()) else 0.0 for c in completions]
 
 
 def length(prompts: list, completions: list[str], target: int = 100, scale: float = 100.0,
            **fields: Any) -> list[float | None]:
     """-|characters - target| / scale: a completion near `target` characters scores highest (0)."""
-    return [-abs(len(c) - target) / scale for c in completions]
+    return [-abs(len(_text(c)) - target) / scale for c in completions]
 
 
 BUILT_INS: dict[str, RewardFn] = {"exact_answer": exact_answer, "format_regex": format_regex, "length": length}
@@ -97,6 +105,18 @@ def load_rewards(recipe: Recipe) -> list[Reward]:
             fn = code.import_ref(refs[f"grpo.rewards.{i}.function"])
         rewards.append(Reward(c.label, c.weight, fn, dict(c.args), f"grpo.rewards.{i}"))
     return rewards
+
+
+def environment_rewards(environment: Callable[[], Any] | None) -> list[Reward]:
+    """The reward of an environment class that defines get_reward() (TRL's convention: named after the class, weight
+    1), read from each rollout's own instance after its episode; none otherwise."""
+    if environment is None or not callable(getattr(environment, "get_reward", None)):
+        return []
+
+    def read(prompts: list, completions: list, environments: list, **fields: Any) -> list[float | None]:
+        return [e.get_reward() for e in environments]
+
+    return [Reward(environment.__name__, 1.0, read, {}, "grpo.environment")]
 
 
 def score(rewards: Sequence[Reward], prompts: list, completions: list[str], fields: dict[str, list],
@@ -181,7 +201,8 @@ def _culprit(reward: Reward, error: Exception, prompts: list, completions: list[
             raise
         except Exception as e:  # noqa: BLE001 - the user's code, as above
             if type(e) is type(error):
-                text = completion if len(completion) <= 60 else completion[:57] + "..."
+                said = _text(completion)
+                text = said if len(said) <= 60 else said[:57] + "..."
                 return f"on a completion of {where(i)}: {text!r}"
     return f"on the completions of {where(0)} to {where(len(completions) - 1)}; no single one raises alone"
 

@@ -17,13 +17,16 @@ from finetune.data import DataStats
 from finetune.data.cache import CacheError, Prepared, tokenizer_fingerprint
 from finetune.errors import UserError
 from finetune.recipe import Recipe
+from finetune.rl.episodes import Episodes
 from finetune.rl.generation import HFGenerator
 from finetune.rl.live import LiveRollouts
 from finetune.rl.plan import RolloutPlan, group_batch, policy_scorer, replay_plan
 from finetune.rl.prompts import read_prompts
 from finetune.rl.replay import fitting, read_replay, row_limit
-from finetune.rl.rewards import load_rewards
+from finetune.rl.rewards import environment_rewards, load_rewards
 from finetune.rl.rollout import end_ids
+from finetune.rl.tool_calls import call_parser
+from finetune.rl.tools import load_environment, load_tools
 
 
 def rollout_samples(recipe: Recipe, tokenizer: Any, say: Callable[[str], Any]) -> Prepared:
@@ -68,15 +71,25 @@ def rollout_plan(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, net: torch
             plan.note = f"replay: {skipped} lines skipped (data.on_bad_row: skip): their groups hold a rollout too long"
         return plan
     longest = recipe.data.max_seq_len - g.max_new_tokens if recipe.data.max_seq_len else None
+    tools = load_tools(recipe)
+    environment, env_tools = load_environment(recipe)
+    schemas = [t.schema for t in [*tools, *env_tools]] or None  # the prompts' lengths count the tools' schemas
     read = [read_prompts(configs, tokenizer, recipe.tokenizer.chat_template_kwargs, recipe.data.on_bad_row,
-                         longest, key, recipe.data.max_row_bytes, tuple(recipe.data.ignore_message_fields))
+                         longest, key, recipe.data.max_row_bytes, tuple(recipe.data.ignore_message_fields), schemas)
             for key, configs in (("datasets", recipe.datasets), ("eval_datasets", recipe.eval_datasets))]
     (prompts, skipped), (evals, _) = read
     if not prompts:
         raise UserError("datasets: no prompts to generate from")
     size = group_batch(recipe, world_size)
     generator = HFGenerator(lm, tokenizer, g, ends, device, recipe.train.micro_batch_size * g.num_generations)
-    live = LiveRollouts(prompts, recipe, world, generator, load_rewards(recipe), tokenizer, size)
+    rewards = load_rewards(recipe) + environment_rewards(environment)
+    if not rewards:
+        raise UserError(f"grpo.rewards is empty and grpo.environment {g.environment!r} defines no get_reward(): "
+                        "nothing would score the rollouts")
+    live = LiveRollouts(prompts, recipe, world, generator, rewards, tokenizer, size)
+    if g.multi_turn:
+        parser = call_parser(tokenizer, g.tool_call_format, schemas or [])
+        live.episodes = Episodes(generator, tokenizer, recipe, tools, environment, parser, ends)
     plan = RolloutPlan(live, live.batches, recipe, world_size, ends, scorer, prefetch=False)
     live.stop = lambda: plan.stop()
     plan.evaluator = (lambda: live.evaluate(evals)) if evals else None

@@ -260,3 +260,19 @@ def test_format_regex_needs_a_pattern_that_compiles_and_exact_answer_a_known_arg
     assert "grpo.rewards.0.args.pattern: required, but missing" in err
     assert "grpo.rewards.1.args.pattern: got \"((\"; not a regular expression: missing )" in err
     assert "grpo.rewards.2.args.feild: unknown key; did you mean 'field'?" in err
+
+
+def test_tools_and_an_environment_are_code_that_needs_consent(tmp_path):
+    data = REPLAY.parent.parent / "data" / "grpo_prompts_train.jsonl"
+    recipe = load_recipe(write(tmp_path / "r.yaml", f"extends: {REPLAY}\ngrpo: {{replay: null}}\n"
+                               f"datasets: [{{path: {data}, format: prompt}}]\n"),
+                         ["grpo.tools=[calc:multiply, calc:divide]", "grpo.environment=games:Chess"])
+    assert [(r.key, r.spec) for r in references(recipe)] == [("grpo.tools.0", "calc:multiply"),
+                                                           ("grpo.tools.1", "calc:divide"),
+                                                           ("grpo.environment", "games:Chess")]
+    with pytest.raises(UserError, match=r"- grpo.tools.0: calc:multiply \(from the command line\)\n"
+                                        r"  - grpo.tools.1: calc:divide .*\n  - grpo.environment: games:Chess"):
+        require_consent(recipe)
+    with pytest.raises(UserError, match=r"grpo.tools: got .*each tool is module.path:function: ':x' \(an empty "
+                                        "module name\\)"):
+        load_recipe(tmp_path / "r.yaml", ["grpo.tools=[':x']"])

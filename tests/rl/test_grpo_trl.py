@@ -8,6 +8,11 @@ completions masked, plain k3, temperature 0.7, rollouts carrying sampling log-pr
 on the same inputs, written again by the benchmark's own functions (their digests pinned too), through the
 trainer's step functions (about 0.1 s of CPU a case), and once through `finetune train`, within 1e-5 relative (a
 loss that is 0 mathematically: 1e-5 absolute). docs/rl-trl-figures.md has the whole table.
+
+Multi-turn (issue 42): TRL's GRPOTrainer given the same rollouts with `env_mask` through its rollout_func (the first
+16 lines of examples/data/grpo_replay_multiturn.jsonl, and the whole file as one step of 64), pinned for each
+normalize x beta x split at scale_rewards group, and the extra rows (plain k3, temperature 0.7, log-probabilities
+null on the environment's tokens).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ TOLERANCE = 1e-5
 POLICY = "6f90704c573b9439"
 REFERENCE = "e6c2ab580f2c4dcc"
 ROLLOUTS = "13fa752da9ef957b"
+# sha256 of the multi-turn rollouts: the first 16 lines of examples/data/grpo_replay_multiturn.jsonl, and the file.
+MULTITURN_16 = "b48f7b85dd5bcb44"
+MULTITURN_64 = "bdab0e131ef50722"
 
 # Case name -> (TRL's step-one loss, its pre-clip grad norm), as printed by
 #   python benchmarks/grpo_vs_trl.py --trl-path /tmp/trl_pkgs --json rows.json --pins
@@ -102,9 +110,39 @@ TRL = {
     "tokens-group-b0.04-4x4-lp0": (0.051891133189201355, 1.8638882637023926),
     "tokens-group-b0.04-16x1-t0.7": (0.3114003539085388, 2.749784469604492),
     "tokens-group-b0.04-4x4-lp0.05": (0.051891133189201355, 1.8638882637023926),
+    # Multi-turn: "mt16-" the first 16 rollouts of the example file (12 of them with 12 environment tokens),
+    # "mt64-" all 64 as one step; TRL's rollout_func returns each line's env_mask (1s where a line has none).
+    "mt16-tokens-group-b0-16x1": (-0.21762357652187347, 1.1560407876968384),
+    "mt16-tokens-group-b0-4x4": (-0.21762357652187347, 1.1560407876968384),
+    "mt16-tokens-group-b0-1x16": (-0.21762357652187347, 1.1560407876968384),
+    "mt16-sequences-group-b0-16x1": (0.0, 3.0673553943634033),
+    "mt16-sequences-group-b0-4x4": (-7.450580596923828e-09, 3.0673553943634033),
+    "mt16-sequences-group-b0-1x16": (-7.450580596923828e-09, 3.0673553943634033),
+    "mt16-constant-group-b0-16x1": (-0.07735837996006012, 0.4109363257884979),
+    "mt16-constant-group-b0-4x4": (-0.07735837250947952, 0.4109363555908203),
+    "mt16-constant-group-b0-1x16": (-0.07735836505889893, 0.4109363853931427),
+    "mt16-tokens-group-b0.04-16x1": (-0.10508539527654648, 1.2563426494598389),
+    "mt16-tokens-group-b0.04-4x4": (-0.10508538782596588, 1.2563427686691284),
+    "mt16-tokens-group-b0.04-1x16": (-0.10508538037538528, 1.2563426494598389),
+    "mt16-sequences-group-b0.04-16x1": (0.12885814905166626, 3.0254526138305664),
+    "mt16-sequences-group-b0.04-4x4": (0.12885814905166626, 3.0254526138305664),
+    "mt16-sequences-group-b0.04-1x16": (0.12885814905166626, 3.0254526138305664),
+    "mt16-constant-group-b0.04-16x1": (-0.03735457360744476, 0.4465906023979187),
+    "mt16-constant-group-b0.04-4x4": (-0.03735457360744476, 0.4465906023979187),
+    "mt16-constant-group-b0.04-1x16": (-0.03735457360744476, 0.4465906023979187),
+    "mt64-tokens-group-b0.04-16x4": (-0.11709417402744293, 1.1535166501998901),
+    "mt64-sequences-group-b0.04-16x4": (0.08980486541986465, 1.5510258674621582),
+    "mt64-constant-group-b0.04-16x4": (-0.03927914798259735, 0.38694632053375244),
+    "mt16-tokens-group-b0.04-4x4-k3": (-0.10508538782596588, 2.2490901947021484),
+    "mt16-sequences-group-b0.04-16x1-t0.7": (0.5695717334747314, 4.366069793701172),
+    "mt16-tokens-group-b0.04-4x4-lp0.05": (-0.10508538782596588, 1.2563427686691284),
 }
 EXTRA_CASES = [c for c in bench.EXTRA_CASES if not c.known_difference]
-CASES = bench.all_cases() + EXTRA_CASES
+# The multi-turn grid at scale_rewards group only: the reward scaling acts on the rewards before any token is
+# masked or counted, the single-turn grid pins all three, and the benchmark ran the other 36 (within 1.9e-6 of TRL,
+# docs/rl-trl-figures.md); leaving them out keeps these longer rows to ~4 s of CPU.
+MULTITURN_CASES = [c for c in bench.all_cases(multiturn=16) if c.scale == "group"] + bench.MULTITURN_EXTRA_CASES
+CASES = bench.all_cases() + EXTRA_CASES + MULTITURN_CASES
 TRL_BNPO_4X4 = 2.0210530757904053  # TRL's bnpo (per-micro-batch token mean), beta 0.04, scale group, 4 x 4
 
 
@@ -123,13 +161,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, 
 
 
 def _recipe(inputs: tuple[Path, Path, Path, Path], case: Case) -> Path:
-    """The benchmark's recipe for `case`; rollouts with log-probabilities written once per noise."""
-    work, policy, reference, replay = inputs
-    if case.logprobs_noise is not None:
-        replay = replay.with_name(f"{replay.stem}-lp{case.logprobs_noise:g}.jsonl")
-        if not replay.exists():
-            bench.replay_with_logprobs(inputs[3], policy, case.logprobs_noise)
-    return bench.write_recipe(case, work, policy, reference, replay)
+    """The benchmark's recipe for `case` on its rollouts (bench.case_files: each file written once)."""
+    work, *files = inputs
+    return bench.write_recipe(case, work, *bench.case_files(case, work, tuple(files)))
 
 
 def test_the_inputs_are_the_benchmarks(inputs):
@@ -137,12 +171,17 @@ def test_the_inputs_are_the_benchmarks(inputs):
     assert bench.weights_digest(policy)[:16] == POLICY
     assert bench.weights_digest(reference)[:16] == REFERENCE
     assert hashlib.sha256(replay.read_bytes()).hexdigest()[:16] == ROLLOUTS
+    for lines, digest in ((16, MULTITURN_16), (64, MULTITURN_64)):
+        written = bench.write_multiturn_replay(replay.with_name(f"digest-{lines}.jsonl"), lines)
+        assert hashlib.sha256(written.read_bytes()).hexdigest()[:16] == digest
 
 
 def test_every_case_of_the_grid_is_pinned():
-    """Issue 31's grid: 3 normalizers x 3 reward scalings x 2 betas x 3 splits, each with TRL's figures."""
+    """Issue 31's grid: 3 normalizers x 3 reward scalings x 2 betas x 3 splits, each with TRL's figures; issue 42's
+    multi-turn one: 3 normalizers x 2 betas x 3 splits."""
     grid = bench.all_cases()
     assert len({c.name for c in grid}) == 54
+    assert len({(c.normalize, c.beta, c.micro, c.accum) for c in MULTITURN_CASES if c.multiturn == 16}) == 18
     assert {c.name for c in CASES} == set(TRL)
 
 
@@ -176,3 +215,19 @@ def test_the_pins_tell_conventions_apart(inputs):
     assert bench.rel(k3, TRL[exact.name][1]) > 0.04
     tokens = bench.ours_step(_recipe(inputs, exact))[1]
     assert bench.rel(tokens, TRL_BNPO_4X4) > 0.05
+
+
+@pytest.mark.parametrize("normalize", list(bench.LOSS_TYPE))
+def test_the_multiturn_pins_need_env_mask(inputs, normalize):
+    """What the multi-turn pins catch: the same rollouts without env_mask (the environment's tokens trained and
+    counted as the policy's) move the loss or the grad norm by 5 % to 32 %, under every normalizer."""
+    work, policy, reference, _ = inputs
+    case = Case(normalize, "group", 0.04, 4, 4, multiturn=16)
+    lines = [json.loads(x) for x in bench.case_files(case, work, tuple(inputs[1:]))[2].read_text().splitlines()]
+    assert sum("env_mask" in x for x in lines) == 12
+    (work / "no-env-mask").mkdir(exist_ok=True)  # its recipes apart from the pinned cases' own
+    unmasked = work / "no-env-mask" / "multiturn-16.jsonl"
+    unmasked.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "env_mask"}) + "\n" for x in lines))
+    loss, grad_norm, _ = bench.ours_step(bench.write_recipe(case, work / "no-env-mask", policy, reference, unmasked))
+    trl_loss, trl_grad_norm = TRL[case.name]
+    assert max(bench.rel(loss, trl_loss), bench.rel(grad_norm, trl_grad_norm)) > 0.04

@@ -76,7 +76,8 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300, device: str = "cp
 
 
 def single(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
-    return run_process([sys.executable, "-m", "finetune", *args], env=_env(device), timeout=300)
+    # One thread, as the ranks and the suite's other CLI runs: two would fight the other pytest worker for the cores.
+    return run_process([sys.executable, "-m", "finetune", *args], env=_env(device, OMP_NUM_THREADS="1"), timeout=300)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
