@@ -40,29 +40,36 @@ class Continuation:
     text: str
     ids: list[int]
     prefix_kept: bool
+    message: dict[str, Any] | None = None
+    """The message the policy's turn was rendered as (the parsed one, or an alternative)."""
 
 
 def environment_turn(tokenizer: Any, messages: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
                      so_far: str, *, template_kwargs: Mapping[str, Any] | None = None,
                      tools: Sequence[Mapping[str, Any]] | None = None, rewrites: Rewrites = "keep",
-                     turn: int = 1) -> Continuation:
+                     turn: int = 1, alternatives: Sequence[Mapping[str, Any]] = ()) -> Continuation:
     """The ids the environment's turn adds after the policy's last turn.
 
     `messages`: the conversation so far, ending with the policy's last turn as a message (its content and tool
     calls, parsed from what it sampled); `new`: the environment's messages (tool results); `so_far`: the text of
-    the ids so far (the prompt's rendering, then each turn's); `turn`: the policy turn just ended, for messages."""
-    after = render_chat(tokenizer, [*messages, *new], template_kwargs, add_generation_prompt=True, tools=tools)
-    if after.startswith(so_far):
-        text = after[len(so_far):]
-        return Continuation(text, _ids(tokenizer, text), True)
+    the ids so far (the prompt's rendering, then each turn's); `turn`: the policy turn just ended, for messages;
+    `alternatives`: other messages that turn may be written as (its raw text, for a template that renders no tool
+    calls), tried in order when the first does not render as sampled. `Continuation.message` is the one used."""
+    for last in [messages[-1], *alternatives]:
+        after = render_chat(tokenizer, [*messages[:-1], last, *new], template_kwargs, add_generation_prompt=True,
+                            tools=tools)
+        if after.startswith(so_far):
+            text = after[len(so_far):]
+            return Continuation(text, _ids(tokenizer, text), True, dict(last))
     if rewrites == "refuse":
         raise TemplateRewrites(
             f"the chat template rewrites the conversation when the environment's turn after policy turn {turn} is "
             "added (the new rendering does not begin with the text of the tokens so far; Qwen3's template drops "
             "earlier reasoning, for one): set grpo.template_rewrites: keep to train the tokens the policy saw")
+    after = render_chat(tokenizer, [*messages, *new], template_kwargs, add_generation_prompt=True, tools=tools)
     end = _last_turn_end(tokenizer, [*messages, *new], len(messages) - 1, template_kwargs, tools)
     text = after[end:]
-    return Continuation(text, _ids(tokenizer, text), False)
+    return Continuation(text, _ids(tokenizer, text), False, dict(messages[-1]))
 
 
 def _last_turn_end(tokenizer: Any, conversation: list[Mapping[str, Any]], index: int,

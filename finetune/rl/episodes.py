@@ -49,6 +49,8 @@ class Episode:
     malformed: bool = False
     rewritten: bool = False
     done: bool = False
+    last_turn: str = ""
+    """The text of the policy's last turn."""
 
     @property
     def completion_messages(self) -> list[dict[str, Any]]:
@@ -64,6 +66,7 @@ class Episodes:
         self.generator, self.tokenizer, self.recipe = generator, tokenizer, recipe
         self.tools, self.environment, self.parser = list(tools), environment, parser
         self.end_ids = frozenset(end_ids)
+        self.end_texts = [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(self.end_ids)]
         self.counts = CallCounts()
         self.seconds = {"generate": 0.0, "tools": 0.0}
         self.last: list[Episode] = []  # the last run's episodes (their figures)
@@ -127,6 +130,7 @@ class Episodes:
             episode.turns += 1
             turn_text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             episode.text += turn_text
+            episode.last_turn = turn_text
             parsed = self.parser.parse(turn_text)
             episode.messages.append(parsed.message)
             episode.malformed |= parsed.malformed
@@ -135,6 +139,15 @@ class Episodes:
                 episode.done = True
                 continue
             self._environment_turn(episode, parsed.calls, stop)
+
+    def _raw(self, episode: Episode) -> str:
+        """The policy's last turn as sampled, without its end token's text: the assistant message a template that
+        renders no tool calls writes back as sampled."""
+        turn = episode.last_turn
+        for end in self.end_texts:
+            if turn.endswith(end):
+                return turn[:-len(end)]
+        return turn
 
     def _environment_turn(self, episode: Episode, calls: list[dict[str, Any]], stop: StopAsked) -> None:
         """Run the turn's calls and append the environment's turn, unless it would fill the budget."""
@@ -151,8 +164,10 @@ class Episodes:
         turn = environment_turn(self.tokenizer, episode.messages, results, episode.text,
                                 template_kwargs=self.recipe.tokenizer.chat_template_kwargs,
                                 tools=[t.schema for t in episode.tools.values()] or None,
-                                rewrites=g.template_rewrites, turn=episode.turns)
+                                rewrites=g.template_rewrites, turn=episode.turns,
+                                alternatives=[{"role": "assistant", "content": self._raw(episode)}])
         episode.rewritten |= not turn.prefix_kept
+        episode.messages[-1] = turn.message or episode.messages[-1]  # what later renderings must write again
         if len(episode.completion) + len(turn.ids) >= g.max_new_tokens:
             episode.done = True  # no room to answer after it: the episode ends with the policy's turn (TRL's rule)
             return
