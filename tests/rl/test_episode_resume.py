@@ -89,7 +89,8 @@ def _train(tmp_path, run, resume=False, stop_at=0):
                                       "train.max_steps=3", "train.warmup_steps=0", "train.lr=1e-2",
                                       "checkpoint.every_steps=1", "checkpoint.keep_last=5",
                                       *(["resume=auto"] if resume else [])], allow_code=True)
-    train(recipe, console=Console(file=open(os.devnull, "w")))
+    with open(os.devnull, "w") as quiet:
+        train(recipe, console=Console(file=quiet))
 
 
 def test_sigterm_inside_a_tool_call_resumes_bit_for_bit(tmp_path, scripted, monkeypatch):
