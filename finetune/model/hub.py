@@ -63,7 +63,8 @@ def recipe_ids(recipe: Recipe) -> list[tuple[str, str]]:
     named = [("model.path", m.path if m.init == "pretrained" and not m.gguf_file else None),
              ("tokenizer.path", recipe.tokenizer.path),
              ("grpo.reference", g.reference if t == "grpo" and g.beta > 0 and g.reference != "auto" else None),
-             ("dpo.reference", d.reference if t == "dpo" and d.reference != "auto" else None)]
+             ("dpo.reference", d.reference if t == "dpo" and d.reference != "auto" else None),
+             ("distill.teacher", recipe.distill.teacher if t == "distill" else None)]
     return [(key, name) for key, name in named if name and "://" not in name]
 
 

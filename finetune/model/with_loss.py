@@ -7,13 +7,16 @@ backbone's hidden states and the output layer's weight, so a micro-batch costs o
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from finetune.attention import dispatch as attention
 from finetune.attention.kernels import setting
 from finetune.batch import Documents, Targets, VisionFields
-from finetune.loss.fused import linear_cross_entropy
+from finetune.loss.distill import distill_loss
+from finetune.loss.fused import linear_cross_entropy, target_rows
 from finetune.loss.logprobs import token_logprobs
 from finetune.model import vision as vision_models
 from finetune.model.architectures import head_spec, stateful_layer
@@ -55,21 +58,18 @@ class CausalLMWithLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, per_token: bool = False, targets: Targets | None = None,
-                documents: Documents | None = None, temperature: float = 1.0,
-                vision: VisionFields | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                documents: Documents | None = None, temperature: float = 1.0, vision: VisionFields | None = None,
+                teacher: TeacherRows | None = None) -> tuple[torch.Tensor, Any]:
         """(summed loss, number of targets); with per_token, (each target's log-probability, its flat position)
         for objectives that score whole sequences. `targets` and `documents` (MicroBatch.model_inputs: the target
         positions and the packed rows' documents, found on the CPU) spare the loss and the attention host syncs.
         `temperature` (per_token only): the log-probabilities of logits / temperature. `vision`: the images of the
-        rows (pixel values and the like), for a vision-language model's backbone."""
-        decoder, head = self._layers
-        extra = documents.model_kwargs(self.packed_kernel) if documents is not None and self.takes_boundaries else {}
-        if vision is not None:
-            extra.update(vision.inputs)
-        # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False, **extra).last_hidden_state
-        hidden, weight, bias = self.head.apply(hidden, head.weight, getattr(head, "bias", None))
+        rows (pixel values and the like), for a vision-language model's backbone. `teacher` (distillation): the
+        teacher's rows at the same targets; then (summed divergence, plus sft_weight x the summed cross-entropy,
+        and the loss's DistillSums), computed here, inside the forward that DDP and FSDP wrap."""
+        hidden, weight, bias = self._head_inputs(input_ids, attention_mask, position_ids, documents, vision)
+        if teacher is not None:
+            return self._distill(hidden, weight, bias, labels, targets, teacher)
         if per_token:
             if temperature != 1.0:  # log-probabilities of logits / T (GRPO's sampling policy), folded into the head
                 if self.softcap is not None:
@@ -79,6 +79,69 @@ class CausalLMWithLoss(torch.nn.Module):
                                   softcap=self.softcap, targets=targets)
         return linear_cross_entropy(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
                                     z_loss=self.z_loss, softcap=self.softcap, targets=targets)
+
+
+    def _head_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, documents: Documents | None,
+                     vision: VisionFields | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The backbone's hidden states and the output layer's weight and bias, after the head's own transforms."""
+        decoder, head = self._layers
+        extra = documents.model_kwargs(self.packed_kernel) if documents is not None and self.takes_boundaries else {}
+        if vision is not None:
+            extra.update(vision.inputs)
+        # use_cache=False always: with a cache, transformers lets packed documents attend to each other.
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, **extra).last_hidden_state
+        return self.head.apply(hidden, head.weight, getattr(head, "bias", None))
+
+    @torch.no_grad()
+    def teacher_rows(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None, targets: Targets | None = None,
+                     documents: Documents | None = None, vision: VisionFields | None = None) -> TeacherRows:
+        """This model (a distillation's teacher) at the micro-batch's target positions: its hidden rows and head,
+        never its full logits; no gradient."""
+        hidden, weight, bias = self._head_inputs(input_ids, attention_mask, position_ids, documents, vision)
+        keep, _ = target_rows(labels, targets)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
+        return TeacherRows(rows, weight, bias, self.softcap)
+
+    def _distill(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                 targets: Targets | None, teacher: TeacherRows) -> tuple[torch.Tensor, Any]:
+        """The divergence of this model (the student) from the teacher's rows, summed over the targets, with the
+        student's own cross-entropy times teacher.sft_weight."""
+        keep, _ = target_rows(labels, targets)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
+        if rows.shape[0] == 0:  # a filler: 0.0 that still reaches every parameter (DDP/FSDP hooks fire)
+            zero = rows.sum() + weight.reshape(-1)[:0].sum() + (bias[:0].sum() if bias is not None else 0)
+            return zero.float(), {}
+        sums = distill_loss(rows, weight, bias, teacher.hidden, teacher.weight, teacher.bias,
+                            beta=teacher.beta, temperature=teacher.temperature, chunk_size=self.chunk_size,
+                            student_softcap=self.softcap, teacher_softcap=teacher.softcap, top_k=teacher.top_k,
+                            vocab=teacher.vocab)
+        loss = sums.loss
+        metrics = {"agreement": sums.agree, "teacher_tail": sums.tail, "teacher_outside": sums.outside}
+        if teacher.sft_weight:
+            ce, _ = linear_cross_entropy(hidden, weight, labels, bias, impl=self.impl, chunk_size=self.chunk_size,
+                                         softcap=self.softcap, targets=targets)
+            metrics["student_ce"] = ce.detach()
+            loss = loss + teacher.sft_weight * ce
+        return loss, metrics
+
+
+@dataclass
+class TeacherRows:
+    """A distillation's teacher at a micro-batch's targets (CausalLMWithLoss.teacher_rows) and the divergence's
+    settings (the distill: section), handed to the student's forward."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    softcap: float | None
+    beta: float = 0.5
+    temperature: float = 1.0
+    top_k: int | None = None
+    vocab: int | None = None
+    sft_weight: float = 0.0
 
 
 def takes_boundaries(model: torch.nn.Module) -> bool:

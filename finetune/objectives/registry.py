@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from finetune.objectives.base import Objective
+from finetune.objectives.distill import Distill
 from finetune.objectives.grpo import GRPO
 from finetune.objectives.preference import DPO, ORPO
 from finetune.objectives.sft import SFT
@@ -18,4 +19,6 @@ def objective_for(recipe: Recipe) -> Objective:
         return ORPO(recipe.orpo.beta, recipe.orpo.nll)
     if name == "grpo":
         return GRPO(recipe.grpo)
+    if name == "distill":
+        return Distill(recipe.distill)
     return SFT()

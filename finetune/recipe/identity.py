@@ -46,7 +46,7 @@ HARMLESS_KEYS = ("logging", "eval", "eval_datasets", "checkpoint", "resume", "ou
 def training_keys(recipe: Recipe) -> dict[str, Any]:
     """The flattened recipe minus harmless keys, and minus the settings of objectives it does not train: what
     must match for a resume to continue the same run."""
-    unused = [f"{name}." for name in ("dpo", "orpo") if recipe.train.objective != name]
+    unused = [f"{name}." for name in ("dpo", "orpo", "distill") if recipe.train.objective != name]
     flat = flatten(recipe.model_dump(mode="json"))
     return {k: v for k, v in flat.items() if not any(k == h or k.startswith(h + ".") for h in HARMLESS_KEYS)
             and not k.startswith(tuple(unused))}

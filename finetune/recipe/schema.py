@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from finetune.recipe.distill import DistillConfig
 from finetune.recipe.model import AdapterConfig, ModelConfig, TokenizerConfig
 from finetune.recipe.preference import DPOConfig, ORPOConfig
 from finetune.recipe.rl import GRPOConfig
@@ -120,10 +121,10 @@ class DataConfig(Section):
 class TrainConfig(Section):
     """The optimization: batch geometry, length of training, optimizer and learning-rate schedule."""
 
-    objective: Literal["sft", "dpo", "orpo", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "grpo", "distill"] = "sft"
     """sft: supervised fine-tuning on target tokens. dpo / orpo: preference training on pairs (datasets with
     format: preference; settings in the dpo: / orpo: sections). grpo: online RL on rewards (the grpo: section;
-    docs/rl.md)."""
+    docs/rl.md). distill: a teacher's distributions at the tokens SFT trains (the distill: section)."""
     micro_batch_size: int = Field(4, gt=0, le=MAX_BATCH)
     """Rows per forward pass on one process (padded preference data: pairs, each two rows)."""
     gradient_accumulation_steps: int = Field(8, gt=0, le=MAX_BATCH)
@@ -299,6 +300,8 @@ class Recipe(Section):
     """Direct preference optimization settings (train.objective: dpo)."""
     orpo: ORPOConfig = ORPOConfig()
     """Odds-ratio preference optimization settings (train.objective: orpo)."""
+    distill: DistillConfig = DistillConfig()
+    """Distillation settings: the teacher, the divergence (train.objective: distill; docs/distill.md)."""
     grpo: GRPOConfig = GRPOConfig()
     """Group relative policy optimization settings (train.objective: grpo; docs/rl.md)."""
     eval: EvalConfig = EvalConfig()

@@ -210,6 +210,21 @@ def _grpo_checks(recipe: Recipe) -> list[str]:
     return problems + _reward_args_checks(recipe)
 
 
+def _distill_checks(recipe: Recipe) -> list[str]:
+    """Distillation needs a teacher, and the teacher's logits where the z-loss would add to the student's."""
+    if recipe.train.objective != "distill":
+        return []
+    problems = []
+    if not recipe.distill.teacher:
+        problems.append("distill.teacher: train.objective distill needs a teacher (a model directory or hub id with "
+                        "the student's tokenizer)")
+    if recipe.loss.z_loss:
+        problems.append("loss.z_loss: not with train.objective distill (it adds to token losses)")
+    if recipe.loss.impl == "liger":
+        problems.append("loss.impl: liger has no distillation kernel here; use chunked (the default auto)")
+    return problems
+
+
 def _reward_args_checks(recipe: Recipe) -> list[str]:
     """A built-in reward's args, checked as recipe keys are: a misspelt one would train with the default."""
     problems = []
@@ -283,7 +298,7 @@ def _objective_checks(recipe: Recipe) -> list[str]:
                 problems.append(f"{key}.{i}.train_on_inputs: preference pairs score their completions only")
     if preference and recipe.loss.z_loss:
         problems.append(f"loss.z_loss: not with train.objective {recipe.train.objective} (it adds to token losses)")
-    problems += _grpo_checks(recipe)
+    problems += _grpo_checks(recipe) + _distill_checks(recipe)
     if recipe.dpo.label_smoothing and recipe.dpo.loss != "sigmoid":
         problems.append(f"dpo.label_smoothing: only for dpo.loss: sigmoid, not {recipe.dpo.loss}")
     return problems
@@ -369,7 +384,8 @@ def _missing_models(recipe: Recipe) -> list[str]:
     paths = [("model.path", recipe.model.path if recipe.model.init == "pretrained" else None),
              ("tokenizer.path", recipe.tokenizer.path),
              ("grpo.reference", g.reference if t == "grpo" and g.beta > 0 and g.reference != "auto" else None),
-             ("dpo.reference", d.reference if t == "dpo" and d.reference != "auto" else None)]
+             ("dpo.reference", d.reference if t == "dpo" and d.reference != "auto" else None),
+             ("distill.teacher", recipe.distill.teacher if t == "distill" else None)]
     problems = []
     for key, value in paths:
         if not value or "://" in value or Path(value).expanduser().exists():

@@ -30,7 +30,7 @@ def test_every_foreign_name_points_at_a_key_of_the_schema():
                                  "tool's name for it)"),
     ("per_device_train_batch_size=8", "did you mean 'train.micro_batch_size'?"),
     ("data.micro_batch_size=2", "did you mean 'train.micro_batch_size' or 'eval.micro_batch_size'?"),
-    ("beta=0.1", "did you mean 'dpo.beta' or 'orpo.beta' or 'grpo.beta'?"),
+    ("beta=0.1", "did you mean 'dpo.beta' or 'orpo.beta' or 'distill.beta' or 'grpo.beta'?"),
     ("sequence_len=512", "did you mean 'data.max_seq_len'?"),
     ("train.lrr=1", "train.lrr: unknown key; did you mean 'lr'?"),  # a close sibling first
 ])

@@ -1,0 +1,116 @@
+"""Distillation (train.objective: distill): the student trained towards the teacher's distribution over the
+vocabulary at every token SFT trains (docs/distill.md).
+
+One term, the summed divergence (the generalized Jensen-Shannon divergence of finetune/loss/distill.py, fused and
+chunked: never the full logits of either model), over the step's target tokens: micro-batch x accumulation x ranks
+gives one batch's gradient, as for SFT. The teacher is loaded once, frozen, in eval mode, on the student's device; it
+runs on the same micro-batch without gradients, and its hidden rows at the targets and its head are handed to the
+student's forward, which computes the loss inside itself, where DDP and FSDP see it. A resume reloads the teacher
+and refuses one whose weights changed (its digest is recorded like a reference's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from finetune.batch import MicroBatch
+from finetune.errors import UserError
+from finetune.model.digest import weights_digest
+from finetune.model.loading import load_model, output_layer
+from finetune.model.tokenizer import load_tokenizer
+from finetune.model.with_loss import CausalLMWithLoss
+from finetune.objectives.base import MicroResult, Preparation
+from finetune.objectives.rows import DatasetRows
+from finetune.recipe import AdapterConfig, Recipe, TokenizerConfig
+from finetune.recipe.distill import DistillConfig
+
+
+class Distill(DatasetRows):
+    """One term, the summed divergence from the teacher, over the step's target tokens."""
+
+    name = "distill"
+    units = ("tokens",)
+    needs: tuple[str, ...] = ()
+
+    def __init__(self, cfg: DistillConfig) -> None:
+        self.cfg = cfg
+        self.teacher: CausalLMWithLoss | None = None
+        self.vocab: int | None = None
+        self.reference_digest: str | None = None  # the teacher's weights, which checkpoints record
+        # Each metric's sum over the step's target tokens: the top-1 agreement always; the rest when they mean something.
+        self.metrics = {"agreement": "tokens", **({"teacher_tail": "tokens"} if cfg.top_k else {}),
+                        **({"student_ce": "tokens"} if cfg.sft_weight else {})}
+
+    def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
+        """The teacher loaded, frozen, with the student's tokenizer checked against its own."""
+        if self.teacher is None:
+            self.teacher, self.vocab = load_teacher(setting.recipe, setting.tokenizer, lm, setting.impl,
+                                                    setting.device, setting.say)
+            if self.vocab is not None:
+                self.metrics["teacher_outside"] = "tokens"
+            self.reference_digest = weights_digest(self.teacher.lm)
+
+    def counts(self, batch: MicroBatch) -> dict[str, int]:
+        return {"tokens": batch.targets}
+
+    def forward(self, net: torch.nn.Module, batch: MicroBatch, device: torch.device) -> MicroResult:
+        if self.teacher is None:
+            raise RuntimeError("Distill.prepare loads the teacher before the first forward")
+        inputs = batch.to(device).model_inputs()
+        c = self.cfg
+        rows = dataclasses.replace(self.teacher.teacher_rows(**inputs), beta=c.beta, temperature=c.temperature,
+                                   top_k=c.top_k, vocab=self.vocab, sft_weight=c.sft_weight)
+        loss, sums = net(**inputs, teacher=rows)
+        zero = torch.zeros((), dtype=torch.float64, device=loss.device)
+        return MicroResult({"tokens": loss}, {m: sums.get(m, zero) for m in self.metrics})
+
+
+def load_teacher(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, impl: str, device: torch.device,
+                 say: Any = print) -> tuple[CausalLMWithLoss, int | None]:
+    """The teacher with its fused-loss wrapper (its head's transforms), frozen and in eval mode, and the shared
+    vocabulary when the teacher's is larger (None when both are the same size). Refused: a teacher whose tokenizer
+    maps any text to other ids than the student's, and a student with more output rows than the teacher."""
+    path = recipe.distill.teacher
+    assert path is not None  # validation requires it for train.objective distill
+    cfg = recipe.model.model_copy(update={"path": path, "init": "pretrained", "gguf_file": None, "config": None})
+    _same_tokenizer(tokenizer, load_tokenizer(TokenizerConfig(path=path), cfg), path)
+    _predicts_every_id(path, cfg, len(tokenizer))
+    teacher = load_model(cfg, AdapterConfig(), tokenizer, recipe.seed, device, key="distill.teacher").to(device)
+    teacher.eval().requires_grad_(False)
+    student_rows = output_layer(lm)[1].weight.shape[0]
+    teacher_rows = output_layer(teacher)[1].weight.shape[0]
+    if student_rows > teacher_rows:
+        raise UserError(f"distill.teacher {path}: its vocabulary has {teacher_rows} ids and the student's "
+                        f"{student_rows}: the student's extra ids would have no teacher probability")
+    vocab = student_rows if teacher_rows > student_rows else None
+    extra = f"; {teacher_rows - student_rows} ids beyond the student's, their mass reported" if vocab else ""
+    n = sum(p.numel() for p in teacher.parameters())
+    say(f"distill teacher: {path} ({n / 1e6:.2f}M parameters, vocabulary {teacher_rows}{extra})")
+    return CausalLMWithLoss.for_recipe(teacher, recipe.loss, impl, recipe.model.packed_attention), vocab
+
+
+def _predicts_every_id(path: str, cfg: Any, ids: int) -> None:
+    """The teacher's output layer has a row for each of the tokenizer's ids: loading would otherwise add rows for the
+    missing ones (random: distilled towards noise)."""
+    from transformers import AutoConfig
+
+    from finetune.model import vision
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    rows = getattr(vision.text_config(config), "vocab_size", None)
+    if isinstance(rows, int) and rows < ids:
+        raise UserError(f"distill.teacher {path}: its vocabulary has {rows} ids and the tokenizer {ids}: the teacher "
+                        "gives no probability to the others")
+
+
+def _same_tokenizer(student: Any, teacher: Any, path: str) -> None:
+    """The teacher's tokenizer maps every token to the student's id: distributions are compared id by id."""
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    differ = [t for t, i in ours.items() if theirs.get(t) != i]
+    if differ or len(theirs) != len(ours):
+        raise UserError(f"distill.teacher {path}: its tokenizer differs from the student's ({len(differ)} of "
+                        f"{len(ours)} tokens have another id or none, {len(theirs)} tokens against {len(ours)}): "
+                        "distillation compares the two distributions id by id, so they must share a tokenizer")

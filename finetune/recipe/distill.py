@@ -1,0 +1,26 @@
+"""The recipe's `distill:` section: a teacher's token distributions into the student (train.objective: distill;
+docs/distill.md)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from finetune.recipe.section import Section
+
+
+class DistillConfig(Section):
+    """Distillation (train.objective: distill): the student trained towards the teacher's distribution over the
+    vocabulary at every token SFT would train, with the loss fused and chunked (never the full logits of either)."""
+
+    teacher: str | None = None
+    """The teacher: a local model directory or hub id with the student's tokenizer, loaded frozen, in eval mode."""
+    beta: float = Field(0.5, ge=0, le=1)
+    """The generalized Jensen-Shannon divergence's weight: 0 is forward KL(teacher || student), 1 reverse
+    KL(student || teacher), in between the JSD against their beta-mixture (TRL's generalized_jsd_loss)."""
+    temperature: float = Field(1.0, gt=0)
+    """Both models' logits are divided by it (no T^2 factor, as TRL's generalized_jsd_loss)."""
+    top_k: int | None = Field(None, gt=0)
+    """The divergence over the teacher's top-k ids and one tail bucket holding each distribution's remaining mass
+    (exact, no renormalization); null: the whole vocabulary."""
+    sft_weight: float = Field(0.0, ge=0)
+    """Weight of the student's own cross-entropy on the data's tokens, added to the divergence."""
