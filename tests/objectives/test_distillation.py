@@ -34,7 +34,7 @@ def teacher(tmp_path_factory):
     return teacher_dir(tmp_path_factory.mktemp("teacher"))
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("beta", [0.5])  # every beta's gradient: tests/loss/test_distill.py
 def test_verify_passes_on_a_distill_recipe_and_the_naive_mean_does_not(teacher, beta):
     from finetune.commands.verify import verify
     from finetune.recipe import load_recipe
