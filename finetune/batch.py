@@ -179,6 +179,18 @@ class RolloutFields:
 
 
 @dataclass(eq=False)
+class StoredTeacherFields:
+    """Offline distillation's teacher at a micro-batch's targets, in their order (data/teacher_logprobs.py): its top-k
+    ids [targets, k] (int64) and log-probabilities [targets, k] (float32), each row in descending order."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+    def to(self, device: torch.device | str) -> StoredTeacherFields:
+        return dataclasses.replace(self, ids=to_device(self.ids, device), logprobs=to_device(self.logprobs, device))
+
+
+@dataclass(eq=False)
 class VisionFields:
     """A micro-batch's images, as its model takes them (finetune/data/pixels.py): `inputs` are the model's own keyword
     tensors (Qwen2-VL: pixel_values, image_grid_thw and mm_token_type_ids), `images` how many images the rows hold."""
@@ -209,6 +221,7 @@ class MicroBatch:
     pairs: PairFields | None = None
     rollouts: RolloutFields | None = None
     vision: VisionFields | None = None
+    teacher: StoredTeacherFields | None = None
     device: torch.device | None = None
     target_positions: Targets | None = None
     documents: Documents | None = None
@@ -229,7 +242,8 @@ class MicroBatch:
         return dataclasses.replace(
             self, **moved, pairs=self.pairs.to(device) if self.pairs is not None else None,
             rollouts=self.rollouts.to(device) if self.rollouts is not None else None,
-            vision=self.vision.to(device) if self.vision is not None else None, device=device,
+            vision=self.vision.to(device) if self.vision is not None else None,
+            teacher=self.teacher.to(device) if self.teacher is not None else None, device=device,
             target_positions=find_targets(self.labels, device),
             documents=Documents.of(self.position_ids, device) if self.packed else None)
 
@@ -272,4 +286,5 @@ class MicroBatch:
 
 
 # The typed sections an objective may need (Objective.needs), and the rows that make each.
-SECTIONS = {"pairs": "datasets of format: preference", "rollouts": "the rollouts of train.objective: grpo"}
+SECTIONS = {"pairs": "datasets of format: preference", "rollouts": "the rollouts of train.objective: grpo",
+            "teacher": "rows with a stored teacher: distill.teacher_logprobs"}

@@ -164,6 +164,17 @@ ROLLOUT = {"group": 0, "prompt_ids": [5, 6], "completion_ids": [7, 2], "reward":
 ROLLOUT_1 = {**ROLLOUT, "group": 1, "reward": 0.0}
 
 # The quickstart, shrunk: every case starts from this (deep-merged with the case's patch; lists replaced).
+DISTILL_OFFLINE = {"train": {"objective": "distill"}, "distill": {"teacher_logprobs": "teacher"}}
+
+
+def stored_teacher(positions: int, values: tuple[float, ...]) -> list[list[dict]]:
+    """A stored teacher field (Axolotl's first layout) of `positions` entries, each ids 5, 6, ... with `values`."""
+    return [[{"token": f"token_id:{5 + i}", "logprob": v} for i, v in enumerate(values)]] * positions
+
+
+STORED_ROWS = [{**row, "teacher": stored_teacher(10, (-0.5, -1.5))} for row in GOOD_ROWS]  # rows that fit
+
+
 BASE: dict[str, Any] = {
     "extends": str(QUICKSTART_YAML),
     "output_dir": "{d}/out",
@@ -315,6 +326,15 @@ CASES = [
          ("{d}/train.jsonl:2: message 1 has unknown role 'bot'; allowed: system, user, assistant",),
          files={"train.jsonl": jsonl(GOOD_ROWS[0], {"messages": [{"role": "user", "content": "hi"},
                                                                  {"role": "bot", "content": "hello"}]})}),
+    Case("distill_logprobs_missing", "offline distillation rows without the stored teacher", "data",
+         ("{d}/train.jsonl:1: distill.teacher_logprobs: the field 'teacher' is missing",),
+         patch=DISTILL_OFFLINE),
+    Case("distill_logprobs_over_one", "stored teacher log-probabilities that sum to more than 1", "data",
+         ("{d}/train.jsonl:1: teacher[", "its probabilities sum to 1.7", "over 1"), patch=DISTILL_OFFLINE,
+         files={"train.jsonl": jsonl({**GOOD_ROWS[0], "teacher": stored_teacher(10, (-0.1, -0.2))}, *STORED_ROWS[1:])}),
+    Case("distill_logprobs_short", "a trained token without a stored teacher entry", "data",
+         ("{d}/train.jsonl:1: token ", "is trained, and teacher has no entry for it"), patch=DISTILL_OFFLINE,
+         files={"train.jsonl": jsonl({**GOOD_ROWS[0], "teacher": stored_teacher(1, (-0.5, -1.5))}, *STORED_ROWS[1:])}),
     Case("sharegpt_row", "a ShareGPT row ({from, value}) read as chat", "data",
          ("{d}/train.jsonl:1: message 0 looks like ShareGPT",),
          files={"train.jsonl": jsonl({"messages": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})}),

@@ -43,6 +43,8 @@ maps: a run holds the pages it reads, never the samples as Python objects):
     {split}.docs.npy          int64 [n, 2], preference data only: each pair's chosen and rejected lengths
     {split}.images.npy        int64 [m, 9], samples with images only: one row per image (store_images.py); meta.json
                               lists the split's image files and their layout key, and every file's SHA-256
+    {split}.teacher_*.npy     int32 ids and float32 log-probabilities [trained tokens, k], offline distillation only
+                              (distill.teacher_logprobs: data/teacher_logprobs.py); meta.json gives k
 
 The arrays are written while the data is tokenized, as a stream. The entry is written into a temporary directory beside it and renamed into place, which is atomic on POSIX: a reader
 sees a whole entry or none, and two processes writing the same key (ranks of one torchrun) cannot mix files.
@@ -191,8 +193,10 @@ def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
     # entries (and the DPO reference caches keyed by them) stay valid.
     end = completion_end(recipe)
     layout = layout_for(tokenizer)
+    teacher = recipe.distill.teacher_logprobs if recipe.train.objective == "distill" else None
     return {
         **({"images": _image_key(recipe, layout)} if layout is not None else {}),  # absent: text keys unchanged
+        **({"teacher_logprobs": teacher} if teacher else {}),  # the rows' stored teacher is read into the samples
         **({"pair_completion_end": end} if end != "marker" else {}),
         "data_version": DATA_VERSION,
         "datasets": [_source_key(d, f"datasets.{i}") for i, d in enumerate(recipe.datasets)],
@@ -390,6 +394,10 @@ def _check_fits(samples: Samples, info: dict[str, Any], split: str) -> None:
     docs = samples.docs
     if docs is not None and (docs.shape != (n, 2) or np.any(docs.sum(axis=1) != samples.lengths)):
         raise CacheError(f"the {split} pair lengths do not fit the samples")
+    if samples.teacher is not None:
+        shape = (int(samples.teacher_offsets[-1]), info["teacher_k"])
+        if any(column.shape != shape for column in samples.teacher):
+            raise CacheError(f"the {split} stored teacher does not fit the samples' trained tokens")
 
 
 # --- the entry point ------------------------------------------------------------------------------------------

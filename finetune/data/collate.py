@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from finetune.batch import MicroBatch, PairFields, RolloutFields
+from finetune.batch import MicroBatch, PairFields, RolloutFields, StoredTeacherFields
 from finetune.data.pixels import vision_fields
+from finetune.data.teacher_logprobs import KEYS as TEACHER_KEYS
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
@@ -87,8 +89,25 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> MicroB
         batch.pairs = pair_fields(rows, batch.labels, data.packing, filler)
     if rows and "rollout" in rows[0]:
         batch.rollouts = rollout_fields(rows, batch.labels, filler)
+    if rows and TEACHER_KEYS[0] in rows[0]:
+        batch.teacher = stored_teacher(rows, batch.targets)
     batch.vision = vision_fields(rows, batch.input_ids)  # images loaded and processed here, never cached
     return batch
+
+
+def stored_teacher(rows: Sequence[dict], targets: int) -> StoredTeacherFields:
+    """A stored teacher's entries at the micro-batch's targets, in their order (row by row, each row's trained
+    tokens in order; a filler's labels are all ignored, so it has none)."""
+    columns: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    for r in rows:
+        m = sum(1 for label in r["labels"] if label != IGNORE_INDEX)
+        for column, key in zip(columns, TEACHER_KEYS):
+            value = r[key]  # a packed row: a list, its documents' arrays
+            column.append((np.concatenate(value) if isinstance(value, list) else value)[:m])
+    ids, values = (np.concatenate(column) for column in columns)
+    if len(ids) != targets:
+        raise ValueError(f"a stored teacher's {len(ids)} entries for {targets} target tokens")
+    return StoredTeacherFields(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(values.astype(np.float32)))
 
 
 def split_pair(sample: dict) -> list[dict]:

@@ -17,6 +17,7 @@ from finetune.data.images import RowImages, part_texts
 from finetune.data.messages import REASONING_FIELDS, ROLES, MessageFields, chat_message, row_images, row_tools
 from finetune.data.prompts import alpaca_prompt
 from finetune.data.sources import BadRow, RawRow
+from finetune.data.teacher_logprobs import StoredTeacher, read_stored
 
 __all__ = ["DEFAULT_ROLES_TO_TRAIN", "ROLES", "Example", "MessageFields", "chat_message", "to_example"]
 
@@ -42,6 +43,8 @@ class Example:
     """The row's `tools` (function schemas), passed to the chat template."""
     images: tuple[str, ...] = ()
     """The absolute paths of the images of the messages' image parts, in the order they appear."""
+    teacher: StoredTeacher | None = None
+    """The row's stored teacher log-probabilities (distill.teacher_logprobs), per token position."""
 
 
 def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_field: str = "text",
@@ -50,6 +53,15 @@ def to_example(row: RawRow, fmt: str, *, messages_field: str = "messages", text_
     """Convert one raw row; raise BadRow (a UserError) naming the row's origin when it does not fit the format."""
     if row.error:
         raise BadRow(f"{row.origin}: {row.error}")
+    example = _to_example(row, fmt, messages_field, text_field, train_on_inputs, roles_to_train, fields,
+                          prompt_template)
+    if fields.teacher is not None:
+        example.teacher = read_stored(row.origin, row.data, fields.teacher)
+    return example
+
+
+def _to_example(row: RawRow, fmt: str, messages_field: str, text_field: str, train_on_inputs: bool,
+                roles_to_train: tuple[str, ...], fields: MessageFields, prompt_template: str) -> Example:
     flags: tuple[bool | None, ...]
     tools = None
     images = row_images(row.origin, row.data, fields, fmt)  # images of a non-chat row: a bad row

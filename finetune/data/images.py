@@ -34,6 +34,8 @@ from typing import Any
 from finetune.data.image_families import FAMILIES, Family
 from finetune.data.image_files import DEFAULT_MAX_IMAGE_PIXELS, image_file, open_image, store_dir
 from finetune.data.sources import BadRow
+from finetune.data.teacher_logprobs import KEYS as TEACHER_KEYS
+from finetune.data.teacher_logprobs import kept_entries
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
@@ -322,7 +324,8 @@ def cut(sample: Mapping[str, Any], length: int) -> tuple[dict[str, Any] | None, 
     """The sample cut to its first `length` tokens, without the images that lie wholly after the cut; (None, why)
     when the cut falls inside an image's tokens: such a sample is dropped, never cut."""
     images = sample.get("images")
-    kept = {k: v[:length] for k, v in sample.items() if k != "images"}
+    kept = {k: v[:length] for k, v in sample.items() if k not in ("images", *TEACHER_KEYS)}
+    kept.update(kept_entries(sample, kept["labels"]))  # a stored teacher's entries are per trained token
     if not images:
         return kept, ""
     items = []

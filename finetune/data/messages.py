@@ -56,6 +56,8 @@ class MessageFields:
     """data.cache_dir (None: the default cache root): images given as bytes are written under it (image_files.py)."""
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
     """data.max_image_pixels: an image of more pixels (its header says) is a bad row (image_files.py)."""
+    teacher: str | None = None
+    """distill.teacher_logprobs: the row field holding a stored teacher's top-k log-probabilities (None: not read)."""
 
     def role_of(self, name: Any) -> Any:
         return dict(self.role_map).get(name, name) if self.role_map and isinstance(name, str) else name

@@ -33,6 +33,8 @@ from typing import Literal
 import numpy as np
 
 from finetune.data.store import pair_flags, sample_lengths, target_counts
+from finetune.data.teacher_logprobs import KEYS as TEACHER_KEYS
+from finetune.data.teacher_logprobs import kept_entries
 from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
@@ -241,4 +243,7 @@ def packed_row(samples: Sequence[dict], members: Sequence[int], max_seq_len: int
             row.setdefault("pairs", []).append(sample)
         if sample.get("images"):  # each document's images, in row order: collate lists their pixels in that order
             row.setdefault("images", []).append(sample["images"])
+        if TEACHER_KEYS[0] in sample:  # a stored teacher's entries of the trained tokens kept, in row order
+            for key, value in kept_entries(sample, labels).items():
+                row.setdefault(key, []).append(value)
     return row

@@ -42,28 +42,31 @@ __all__ = ["PARALLEL_MIN_EXAMPLES", "Sink", "build_into", "build_samples", "iter
 
 
 def load_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats,
-                  key: str = "datasets", data: DataConfig | None = None) -> list[Example]:
+                  key: str = "datasets", data: DataConfig | None = None, teacher: str | None = None) -> list[Example]:
     """Read and convert every row of the given datasets; bad rows raise or are counted per `on_bad_row`.
 
     `key` is the recipe list the configs come from: a problem with a whole source (missing file, unreadable
     hub dataset) is reported as `datasets.N.path: ...`, a problem with one row by its `file:line`. `data` gives
-    max_row_bytes and ignore_message_fields (their defaults when None).
+    max_row_bytes and ignore_message_fields (their defaults when None). `teacher`: distill.teacher_logprobs, the
+    field of a stored teacher each row must then have.
     """
-    return list(iter_examples(configs, on_bad_row, stats, key, data))
+    return list(iter_examples(configs, on_bad_row, stats, key, data, teacher))
 
 
 def iter_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: DataStats,
-                  key: str = "datasets", data: DataConfig | None = None) -> Iterator[Example]:
+                  key: str = "datasets", data: DataConfig | None = None,
+                  teacher: str | None = None) -> Iterator[Example]:
     """load_examples as a stream: each example as its row is read (a JSONL file is never read whole)."""
     data = data or DataConfig()
     for index, cfg in enumerate(configs):
-        yield from _dataset_examples(cfg, index, key, data, on_bad_row, stats)
+        yield from _dataset_examples(cfg, index, key, data, on_bad_row, stats, teacher)
 
 
 def _dataset_examples(cfg: DatasetConfig, index: int, key: str, data: DataConfig, on_bad_row: str,
-                      stats: DataStats) -> Iterator[Example]:
+                      stats: DataStats, teacher: str | None = None) -> Iterator[Example]:
     with _named_source(key, index):
-        fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir, data.max_image_pixels)
+        fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir, data.max_image_pixels,
+                                teacher)
         rows = read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes)
         yield from _examples(rows, cfg, fields, on_bad_row, stats)
 
@@ -98,18 +101,18 @@ def _named_source(key: str, index: int) -> Iterator[None]:
 
 
 def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, data: DataConfig,
-                in_workers: bool) -> Iterator[FileChunk | ReadRows]:
+                in_workers: bool, teacher: str | None = None) -> Iterator[FileChunk | ReadRows]:
     """The datasets' rows in chunks for tokenize_stream, each with the counts of reading it, which are merged in input
     order. With `in_workers`, a JSONL or parquet dataset (_read_by_workers) comes as FileChunks that the tokenizing
     workers read themselves: spans of CHUNK_EXAMPLES lines of a JSONL file, never parsed here, or a parquet file's
     batches as pyarrow decodes them, made into rows there (a batch over PARQUET_WORKER_BYTES, images say, is read
     here, so that the batches in flight stay small). Any other dataset is read here, as ReadRows of CHUNK_EXAMPLES
-    examples."""
+    examples. `teacher`: as load_examples."""
     for index, cfg in enumerate(configs):
         if in_workers and _read_by_workers(cfg):
             with _named_source(key, index):
                 fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir,
-                                        data.max_image_pixels)
+                                        data.max_image_pixels, teacher)
                 for span in file_spans(cfg.path, CHUNK_EXAMPLES):
                     chunk = FileChunk(cfg, fields, key, index, span, data.max_row_bytes)
                     if isinstance(span, ParquetBatch) and span.batch.nbytes > PARQUET_WORKER_BYTES:
@@ -119,7 +122,7 @@ def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, dat
                         yield chunk
             continue
         counts = DataStats()
-        examples = _dataset_examples(cfg, index, key, data, on_bad_row, counts)
+        examples = _dataset_examples(cfg, index, key, data, on_bad_row, counts, teacher)
         while True:
             chunk = list(itertools.islice(examples, CHUNK_EXAMPLES))
             if chunk or counts.rows_read:  # bad rows after the last example are counted too
@@ -172,13 +175,14 @@ class FileChunk:
 
 
 def message_fields(cfg: DatasetConfig, ignore: tuple[str, ...] = (), cache_dir: str | None = None,
-                   max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> MessageFields:
+                   max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, teacher: str | None = None) -> MessageFields:
     """Where a dataset's rows keep their messages' parts (message fields in `ignore` left out; images given as bytes
-    written under `cache_dir`, data.cache_dir; an image of more than `max_image_pixels` pixels a bad row)."""
+    written under `cache_dir`, data.cache_dir; an image of more than `max_image_pixels` pixels a bad row), and
+    `teacher`, the field of a stored teacher's log-probabilities (distill.teacher_logprobs)."""
     local = local_data_path(cfg.path)  # image paths are relative to the data file
     return MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore,
                          str(local.parent) if local is not None else None, cfg.images_field, cache_dir,
-                         max_image_pixels)
+                         max_image_pixels, teacher)
 
 
 def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = (), cache_dir: str | None = None,
@@ -263,8 +267,8 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
         sources = (chunked(train_part, CHUNK_EXAMPLES), chunked(eval_part, CHUNK_EXAMPLES))
     else:
         in_workers = workers_for(data) > 1
-        sources = (iter_chunks(recipe.datasets, on_bad, "datasets", data, in_workers),
-                   iter_chunks(recipe.eval_datasets, on_bad, "eval_datasets", data, in_workers))
+        sources = (iter_chunks(recipe.datasets, on_bad, "datasets", data, in_workers, _teacher(recipe)),
+                   iter_chunks(recipe.eval_datasets, on_bad, "eval_datasets", data, in_workers, _teacher(recipe)))
     failure: BaseException | None = None
     for source, stats, out in zip(sources, (train_stats, eval_stats), (train, evals)):
         tokenized = DataStats()  # after the rows' own counts, as when all rows were read first
@@ -290,13 +294,13 @@ def _split(recipe: Recipe, stats: DataStats) -> tuple[Iterator[Example], Iterato
     examples.
     """
     data = recipe.data
-    n = sum(1 for _ in iter_examples(recipe.datasets, data.on_bad_row, stats, "datasets", data))
+    n = sum(1 for _ in iter_examples(recipe.datasets, data.on_bad_row, stats, "datasets", data, _teacher(recipe)))
     held = held_out(n, data.val_fraction, recipe.seed)
 
     def part(kept: int) -> Iterator[Example]:
         again = DataStats()  # the rows were counted by the first pass
         seen = 0
-        for example in iter_examples(recipe.datasets, data.on_bad_row, again, "datasets", data):
+        for example in iter_examples(recipe.datasets, data.on_bad_row, again, "datasets", data, _teacher(recipe)):
             if seen < n and held[seen] == kept:
                 yield example
             seen += 1
@@ -316,7 +320,8 @@ def _split_in_workers(recipe: Recipe, stats: DataStats, job: Job,
     data = recipe.data
 
     def chunks() -> Iterator[FileChunk]:
-        return iter_chunks(recipe.datasets, data.on_bad_row, "datasets", data, True)  # type: ignore[return-value]
+        return iter_chunks(recipe.datasets, data.on_bad_row, "datasets", data, True,  # type: ignore[return-value]
+                           _teacher(recipe))
 
     counts: list[int] = []
     failure = tokenize_stream(chunks(), dataclasses.replace(job, tokenize=False, progress=None), DataStats(), counts,
@@ -336,6 +341,11 @@ def _split_in_workers(recipe: Recipe, stats: DataStats, job: Job,
                             f"{len(counts)}: {_CHANGED}")
 
     return part(0), part(1)
+
+
+def _teacher(recipe: Recipe) -> str | None:
+    """The field of the stored teacher the rows carry (distill.teacher_logprobs), when the objective distills."""
+    return recipe.distill.teacher_logprobs if recipe.train.objective == "distill" else None
 
 
 def _read_by_workers(cfg: DatasetConfig) -> bool:

@@ -38,6 +38,8 @@ from finetune.data.pairs import PairExample, fit_pair, pair_sample, tokenize_pai
 from finetune.data.sources import BadRow
 from finetune.data.stats import DataStats
 from finetune.data.store import SplitWriter
+from finetune.data.teacher_logprobs import KEYS as TEACHER_KEYS
+from finetune.data.teacher_logprobs import trained_entries
 from finetune.data.tokenize import render_ahead, tokenize_example
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
@@ -68,6 +70,8 @@ def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig
                 sides = tokenize_pair(example, tokenizer, template_kwargs, notes, pair_end)
             else:
                 sample = tokenize_example(example, tokenizer, template_kwargs, notes, rendered, facts)
+                if example.teacher is not None:
+                    sample.update(trained_entries(example.teacher, sample["labels"], len(tokenizer), example.origin))
         except BadRow as e:
             stats.bad_row(e, on_bad_row)
             continue
@@ -156,6 +160,8 @@ class Part:
     by the parent, as if it had read the rows itself."""
     examples: int = 0
     """How many examples the chunk held."""
+    teacher: tuple[np.ndarray, np.ndarray] | None = None
+    """A stored teacher's entries (data/teacher_logprobs.py) of every sample's trained tokens, in order: ids, values."""
 
     @classmethod
     def of(cls, samples: list[dict], stats: DataStats, read: DataStats | None = None,
@@ -168,14 +174,17 @@ class Part:
         docs = np.array([s["docs"] for s in samples], dtype=np.int64).reshape(-1, 2) \
             if samples and "docs" in samples[0] else None
         images = [(i, s["images"]) for i, s in enumerate(samples) if s.get("images")]
-        return cls(ids, labels, lengths, docs, stats, images, read, read_error, examples)
+        teacher = tuple(np.concatenate([s[k] for s in samples]) for k in TEACHER_KEYS) \
+            if samples and TEACHER_KEYS[0] in samples[0] else None
+        return cls(ids, labels, lengths, docs, stats, images, read, read_error, examples, teacher)
 
     def deliver(self, out: Any) -> None:
         """Into a SplitWriter as arrays; into anything else (a list) as sample dicts."""
         if isinstance(out, SplitWriter):
-            out.extend(self.ids, self.labels, self.lengths, self.docs, self.images)
+            out.extend(self.ids, self.labels, self.lengths, self.docs, self.images, self.teacher)
             return
         ends = np.cumsum(self.lengths).tolist()
+        trained = 0
         ids, labels = self.ids.tolist(), self.labels.tolist()
         images = dict(self.images)
         for i, (start, end) in enumerate(zip([0, *ends], ends)):
@@ -184,6 +193,10 @@ class Part:
                 sample["docs"] = self.docs[i].tolist()
             if i in images:
                 sample["images"] = images[i]
+            if self.teacher is not None:
+                m = sum(1 for label in sample["labels"] if label != IGNORE_INDEX)
+                sample.update(zip(TEACHER_KEYS, (a[trained:trained + m] for a in self.teacher)))
+                trained += m
             out.append(sample)
 
 

@@ -9,6 +9,8 @@ A split is four arrays (cache.py names the files `{split}.{name}.npy`):
     docs      int64   [n, 2], preference pairs only: each pair's chosen and rejected lengths
     images    int64   [m, 9], vision-language samples only: one row per image (store_images.py); the files'
                       paths and the layout key are in meta.json
+    teacher_ids       int32   [t, k], offline distillation only: a stored teacher's top-k (data/teacher_logprobs.py)
+    teacher_logprobs  float32 [t, k]  at each trained token (label kept), in order; t = the split's trained tokens
 
 `SplitWriter` appends samples (or whole arrays from a worker) and never holds more than a buffer of them: each
 file gets a 128-byte placeholder header, the values go after it as they come, and the real header (of the final
@@ -26,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from finetune.data.store_images import COLUMNS, ImageRows, entry_of
+from finetune.data.teacher_logprobs import KEYS as TEACHER_KEYS
+from finetune.errors import UserError
 from finetune.labels import IGNORE_INDEX
 
 HEADER_BYTES = 128  # an .npy v1 header of any 1-D or [n, 2] shape we write fits (and numpy pads to 64)
@@ -88,6 +92,7 @@ class SplitWriter:
         self._labels: list[int] = []
         self._lengths: list[int] = []
         self._docs: list[list[int]] = []
+        self.teacher = TeacherColumns(directory, split)
 
     def __len__(self) -> int:
         return self.samples + len(self._lengths)
@@ -105,14 +110,19 @@ class SplitWriter:
         self._lengths.append(len(ids))
         if "docs" in sample:
             self._docs.append(list(sample["docs"]))
+        if TEACHER_KEYS[0] in sample:
+            self.teacher.add(len(self), sample[TEACHER_KEYS[0]], sample[TEACHER_KEYS[1]])
         if len(self._ids) >= FLUSH_TOKENS:
             self.flush()
 
     def extend(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs: np.ndarray | None,
-               images: Sequence[tuple[int, dict]] = ()) -> None:
-        """Add many samples at once, as arrays (a worker's share): tokens, labels, lengths, pair lengths, and the
-        image entries of those that have images (their index among these samples, the entry)."""
+               images: Sequence[tuple[int, dict]] = (), teacher: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Add many samples at once, as arrays (a worker's share): tokens, labels, lengths, pair lengths, the
+        image entries of those that have images (their index among these samples, the entry), and a stored
+        teacher's entries at their trained tokens."""
         self.flush()
+        if teacher is not None:
+            self.teacher.add(len(self), *teacher)
         for i, entry in images:
             self.images.add(len(self) + i, entry)
         if len(lengths):
@@ -149,6 +159,7 @@ class SplitWriter:
             if self.image_file is None:
                 self.image_file = ArrayFile(self.directory / f"{self.split}.images.npy", np.int64, width=COLUMNS)
             self.image_file.write(self.images.take())
+        self.teacher.flush()
         self.samples += len(lengths)
         self.tokens += int(lengths.sum())
 
@@ -171,12 +182,51 @@ class SplitWriter:
         files = [self.ids, self.offsets, *([self.docs] if self.docs else []), *filter(None, [self.image_file])]
         for file in [*files, self.mask, *([self.full] if self.full else [])]:
             file.close()
+        width = self.teacher.close()
         if self.full is not None:
             self.full.path.replace(self.mask.path)
         images = {"images": self.images.count, "image_layout": self.images.layout,
                   "image_paths": list(self.images.paths)} if self.image_file is not None else {}
         return {"samples": self.samples, "tokens": self.tokens, "labels": "mask" if self.full is None else "ids",
-                **images}
+                **images, **({"teacher_k": width} if width is not None else {})}
+
+
+class TeacherColumns:
+    """A split's stored-teacher arrays (teacher_ids, teacher_logprobs), opened by the first sample that has them: every
+    sample then gives as many entries per token."""
+
+    def __init__(self, directory: Path, split: str) -> None:
+        self.directory, self.split = directory, split
+        self.files: tuple[ArrayFile, ArrayFile] | None = None
+        self._parts: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def add(self, sample: int, ids: np.ndarray, values: np.ndarray) -> None:
+        width = ids.shape[1]
+        if not len(ids):  # no trained token: nothing to store (and its width says nothing)
+            return
+        if self.files is None:
+            self.files = (ArrayFile(self.directory / f"{self.split}.{TEACHER_KEYS[0]}.npy", np.int32, width),
+                          ArrayFile(self.directory / f"{self.split}.{TEACHER_KEYS[1]}.npy", np.float32, width))
+        elif width != self.files[0].width:
+            raise UserError(f"sample {sample}: its stored teacher has {width} log-probabilities per token, earlier "
+                            f"samples {self.files[0].width}: every token of the datasets needs the same number")
+        self._parts.append((ids, values))
+
+    def flush(self) -> None:
+        if self.files is not None:
+            for ids, values in self._parts:
+                self.files[0].write(ids)
+                self.files[1].write(values)
+        self._parts = []
+
+    def close(self) -> int | None:
+        """The entries per token (None: no stored teacher), the files finished."""
+        self.flush()
+        if self.files is None:
+            return None
+        for file in self.files:
+            file.close()
+        return self.files[0].width
 
 
 class SampleRow(dict):
@@ -196,8 +246,10 @@ class Samples(Sequence):
 
     def __init__(self, ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, docs: np.ndarray | None,
                  mask: bool, images: np.ndarray | None = None, image_paths: Sequence[str] = (),
-                 image_layout: str = "") -> None:
+                 image_layout: str = "", teacher: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.ids, self.labels, self.offsets, self.docs, self.mask = ids, labels, offsets, docs, mask
+        self.teacher = teacher
+        self.teacher_offsets = _trained_offsets(labels, offsets, mask) if teacher is not None else None
         self.lengths = np.diff(offsets)
         self.images, self.image_paths, self.image_layout = images, list(image_paths), image_layout
         self.image_digests: dict[str, str] = {}
@@ -218,8 +270,9 @@ class Samples(Sequence):
         docs = np.asarray(load("docs")) if docs_file.is_file() else None
         info = info or {}
         images = np.asarray(load("images")) if info.get("images") is not None else None  # a few ints per image
+        teacher = tuple(load(k) for k in TEACHER_KEYS) if info.get("teacher_k") is not None else None
         return cls(load("ids"), load("labels"), np.asarray(load("offsets")), docs, labels_kind == "mask", images,
-                   info.get("image_paths", ()), info.get("image_layout") or "")
+                   info.get("image_paths", ()), info.get("image_layout") or "", teacher)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -244,6 +297,9 @@ class Samples(Sequence):
             first, end = np.searchsorted(self.images[:, 0], [i, i + 1])
             if end > first:
                 row["images"] = entry_of(self.images[first:end], self.image_paths, self.image_layout)
+        if self.teacher is not None:
+            a, b = int(self.teacher_offsets[i]), int(self.teacher_offsets[i + 1])
+            row.update(zip(TEACHER_KEYS, (np.asarray(column[a:b]) for column in self.teacher)))
         row.update(self._extras.get(i, {}))
         row._extras, row._index = self._extras, i
         return row
@@ -265,6 +321,13 @@ class Samples(Sequence):
 
     def __repr__(self) -> str:
         return f"Samples({len(self)} samples, {len(self.ids)} tokens)"
+
+
+def _trained_offsets(labels: np.ndarray, offsets: np.ndarray, mask: bool) -> np.ndarray:
+    """n + 1 offsets into a stored teacher's arrays: sample i's trained tokens' entries are rows [o[i], o[i + 1])."""
+    trained = labels != 0 if mask else labels != IGNORE_INDEX
+    counts = np.add.reduceat(trained.astype(np.int64), offsets[:-1]) if len(offsets) > 1 else np.zeros(0, np.int64)
+    return np.concatenate([[0], np.cumsum(counts)])
 
 
 def sample_lengths(samples: Sequence[dict]) -> np.ndarray:

@@ -22,6 +22,10 @@ Beyond TRL:
 * `vocab`: a teacher with more ids than the student (ids no tokenizer id maps to) is renormalized over the shared
   first `vocab` ids; the mass it put outside them is reported (`outside`).
 * soft-caps (`softcap * tanh(logits / softcap)`, as fused.py) per model, before the temperature.
+* `distill_stored_loss`: the teacher given as stored top-k log-probabilities per row (offline distillation) rather
+  than as hidden rows and a head: its k buckets are the stored values as they are, its tail bucket the rest of the
+  mass, 1 - sum (in float64, at least TAIL_FLOOR: stored values are rounded, and a reverse KL needs a teacher tail
+  with some mass). The same divergence and gradients as the online top-k, from the stored instead of computed values.
 
 The statistics (`agree`, `tail`, `outside`) describe the distributions as distilled: after each model's
 soft-cap and the temperature, the teacher renormalized over the shared ids.
@@ -57,6 +61,10 @@ class DistillSums:
     outside: torch.Tensor  # scalar, no grad: the teacher's mass on ids >= vocab (0 when it has none)
 
 
+# The least tail mass a stored teacher's top-k leaves (see the module docstring): far below what fp32 values resolve.
+TAIL_FLOOR = 1e-12
+
+
 @dataclass(frozen=True)
 class _Setup:
     beta: float
@@ -67,6 +75,7 @@ class _Setup:
     top_k: int | None  # None also when top_k covers the whole vocabulary: the same divergence, an empty tail
     vocab: int
     grad_flags: tuple[bool, bool, bool]  # student hidden, weight, bias
+    stored: bool = False  # the teacher's tensors are stored top-k (ids, log-probabilities), not (hidden, weight, bias)
 
 
 def _tempered_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None,
@@ -134,27 +143,49 @@ def _logit_grad(s_ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor, a: torch.
     return p.mul_(_spread(a, idx, p.shape[1]).sub(mean))
 
 
-def _chunk(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...], setup: _Setup,
-           acc: torch.dtype, need_grad: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """([summed divergence, agreeing rows, tail mass, outside mass] of one chunk of rows, d(divergence)/d(student
-    logits) [c, V] or None). Holds a few [c, V] buffers per model, never more rows."""
-    zs, tanh = _tempered_logits(*student, setup.student_softcap, setup.temperature, acc)
+def _teacher_buckets(teacher: tuple[torch.Tensor, ...], setup: _Setup, acc: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The teacher's bucket log-probabilities [c, B] from its hidden rows and head, its top-k ids [c, k] (None
+    without top_k), its likeliest id per row, and its mass beyond the shared ids (summed)."""
     zt, _ = _tempered_logits(*teacher, setup.teacher_softcap, setup.temperature, acc)
     vocab = setup.vocab
-    outside = torch.zeros((), dtype=acc, device=zs.device)
+    outside = torch.zeros((), dtype=acc, device=zt.device)
     if zt.shape[1] > vocab:
         # mass beyond the shared ids: 1 - exp(lse(shared) - lse(all)), via expm1 for small masses
         lse = torch.logsumexp(zt, dim=1)
         zt = zt[:, :vocab]
         outside = -torch.expm1(torch.logsumexp(zt, dim=1) - lse).sum()
-    agree = (zs.argmax(dim=1) == zt.argmax(dim=1)).sum()
-    s_ids, t_ids = _log_softmax_(zs), _log_softmax_(zt.contiguous())  # the teacher renormalized over shared ids
+    top1 = zt.argmax(dim=1)
+    t_ids = _log_softmax_(zt.contiguous())  # the teacher renormalized over the shared ids
     idx = None if setup.top_k is None else t_ids.topk(setup.top_k, dim=1, sorted=False).indices
-    s, t = _buckets(s_ids, idx), _buckets(t_ids, idx)
-    del t_ids, zt
-    tail = t[:, -1].exp().sum() if idx is not None else torch.zeros((), dtype=acc, device=s.device)
+    return _buckets(t_ids, idx), idx, top1, outside
+
+
+def _stored_buckets(ids: torch.Tensor, logps: torch.Tensor, acc: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stored teacher's bucket log-probabilities [c, k + 1] (its k values and the tail, 1 - their sum, in float64
+    and at least TAIL_FLOOR), its ids [c, k], and its likeliest id per row (the first: stored in descending order)."""
+    wide = torch.float64 if logps.device.type != "mps" else acc
+    rest = (1 - logps.to(wide).exp().sum(dim=1, keepdim=True)).clamp_min_(TAIL_FLOOR).log_()
+    return torch.cat([logps.to(acc), rest.to(acc)], dim=1), ids, ids[:, 0]
+
+
+def _chunk(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...], setup: _Setup,
+           acc: torch.dtype, need_grad: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """([summed divergence, agreeing rows, tail mass, outside mass] of one chunk of rows, d(divergence)/d(student
+    logits) [c, V] or None). Holds a few [c, V] buffers per model, never more rows."""
+    zs, tanh = _tempered_logits(*student, setup.student_softcap, setup.temperature, acc)
+    if setup.stored:
+        t, idx, top1, outside = (*_stored_buckets(*teacher, acc), None)
+    else:
+        t, idx, top1, outside = _teacher_buckets(teacher, setup, acc)
+    agree = (zs.argmax(dim=1) == top1).sum()
+    s_ids = _log_softmax_(zs)
+    s = _buckets(s_ids, idx)
+    zero = torch.zeros((), dtype=acc, device=s.device)
+    tail = t[:, -1].exp().sum() if idx is not None else zero
     rows, a = _divergence(s, t, setup.beta)
-    stats = [rows.sum(), agree, tail, outside]
+    stats = [rows.sum(), agree, tail, zero if outside is None else outside]
     if not need_grad:
         return stats, None
     g = _logit_grad(s_ids, s, t, a, idx)
@@ -184,11 +215,12 @@ def _add_grads(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, rows: slice,
             grad_w.addmm_(g.t(), h.to(g.dtype))
 
 
-def _forward(hs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, ht: torch.Tensor, wt: torch.Tensor,
-             bt: torch.Tensor | None, setup: _Setup) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """([loss, agree, tail, outside] over all rows, [grad hidden, grad weight, grad bias] of the student or Nones)."""
+def _forward(hs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, teacher: tuple[torch.Tensor | None, ...],
+             setup: _Setup) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """([loss, agree, tail, outside] over all rows, [grad hidden, grad weight, grad bias] of the student or Nones).
+    `teacher`: (hidden, weight, bias), or with setup.stored (ids, log-probabilities)."""
     need_h, need_w, need_b = setup.grad_flags
-    acc = promote(acc_dtype(hs.dtype), acc_dtype(ht.dtype))
+    acc = acc_dtype(hs.dtype) if setup.stored else promote(acc_dtype(hs.dtype), acc_dtype(teacher[0].dtype))
     dev = hs.device
     grads: list[torch.Tensor | None] = [
         torch.empty_like(hs) if need_h else None,
@@ -201,7 +233,8 @@ def _forward(hs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, ht: to
     sums[1] = sums[1].long()
     for start in range(0, hs.shape[0], setup.chunk_size):
         rows = slice(start, start + setup.chunk_size)
-        stats, g = _chunk((hs[rows], ws, bs), (ht[rows], wt, bt), setup, acc, any(setup.grad_flags))
+        chunk = (teacher[0][rows], teacher[1][rows]) if setup.stored else (teacher[0][rows], *teacher[1:])
+        stats, g = _chunk((hs[rows], ws, bs), chunk, setup, acc, any(setup.grad_flags))
         for total_sum, value in zip(sums, stats):
             total_sum += value
         if g is not None:
@@ -222,14 +255,13 @@ class _ChunkedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,  # type: ignore[override]
-                ht: torch.Tensor, wt: torch.Tensor, bt: torch.Tensor | None,
-                setup: _Setup) -> tuple[torch.Tensor, ...]:
-        sums, grads = _forward(hs, ws, bs, ht, wt, bt, setup)
+                setup: _Setup, *teacher: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        sums, grads = _forward(hs, ws, bs, teacher, setup)
         ctx.mark_non_differentiable(*sums[1:])
         ctx.grads = grads if any(setup.grad_flags) else None
-        ctx.setup = setup
+        ctx.setup, ctx.teachers = setup, len(teacher)
         if any(setup.grad_flags):
-            ctx.save_for_backward(hs, ws, bs, ht, wt, bt)
+            ctx.save_for_backward(hs, ws, bs, *teacher)
         return tuple(sums)
 
     @staticmethod
@@ -238,11 +270,12 @@ class _ChunkedDistill(torch.autograd.Function):
         grads = ctx.grads
         ctx.grads = None  # the tensors now belong to autograd
         if grads is None:  # this graph is being backpropagated through again
-            _, grads = _forward(*ctx.saved_tensors, ctx.setup)
+            hs, ws, bs, *teacher = ctx.saved_tensors
+            _, grads = _forward(hs, ws, bs, tuple(teacher), ctx.setup)
         for g in grads:
             if g is not None:
                 g.mul_(grad_loss)
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, *(None,) * ctx.teachers
 
 
 def distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
@@ -272,7 +305,41 @@ def distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, stu
     # cast above to what nn.Linear would use, then compute with autocast off so it cannot downcast the fp32 work
     autocast = dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
     with torch.autocast(device_type=dev, enabled=False) if autocast else contextlib.nullcontext():
-        loss, agree, tail, outside = _ChunkedDistill.apply(hs, ws, bs, ht, wt, bt, setup)
+        loss, agree, tail, outside = _ChunkedDistill.apply(hs, ws, bs, setup, ht, wt, bt)
+    return DistillSums(loss=loss, agree=agree, tail=tail, outside=outside)
+
+
+def distill_stored_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
+                        teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, *, beta: float,
+                        temperature: float = 1.0, chunk_size: int = 1024,
+                        student_softcap: float | None = None) -> DistillSums:
+    """distill_loss with the teacher stored: its top-k ids [N, k] (int64, in descending order of probability, no
+    repeats, each below the student's vocabulary) and their log-probabilities [N, k] at each row, as the teacher
+    gives them at `temperature` (the student's logits are divided by it; the stored values are used as they are).
+    The divergence is over the k ids and one tail bucket (1 - their sum); `tail` sums it; `outside` is 0."""
+    if teacher_ids.shape != teacher_logprobs.shape or teacher_ids.dim() != 2:
+        raise ValueError(f"teacher ids {tuple(teacher_ids.shape)} and log-probabilities "
+                         f"{tuple(teacher_logprobs.shape)}: want the same [N, k]")
+    if teacher_ids.shape[0] != student_hidden.shape[0]:
+        raise ValueError(f"the student has {student_hidden.shape[0]} rows and the stored teacher "
+                         f"{teacher_ids.shape[0]}: they must align")
+    vocab = student_weight.shape[0]
+    if teacher_ids.shape[1] >= vocab:  # the student's tail would be empty: log 0
+        raise ValueError(f"a stored top-k needs fewer ids than the vocabulary ({vocab}), got {teacher_ids.shape[1]}")
+    setup = _check(student_hidden, student_weight, student_bias, student_hidden, student_weight, None, beta,
+                   temperature, chunk_size, student_softcap, None, teacher_ids.shape[1], vocab)
+    sd = compute_dtype(student_hidden, student_weight)
+    hs, ws = student_hidden.to(sd), student_weight.to(sd)
+    bs = student_bias.to(sd) if student_bias is not None else None
+    grad_on = torch.is_grad_enabled()
+    setup = replace(setup, top_k=teacher_ids.shape[1], stored=True,
+                    grad_flags=(grad_on and hs.requires_grad, grad_on and ws.requires_grad,
+                                grad_on and bs is not None and bs.requires_grad))
+    dev = hs.device.type
+    autocast = dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
+    with torch.autocast(device_type=dev, enabled=False) if autocast else contextlib.nullcontext():
+        loss, agree, tail, outside = _ChunkedDistill.apply(hs, ws, bs, setup, teacher_ids.detach(),
+                                                           teacher_logprobs.detach())
     return DistillSums(loss=loss, agree=agree, tail=tail, outside=outside)
 
 

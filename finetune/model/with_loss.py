@@ -15,7 +15,7 @@ import torch
 from finetune.attention import dispatch as attention
 from finetune.attention.kernels import setting
 from finetune.batch import Documents, Targets, VisionFields
-from finetune.loss.distill import distill_loss
+from finetune.loss.distill import distill_loss, distill_stored_loss
 from finetune.loss.fused import linear_cross_entropy, target_rows
 from finetune.loss.logprobs import token_logprobs
 from finetune.model import vision as vision_models
@@ -59,7 +59,7 @@ class CausalLMWithLoss(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, per_token: bool = False, targets: Targets | None = None,
                 documents: Documents | None = None, temperature: float = 1.0, vision: VisionFields | None = None,
-                teacher: TeacherRows | None = None) -> tuple[torch.Tensor, Any]:
+                teacher: TeacherRows | StoredTeacherRows | None = None) -> tuple[torch.Tensor, Any]:
         """(summed loss, number of targets); with per_token, (each target's log-probability, its flat position)
         for objectives that score whole sequences. `targets` and `documents` (MicroBatch.model_inputs: the target
         positions and the packed rows' documents, found on the CPU) spare the loss and the attention host syncs.
@@ -106,7 +106,7 @@ class CausalLMWithLoss(torch.nn.Module):
         return TeacherRows(rows, weight, bias, self.softcap)
 
     def _distill(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                 targets: Targets | None, teacher: TeacherRows) -> tuple[torch.Tensor, Any]:
+                 targets: Targets | None, teacher: TeacherRows | StoredTeacherRows) -> tuple[torch.Tensor, Any]:
         """The divergence of this model (the student) from the teacher's rows, summed over the targets, with the
         student's own cross-entropy times teacher.sft_weight."""
         keep, _ = target_rows(labels, targets)
@@ -114,10 +114,15 @@ class CausalLMWithLoss(torch.nn.Module):
         if rows.shape[0] == 0:  # a filler: 0.0 that still reaches every parameter (DDP/FSDP hooks fire)
             zero = rows.sum() + weight.reshape(-1)[:0].sum() + (bias[:0].sum() if bias is not None else 0)
             return zero.float(), {}
-        sums = distill_loss(rows, weight, bias, teacher.hidden, teacher.weight, teacher.bias,
-                            beta=teacher.beta, temperature=teacher.temperature, chunk_size=self.chunk_size,
-                            student_softcap=self.softcap, teacher_softcap=teacher.softcap, top_k=teacher.top_k,
-                            vocab=teacher.vocab)
+        if isinstance(teacher, StoredTeacherRows):
+            sums = distill_stored_loss(rows, weight, bias, teacher.ids, teacher.logprobs, beta=teacher.beta,
+                                       temperature=teacher.temperature, chunk_size=self.chunk_size,
+                                       student_softcap=self.softcap)
+        else:
+            sums = distill_loss(rows, weight, bias, teacher.hidden, teacher.weight, teacher.bias,
+                                beta=teacher.beta, temperature=teacher.temperature, chunk_size=self.chunk_size,
+                                student_softcap=self.softcap, teacher_softcap=teacher.softcap, top_k=teacher.top_k,
+                                vocab=teacher.vocab)
         loss = sums.loss
         metrics = {"agreement": sums.agree, "teacher_tail": sums.tail, "teacher_outside": sums.outside}
         if teacher.sft_weight:
@@ -141,6 +146,18 @@ class TeacherRows:
     temperature: float = 1.0
     top_k: int | None = None
     vocab: int | None = None
+    sft_weight: float = 0.0
+
+
+@dataclass
+class StoredTeacherRows:
+    """An offline distillation's teacher at a micro-batch's targets: its stored top-k ids and log-probabilities
+    [targets, k] (descending), and the divergence's settings."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    beta: float = 0.5
+    temperature: float = 1.0
     sft_weight: float = 0.0
 
 

@@ -16,16 +16,20 @@ from typing import Any
 
 import torch
 
-from finetune.batch import MicroBatch
+from finetune.batch import MicroBatch, StoredTeacherFields
+from finetune.data import StepPlan
 from finetune.errors import UserError
 from finetune.model.digest import weights_digest
 from finetune.model.loading import load_model, output_layer
 from finetune.model.tokenizer import load_tokenizer
-from finetune.model.with_loss import CausalLMWithLoss
-from finetune.objectives.base import MicroResult, Preparation
+from finetune.model.with_loss import CausalLMWithLoss, StoredTeacherRows
+from finetune.objectives.base import MicroResult, Planning, Preparation
+from finetune.objectives.on_policy import OnPolicyPlan
 from finetune.objectives.rows import DatasetRows
-from finetune.recipe import AdapterConfig, Recipe, TokenizerConfig
+from finetune.recipe import AdapterConfig, GRPOConfig, Recipe, TokenizerConfig
 from finetune.recipe.distill import DistillConfig
+from finetune.rl.generation import HFGenerator
+from finetune.rl.rollout import end_ids
 
 
 class Distill(DatasetRows):
@@ -37,35 +41,65 @@ class Distill(DatasetRows):
 
     def __init__(self, cfg: DistillConfig) -> None:
         self.cfg = cfg
+        if cfg.teacher_logprobs:  # offline: the teacher's top-k comes with each micro-batch
+            self.needs = ("teacher",)
         self.teacher: CausalLMWithLoss | None = None
         self.vocab: int | None = None
         self.reference_digest: str | None = None  # the teacher's weights, which checkpoints record
         # Each metric's sum over the step's target tokens: the top-1 agreement always; the rest when they mean something.
-        self.metrics = {"agreement": "tokens", **({"teacher_tail": "tokens"} if cfg.top_k else {}),
+        tail = cfg.top_k or cfg.teacher_logprobs
+        self.metrics = {"agreement": "tokens", **({"teacher_tail": "tokens"} if tail else {}),
                         **({"student_ce": "tokens"} if cfg.sft_weight else {})}
 
     def prepare(self, splits: dict[str, list[dict]], lm: torch.nn.Module, setting: Preparation) -> None:
-        """The teacher loaded, frozen, with the student's tokenizer checked against its own."""
-        if self.teacher is None:
+        """The teacher loaded, frozen, with the student's tokenizer checked against its own (offline: nothing to load)."""
+        if self.teacher is None and not self.cfg.teacher_logprobs:
             self.teacher, self.vocab = load_teacher(setting.recipe, setting.tokenizer, lm, setting.impl,
                                                     setting.device, setting.say)
             if self.vocab is not None:
                 self.metrics["teacher_outside"] = "tokens"
             self.reference_digest = weights_digest(self.teacher.lm)
 
+    def plan(self, planning: Planning) -> StepPlan:
+        """The datasets' rows each step; with distill.lmbda, a seeded fraction of steps on the student's own
+        completions of their prompts (objectives/on_policy.py)."""
+        c = self.cfg
+        if not c.lmbda:
+            return super().plan(planning)
+        sampling = GRPOConfig(max_new_tokens=c.max_new_tokens, temperature=c.sample_temperature, top_p=1.0)
+        generator = HFGenerator(planning.lm, planning.tokenizer, sampling, end_ids(planning.tokenizer, planning.lm),
+                                planning.device, c.generation_batch_size)
+        return OnPolicyPlan(planning.train, planning.recipe, planning.world_size, generator)
+
     def counts(self, batch: MicroBatch) -> dict[str, int]:
         return {"tokens": batch.targets}
 
     def forward(self, net: torch.nn.Module, batch: MicroBatch, device: torch.device) -> MicroResult:
-        if self.teacher is None:
+        if self.teacher is None and not self.cfg.teacher_logprobs:
             raise RuntimeError("Distill.prepare loads the teacher before the first forward")
-        inputs = batch.to(device).model_inputs()
+        batch = batch.to(device)
+        inputs = batch.model_inputs()
         c = self.cfg
-        rows = dataclasses.replace(self.teacher.teacher_rows(**inputs), beta=c.beta, temperature=c.temperature,
-                                   top_k=c.top_k, vocab=self.vocab, sft_weight=c.sft_weight)
+        if c.teacher_logprobs:
+            rows = stored_rows(batch.require("teacher", self.name), c)
+        else:
+            rows = dataclasses.replace(self.teacher.teacher_rows(**inputs), beta=c.beta, temperature=c.temperature,
+                                       top_k=c.top_k, vocab=self.vocab, sft_weight=c.sft_weight)
         loss, sums = net(**inputs, teacher=rows)
         zero = torch.zeros((), dtype=torch.float64, device=loss.device)
         return MicroResult({"tokens": loss}, {m: sums.get(m, zero) for m in self.metrics})
+
+
+def stored_rows(stored: StoredTeacherFields, cfg: DistillConfig) -> StoredTeacherRows:
+    """The micro-batch's stored teacher, cut to distill.top_k of each token's entries (they are in descending order:
+    the rest joins the tail bucket)."""
+    k = stored.ids.shape[1]
+    if cfg.top_k is not None and cfg.top_k > k:
+        raise UserError(f"distill.top_k: {cfg.top_k}, but the datasets store {k} teacher log-probabilities per "
+                        f"token ({cfg.teacher_logprobs}); set it to {k} or less, or leave it out")
+    top = cfg.top_k or k
+    return StoredTeacherRows(stored.ids[:, :top], stored.logprobs[:, :top], beta=cfg.beta,
+                             temperature=cfg.temperature, sft_weight=cfg.sft_weight)
 
 
 def load_teacher(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, impl: str, device: torch.device,

@@ -14,6 +14,9 @@ class DistillConfig(Section):
 
     teacher: str | None = None
     """The teacher: a local model directory or hub id with the student's tokenizer, loaded frozen, in eval mode."""
+    teacher_logprobs: str | None = None
+    """Offline distillation: the row field holding the teacher's top-k log-probabilities per token (Axolotl's KD
+    layouts), instead of a teacher model; the values are the teacher's distribution at `temperature`."""
     beta: float = Field(0.5, ge=0, le=1)
     """The generalized Jensen-Shannon divergence's weight: 0 is forward KL(teacher || student), 1 reverse
     KL(student || teacher), in between the JSD against their beta-mixture (TRL's generalized_jsd_loss)."""
@@ -21,6 +24,19 @@ class DistillConfig(Section):
     """Both models' logits are divided by it (no T^2 factor, as TRL's generalized_jsd_loss)."""
     top_k: int | None = Field(None, gt=0)
     """The divergence over the teacher's top-k ids and one tail bucket holding each distribution's remaining mass
-    (exact, no renormalization); null: the whole vocabulary."""
+    (exact, no renormalization); null: the whole vocabulary (with teacher_logprobs: every stored entry, else the
+    first top_k of each token's)."""
     sft_weight: float = Field(0.0, ge=0)
     """Weight of the student's own cross-entropy on the data's tokens, added to the divergence."""
+    lmbda: float = Field(0.0, ge=0, le=1)
+    """On-policy distillation (GKD's lambda): the fraction of optimizer steps, drawn per step from the seed, whose
+    rows are the student's own completions of their prompts (the tokens before each row's last trained turn),
+    sampled at `sample_temperature`; the rest train on the datasets' completions. Needs a teacher model and
+    data.packing: false."""
+    max_new_tokens: int = Field(128, gt=0)
+    """The longest on-policy completion, in tokens (lmbda > 0)."""
+    sample_temperature: float = Field(0.9, gt=0)
+    """The student's sampling temperature for on-policy completions (TRL's GKDConfig.temperature); the divergence's
+    is `temperature`."""
+    generation_batch_size: int = Field(16, gt=0)
+    """On-policy prompts generated together: fixed, so that every split of the step samples the same completions."""

@@ -215,9 +215,22 @@ def _distill_checks(recipe: Recipe) -> list[str]:
     if recipe.train.objective != "distill":
         return []
     problems = []
-    if not recipe.distill.teacher:
+    d = recipe.distill
+    if not d.teacher and not d.teacher_logprobs:
         problems.append("distill.teacher: train.objective distill needs a teacher (a model directory or hub id with "
-                        "the student's tokenizer)")
+                        "the student's tokenizer), or distill.teacher_logprobs (its top-k stored in the datasets)")
+    if d.teacher and d.teacher_logprobs:
+        problems.append("distill.teacher_logprobs: one teacher: a model (distill.teacher) or its log-probabilities "
+                        "stored in the datasets (this key), not both")
+    if d.lmbda > 0 and d.teacher_logprobs:
+        problems.append("distill.lmbda: on-policy completions need the teacher itself (distill.teacher): stored "
+                        "log-probabilities have no entries for the student's own tokens")
+    if d.lmbda > 0 and recipe.data.packing:
+        problems.append("distill.lmbda: on-policy steps replace each row by the student's completion of its prompt, "
+                        "one completion per row; set data.packing: false")
+    if d.teacher_logprobs and any(c.format == "preference" for c in [*recipe.datasets, *recipe.eval_datasets]):
+        problems.append("distill.teacher_logprobs: preference datasets have no stored teacher; use chat, alpaca or "
+                        "completion rows")
     if recipe.loss.z_loss:
         problems.append("loss.z_loss: not with train.objective distill (it adds to token losses)")
     if recipe.loss.impl == "liger":

@@ -297,3 +297,68 @@ def test_never_holds_more_than_a_chunk_of_logits():
     # the biggest buffers: the chunks' logits [8, Vt] and the teacher's weight [Vt, 8] (an eighth of [N, V])
     assert largest.largest <= max(chunk * teacher_vocab, teacher_vocab * hidden) < n * vocab // 4  # no [N, V] or [N, Vt], not even a quarter of one
     assert math.isfinite(out.loss.item())
+
+
+def _stored(teacher, k: int, temperature: float, softcap: float | None = None, vocab: int | None = None):
+    """The teacher's top-k ids and log-probabilities at `temperature`, as an offline file would store them: in
+    descending order, renormalized over the shared ids (the online top-k's teacher)."""
+    ht, wt, bt = teacher
+    with torch.no_grad():
+        z = _cap(F.linear(ht, wt, bt), softcap) / temperature
+        logp = torch.log_softmax(z[:, :vocab or z.shape[1]], dim=1)
+        values, ids = logp.topk(k, dim=1)
+    return ids, values
+
+
+@pytest.mark.parametrize("case", ["top_k", "top_k_no_bias", "everything"])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("beta", BETAS)
+def test_stored_top_k_equals_the_online_top_k(case, temperature, beta):
+    """The stored teacher (its top-k values and a tail of 1 - their sum) gives the online top-k's divergence, student
+    gradients and statistics from the same teacher, within 1e-10 in float64."""
+    from finetune.loss.distill import distill_stored_loss
+
+    student, teacher, kw = _case(case)
+    ids, values = _stored(teacher, kw["top_k"], temperature, kw.get("teacher_softcap"), student[1].shape[0])
+    online, online_grads = _run(distill_loss, student, teacher, beta=beta, temperature=temperature, **kw)
+    stored, stored_grads = _run(distill_stored_loss, student, (ids, values), beta=beta, temperature=temperature,
+                                chunk_size=kw.get("chunk_size", 1024), student_softcap=kw.get("student_softcap"))
+    assert abs(stored.loss.item() - online.loss.item()) <= 1e-10 * abs(online.loss.item())
+    for a, b in zip(stored_grads, online_grads):
+        if a is not None:
+            assert _rel(a, b) <= 1e-10
+    assert int(stored.agree) == int(online.agree)
+    torch.testing.assert_close(stored.tail, online.tail, rtol=1e-10, atol=1e-14)
+    assert float(stored.outside) == 0.0
+
+
+def test_stored_top_k_gradcheck_and_a_tail_of_nothing():
+    """gradcheck through the stored path; a stored top-k whose values sum to 1 (rounded) keeps a finite loss at every
+    beta: its tail bucket is TAIL_FLOOR, not 0."""
+    from finetune.loss.distill import distill_stored_loss
+
+    g = torch.Generator().manual_seed(5)
+    student = _model(g, 5, 4, 9, True)
+    ids, values = _stored(_model(g, 5, 3, 9, True), 3, 1.5)
+    assert torch.autograd.gradcheck(lambda *s: distill_stored_loss(*s, ids, values, beta=0.5, temperature=1.5,
+                                                                   chunk_size=2).loss, student)
+    ids, values = _stored(_model(g, 5, 3, 9, True), 8, 1.0)
+    whole = values - values.logsumexp(dim=1, keepdim=True)  # 8 of 9 ids holding all the mass
+    for beta in BETAS:
+        out = distill_stored_loss(*student, ids, whole, beta=beta)
+        assert math.isfinite(out.loss.item()) and float(out.tail) <= 5 * 1.001e-12
+
+
+def test_stored_top_k_refuses_what_does_not_fit():
+    from finetune.loss.distill import distill_stored_loss
+
+    g = torch.Generator().manual_seed(6)
+    student = _model(g, 4, 4, 9, False)
+    ids, values = _stored(_model(g, 4, 3, 9, False), 3, 1.0)
+    with pytest.raises(ValueError, match="want the same"):
+        distill_stored_loss(*student, ids, values[:, :2], beta=0.5)
+    with pytest.raises(ValueError, match="must align"):
+        distill_stored_loss(*student, ids[:3], values[:3], beta=0.5)
+    every, all_values = _stored(_model(g, 4, 3, 9, False), 9, 1.0)
+    with pytest.raises(ValueError, match="fewer ids than the vocabulary"):
+        distill_stored_loss(*student, every, all_values, beta=0.5)
