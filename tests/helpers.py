@@ -228,3 +228,15 @@ def profile_events(fn: Any) -> int:
     finally:
         sys.setprofile(previous)
     return events
+
+
+def teacher_dir(path, vocab: int = 1024, seed: int = 1, hidden: int = 48):
+    """A tiny Llama teacher (wider than the student) with the quickstart's tokenizer, saved as a model directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    config = {k: v for k, v in TINY_MODEL_CONFIG.items() if k != "model_type"} | {"hidden_size": hidden,
+                                                                                   "intermediate_size": 2 * hidden}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config, vocab_size=vocab)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(ROOT / "examples" / "tokenizer").save_pretrained(path)
+    return path

@@ -225,6 +225,9 @@ def _distill_checks(recipe: Recipe) -> list[str]:
     if d.lmbda > 0 and d.teacher_logprobs:
         problems.append("distill.lmbda: on-policy completions need the teacher itself (distill.teacher): stored "
                         "log-probabilities have no entries for the student's own tokens")
+    if d.lmbda > 0 and recipe.distributed.strategy == "fsdp":
+        problems.append("distributed.strategy: on-policy distillation samples with the student on every rank; with "
+                        "fsdp the ranks' generate calls would have to stay in step: use ddp, or distill.lmbda: 0")
     if d.lmbda > 0 and recipe.data.packing:
         problems.append("distill.lmbda: on-policy steps replace each row by the student's completion of its prompt, "
                         "one completion per row; set data.packing: false")

@@ -10,8 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import QUICKSTART, ROOT, TINY, final_weights, rel_diff, run_cli, train_lines
-from test_distillation import teacher_dir
+from helpers import QUICKSTART, ROOT, TINY, final_weights, rel_diff, run_cli, teacher_dir, train_lines
 
 from finetune.data.sources import BadRow, RawRow
 from finetune.data.teacher_logprobs import read_stored, trained_entries

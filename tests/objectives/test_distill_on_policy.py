@@ -9,8 +9,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import QUICKSTART, TINY, final_weights, rel_diff, run_cli, train_lines
-from test_distillation import teacher_dir
+from helpers import QUICKSTART, TINY, final_weights, rel_diff, run_cli, teacher_dir, train_lines
 
 from finetune.objectives.on_policy import OnPolicyPlan, completed_row, prompt_of
 
@@ -108,6 +107,7 @@ def test_a_resumed_on_policy_run_is_bitwise_the_straight_one(tmp_path, teacher):
 @pytest.mark.parametrize("extra, message", [
     (["data.packing=true"], "distill.lmbda: on-policy steps replace each row"),
     (["distill.teacher=null", "distill.teacher_logprobs=teacher"], "distill.lmbda: on-policy completions need"),
+    (["distributed.strategy=fsdp"], "distributed.strategy: on-policy distillation samples"),
 ])
 def test_what_on_policy_cannot_serve_is_refused(extra, message):
     from finetune.errors import UserError

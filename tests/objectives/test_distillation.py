@@ -6,22 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODEL_CONFIG
-from helpers import QUICKSTART, ROOT, TINY, final_weights, rel_diff, run_cli, train_lines
-
-TOKENIZER = ROOT / "examples" / "tokenizer"
-
-
-def teacher_dir(path, vocab: int = 1024, seed: int = 1, hidden: int = 48):
-    """A tiny Llama teacher (wider than the student) with the quickstart's tokenizer, saved as a model directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(seed)
-    config = {k: v for k, v in TINY_MODEL_CONFIG.items() if k != "model_type"} | {"hidden_size": hidden,
-                                                                                   "intermediate_size": 2 * hidden}
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config, vocab_size=vocab)).save_pretrained(path)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
-    return path
+from helpers import QUICKSTART, TINY, final_weights, rel_diff, run_cli, teacher_dir, train_lines
 
 
 def distill_args(teacher, *extra: str) -> list[str]:
