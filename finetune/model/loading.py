@@ -47,14 +47,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: int,
                device: torch.device | None = None, trainable: list[str] | None = None, *,
-               key: str = "model.path") -> torch.nn.Module:
+               key: str = "model.path", four_bit: bool = False) -> torch.nn.Module:
     """The causal LM in the recipe's dtype, with its adapter applied (if any). On the CPU (the caller moves it
     to `device`), except a QLoRA base, quantized straight onto `device` when that is a GPU. With `trainable`
     (train.trainable_parameters), only the parameters whose name matches one of those patterns train. `key` is
-    where cfg.path came from (grpo.reference, ...): a bad file's message names it (files.py)."""
-    if adapter.type == "qlora":
+    where cfg.path came from (grpo.reference, ...): a bad file's message names it (files.py). `four_bit`: the
+    linear layers in 4-bit NF4 as a QLoRA base's, with no adapter (a frozen distillation teacher)."""
+    if adapter.type == "qlora" or four_bit:
         model = _load_quantized(cfg, tokenizer, seed, device or torch.device("cpu"), key)
-        _keep_4bit_trainable(model)
+        if adapter.type == "qlora":
+            _keep_4bit_trainable(model)
     else:
         model = _plain_model(cfg, tokenizer, seed, key)
     new_rows = vocab.resize_embeddings(model, tokenizer, cfg)  # tokens the recipe added (tokenizer.*tokens)

@@ -12,6 +12,9 @@ and refuses one whose weights changed (its digest is recorded like a reference's
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,7 +115,12 @@ def load_teacher(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, impl: str,
     cfg = recipe.model.model_copy(update={"path": path, "init": "pretrained", "gguf_file": None, "config": None})
     _same_tokenizer(tokenizer, load_tokenizer(TokenizerConfig(path=path), cfg), path)
     _predicts_every_id(path, cfg, len(tokenizer))
-    teacher = load_model(cfg, AdapterConfig(), tokenizer, recipe.seed, device, key="distill.teacher").to(device)
+    four_bit = recipe.distill.teacher_4bit
+    check_fits(path, cfg.dtype, four_bit, device)
+    teacher = load_model(cfg, AdapterConfig(), tokenizer, recipe.seed, device, key="distill.teacher",
+                         four_bit=four_bit)
+    if not four_bit:  # a 4-bit model is quantized onto its device (bitsandbytes refuses .to)
+        teacher = teacher.to(device)
     teacher.eval().requires_grad_(False)
     student_rows = output_layer(lm)[1].weight.shape[0]
     teacher_rows = output_layer(teacher)[1].weight.shape[0]
@@ -122,8 +130,53 @@ def load_teacher(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, impl: str,
     vocab = student_rows if teacher_rows > student_rows else None
     extra = f"; {teacher_rows - student_rows} ids beyond the student's, their mass reported" if vocab else ""
     n = sum(p.numel() for p in teacher.parameters())
-    say(f"distill teacher: {path} ({n / 1e6:.2f}M parameters, vocabulary {teacher_rows}{extra})")
+    bits = ", linear layers in 4-bit NF4" if four_bit else ""
+    say(f"distill teacher: {path} ({n / 1e6:.2f}M parameters{bits}, vocabulary {teacher_rows}{extra})")
     return CausalLMWithLoss.for_recipe(teacher, recipe.loss, impl, recipe.model.packed_attention), vocab
+
+
+def check_fits(path: str, dtype: str, four_bit: bool, device: torch.device, free: int | None = None) -> None:
+    """Refuse, before loading, a local teacher whose weights alone would take more than the device's free memory
+    (`free`, bytes: found when None): a clear error rather than an out-of-memory kill half way through the load."""
+    elements = _elements(Path(path))
+    if elements is None:
+        return
+    need = elements * (0.5 if four_bit else DTYPE_BYTES[dtype])  # NF4: half a byte a weight, most weights linear
+    free = free if free is not None else free_memory(device)
+    if free is not None and need > free:
+        raise UserError(f"distill.teacher {path}: its {elements / 1e9:.2f}B weights take about {need / 2**30:.1f} GiB "
+                        f"{'in 4-bit' if four_bit else 'in ' + dtype}, and the {device.type} has "
+                        f"{free / 2**30:.1f} GiB free: use a smaller teacher, distill.teacher_4bit: true, or its "
+                        "log-probabilities stored in the data (distill.teacher_logprobs)")
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _elements(path: Path) -> int | None:
+    """The number of weights in a local model directory's safetensors files (their headers only); None when it has
+    none (a hub id, other formats: not checked)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            names = f.keys()  # safe_open is not iterable
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
+    return total
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device`: the GPU's free memory, or the host's available memory (Linux); None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _predicts_every_id(path: str, cfg: Any, ids: int) -> None:

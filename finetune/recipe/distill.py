@@ -14,6 +14,9 @@ class DistillConfig(Section):
 
     teacher: str | None = None
     """The teacher: a local model directory or hub id with the student's tokenizer, loaded frozen, in eval mode."""
+    teacher_4bit: bool = False
+    """Load the teacher's linear layers in 4-bit NF4 (bitsandbytes, as a QLoRA base): about a quarter of its 16-bit
+    memory, its embeddings, norms and head in model.dtype; its distribution then is the rounded model's."""
     teacher_logprobs: str | None = None
     """Offline distillation: the row field holding the teacher's top-k log-probabilities per token (Axolotl's KD
     layouts), instead of a teacher model; the values are the teacher's distribution at `temperature`."""

@@ -222,6 +222,8 @@ def _distill_checks(recipe: Recipe) -> list[str]:
     if d.teacher and d.teacher_logprobs:
         problems.append("distill.teacher_logprobs: one teacher: a model (distill.teacher) or its log-probabilities "
                         "stored in the datasets (this key), not both")
+    if d.teacher_4bit and not d.teacher:
+        problems.append("distill.teacher_4bit: quantizes a teacher model (distill.teacher); there is none to load")
     if d.lmbda > 0 and d.teacher_logprobs:
         problems.append("distill.lmbda: on-policy completions need the teacher itself (distill.teacher): stored "
                         "log-probabilities have no entries for the student's own tokens")

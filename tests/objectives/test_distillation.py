@@ -82,3 +82,32 @@ def test_a_teacher_without_a_row_for_every_id_is_refused(tmp_path):
     small = teacher_dir(tmp_path / "t", vocab=1000)
     r = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'run'}", *distill_args(small))
     assert r.returncode == 2 and "its vocabulary has 1000 ids and the tokenizer 1024" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_4bit_teacher_distills_close_to_the_full_precision_one(tmp_path):
+    """distill.teacher_4bit: the teacher's linear layers in NF4 (bitsandbytes on the CPU; its kernel wants widths in
+    blocks of 32: hidden 64); one step's loss within 5% of the full-precision teacher's (NF4 rounds each weight to
+    one of 16 levels), the teacher's log line says so."""
+    teacher = teacher_dir(tmp_path / "teacher", hidden=64)
+    losses = []
+    for four_bit in ("false", "true"):
+        run = tmp_path / four_bit
+        args = distill_args(teacher, "train.max_steps=1", "eval_datasets.0.max_rows=8",
+                            f"distill.teacher_4bit={four_bit}")
+        r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert ("linear layers in 4-bit NF4" in r.stdout) == (four_bit == "true")
+        losses.append(train_lines(run)[0]["loss"])
+    assert losses[0] != losses[1] and abs(losses[1] - losses[0]) <= 0.05 * losses[0], losses
+
+
+def test_a_teacher_that_does_not_fit_is_refused_before_loading(teacher):
+    from finetune.errors import UserError
+    from finetune.objectives.distill import check_fits
+
+    cpu = torch.device("cpu")
+    check_fits(str(teacher), "float32", False, cpu, free=1 << 30)  # ~0.1M weights: fits in a GiB
+    with pytest.raises(UserError, match=r"weights take about 0\.0 GiB in float32, and the cpu has 0\.0 GiB free: use a "
+                                        r"smaller teacher, distill.teacher_4bit: true"):
+        check_fits(str(teacher), "float32", False, cpu, free=1000)
+    check_fits(str(teacher), "float32", True, cpu, free=200_000)  # in 4-bit it does
