@@ -132,6 +132,39 @@ loads).
   audio processors and preference or RL training with images are refused.
 """
 
+DISTILL = """\
+## Distillation configs
+
+`kd_trainer` with Axolotl's distillation plugin (`axolotl.integrations.kd.KDPlugin`, read at commit 067b021c8)
+becomes `train.objective: distill` with the teacher's top-k log-probabilities stored in the rows
+(`distill.teacher_logprobs`, docs/distill.md), both of Axolotl's layouts: `type: axolotl.integrations.kd.chat_template`
+(bare values and a `target_token_ids` field) and its `.load_legacy` (`{"token": "token_id:N", "logprob": x}`
+entries). Such a dataset is a chat dataset, its other keys read as `chat_template`'s; with `kd_trainer` every
+dataset must be one.
+
+- **The loss.** Axolotl's is (kd_alpha x KD + kd_ce_alpha x CE) per trained token; finetune's is (divergence +
+  `distill.sft_weight` x CE), with `sft_weight = kd_ce_alpha / kd_alpha`: Axolotl's divided by kd_alpha. The recipe
+  divides `train.max_grad_norm` and `train.adam_eps` by kd_alpha too, so that clipping acts on the same gradients
+  and AdamW takes the same steps (its step does not change when the gradient and eps are scaled together); only
+  the logged loss differs (and Axolotl logs its KD term times kd_temperature squared, which its gradient lacks).
+  `kd_beta` is `distill.beta` (the same generalized JSD: 0 forward KL, 1 reverse); unset, 0 is written
+  (finetune's default is 0.5).
+- **The temperature.** The student's logits are divided by `kd_temperature` in both. Axolotl rescales the stored
+  values from each dataset's generation `temperature` (1 when unset) to `kd_temperature`; finetune takes them as
+  the teacher at `distill.temperature`, so the two must be equal (else refused).
+- **The teacher's tail** (approximated). Axolotl renormalizes each token's stored top-k to sum to 1 and sums its
+  divergence over those ids only; finetune keeps the rest of the teacher's mass as one tail bucket, exact. The
+  same loss and gradient for `kd_beta: 0` when the stored probabilities sum to 1; with `kd_beta` above 0 finetune's
+  divergence also counts the student's mass outside the top-k, and `kd_normalize_topk` (Axolotl renormalizes the
+  student's top-k too) is approximated as well.
+- **Which prediction an entry scores.** finetune scores the stored entry of token t against the student's
+  prediction of token t, as vLLM's prompt log-probabilities mean it and as Axolotl's trainer did before June 2025;
+  Axolotl's current trainer scores entry t against the student's output at position t (its prediction of token
+  t + 1). Said in the recipe's notes.
+- An online teacher served over HTTP (`kd_online_server_base_url`, with `kd_online_*` and `kd_temperature_min`) is
+  refused: finetune's online teacher is a model it loads (`distill.teacher: PATH`).
+"""
+
 
 def _table(rows: list[tuple[str, str]], head: tuple[str, str]) -> list[str]:
     lines = [f"| {head[0]} | {head[1]} |", "| --- | --- |"]
@@ -159,7 +192,7 @@ def render() -> str:
     out = [INTRO, "## Axolotl's defaults, written out", "",
            "Where Axolotl's default differs from finetune's, the recipe says Axolotl's. For a config setting only "
            "`base_model`, `adapter: lora` (all linear layers), one alpaca dataset and `val_set_size`:", "", *_defaults(), "",
-           DIFFERENCES, VISION, "## Chat templates by name", "",
+           DIFFERENCES, VISION, DISTILL, "## Chat templates by name", "",
            f"finetune ships {len(TEMPLATES)} templates, the vendors' own (finetune/templates/README.md: sources and "
            "licences): `tokenizer.chat_template: NAME`. Axolotl's names map onto them where both render training "
            "conversations the same; for the others the recipe keeps the tokenizer's own template, an "

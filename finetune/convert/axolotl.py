@@ -19,6 +19,7 @@ from finetune.convert.context import Conversion, is_off
 from finetune.convert.datasets import dataset_rules
 from finetune.convert.keys import APPROXIMATED, DROPPED, MAPPED, REFUSED
 from finetune.convert.reading import read_config
+from finetune.convert.rules_distill import distill_rules, distill_scale
 from finetune.convert.rules_model import (
     adapter_rules,
     attention_rules,
@@ -98,17 +99,19 @@ def check_keys(c: Conversion) -> None:
 
 def apply_rules(c: Conversion, base: Path) -> None:
     """The mapped keys, in dependency order (the objective before the datasets, the datasets before the chat
-    template, the precision before the adapter)."""
+    template, the precision before the adapter, the optimizer before distillation's scaling of it)."""
     model_rules(c)
     precision_rules(c)
     attention_rules(c)
     objective_rules(c)
+    distill_rules(c)
     adapter_rules(c)
     unfrozen_rules(c)
     vision_rules(c)
     batch_rules(c)
     lr_rules(c)
     optimizer_rules(c)
+    distill_scale(c)
     data_rules(c)
     templates = dataset_rules(c, "datasets", "datasets") + dataset_rules(c, "test_datasets", "eval_datasets")
     if not c.recipe.get("datasets") and not c.problems:

@@ -3,7 +3,8 @@
 `type: alpaca[:style]` is an alpaca dataset under Axolotl's prompt (prompt_template); `type: chat_template` a chat
 dataset read through Axolotl's field and role mappings (its default role names human and gpt, and the `system`
 column it prepends, written out); `type: chat_template.default` with rl a preference dataset; `completion` plain
-text. Every key of an entry is in exactly one of keys.DATASET_* tables.
+text; Axolotl's distillation types (with kd_trainer) chat datasets whose rows hold the teacher's top-k
+(rules_distill.py). Every key of an entry is in exactly one of keys.DATASET_* tables.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from finetune.convert.context import Conversion, is_off
 from finetune.convert.keys import DATASET_DROPPED, DATASET_MAPPED, DATASET_REFUSED
+from finetune.convert.rules_distill import KD_TYPES, kd_dataset, kd_requested
 from finetune.convert.rules_vision import is_vision, vision_dataset
 
 _STYLES = {None: "alpaca", "instruct": "alpaca", "chat": "alpaca_chat", "chatml": "alpaca_chatml", "phi": "alpaca_phi"}
@@ -76,6 +78,12 @@ def _entry(c: Conversion, where: str, entry: dict[str, Any]) -> tuple[dict[str, 
         if entry.get(name) is not None:
             out[ours] = str(entry[name])
     kind = entry.get("type")
+    kd = kind in KD_TYPES
+    if not kd:
+        for name in ("logprobs_field", "temperature"):
+            if entry.get(name) is not None:
+                c.drop(f"{where}.{name}", "read only by Axolotl's distillation dataset types "
+                                          "(axolotl.integrations.kd.chat_template)")
     if c.peek("train.objective") == "grpo":  # Axolotl's GRPO datasets name a Python transform finetune cannot run
         c.note(f"{where}.type: {kind} is not run: finetune reads the rows as they are (format: prompt): each needs a "
                "`prompt` (text or messages) and the fields your rewards read; a row without one stops the run")
@@ -88,6 +96,8 @@ def _entry(c: Conversion, where: str, entry: dict[str, Any]) -> tuple[dict[str, 
         c.refuse(f"{where}.type", f"{kind}: Axolotl's multimodal collator reads every row as chat messages whatever "
                                   "its type; finetune converts vision-language datasets of type chat_template")
         return None, None
+    if kd or kd_requested(c):
+        return _distill(c, where, entry, out, kind)
     base, _, style = kind.partition(":")
     if base == "alpaca":
         return _alpaca(c, where, entry, out, style or None), None
@@ -104,6 +114,20 @@ def _entry(c: Conversion, where: str, entry: dict[str, Any]) -> tuple[dict[str, 
     c.refuse(f"{where}.type", f"{kind}: {why}; finetune converts alpaca[:instruct|chat|chatml|phi], chat_template, "
                               "chat_template.default (with rl) and completion")
     return None, None
+
+
+def _distill(c: Conversion, where: str, entry: dict, out: dict, kind: str) -> tuple[dict | None, tuple | None]:
+    """A dataset of a kd_trainer run: a chat dataset whose rows hold the teacher's top-k (rules_distill.py)."""
+    if not kd_requested(c):
+        c.refuse(f"{where}.type", f"{kind}: a distillation type, read only with kd_trainer (and Axolotl's KD plugin)")
+        return None, None
+    if kind not in KD_TYPES:
+        c.refuse(f"{where}.type", f"{kind}: with kd_trainer every dataset holds the teacher's log-probabilities "
+                                  "(Axolotl's KD trainer needs them in every batch): type "
+                                  "axolotl.integrations.kd.chat_template or its .load_legacy")
+        return None, None
+    kd_dataset(c, where, entry)
+    return _chat(c, where, entry, out), (entry.get("chat_template"), entry.get("chat_template_jinja"))
 
 
 def _alpaca(c: Conversion, where: str, entry: dict, out: dict, style: str | None) -> dict | None:

@@ -126,7 +126,21 @@ MAPPED: dict[str, str] = {
     "wandb_project": "logging.wandb: true, logging.wandb_project",
     "use_mlflow": "logging.mlflow",
     "mlflow_experiment_name": "logging.mlflow_experiment",
-    "plugins": "Liger, Cut Cross Entropy, kernels, expert parallel, SwanLab: dropped (speed, logging); others refused",
+    "plugins": "Liger, Cut Cross Entropy, kernels, expert parallel, SwanLab: dropped (speed, logging); the "
+               "distillation plugin (KDPlugin) with kd_trainer; others refused",
+    "kd_trainer": "with the distillation plugin: train.objective: distill, the teacher's top-k stored in the "
+                  "datasets (distill.teacher_logprobs); approximated: Axolotl renormalizes each token's stored top-k "
+                  "to sum to 1, finetune keeps the rest of the mass as one tail bucket (the same when they sum to 1)",
+    "kd_alpha": "distill.sft_weight = kd_ce_alpha / kd_alpha: the loss is Axolotl's / kd_alpha, so "
+                "train.max_grad_norm and train.adam_eps are divided by kd_alpha too (the same AdamW steps); 0 refused",
+    "kd_ce_alpha": "distill.sft_weight = kd_ce_alpha / kd_alpha",
+    "kd_temperature": "distill.temperature, when the KD datasets' generation temperature equals it (else refused: "
+                      "Axolotl rescales the stored values to it, finetune takes them as the teacher at it)",
+    "kd_beta": "distill.beta (the same convention: 0 the forward KL, teacher to student, 1 the reverse, between "
+               "the generalized JSD; 0 written when unset); above 0 approximated: finetune's divergence counts the "
+               "student's mass outside the teacher's top-k, Axolotl's sums over the top-k only",
+    "kd_normalize_topk": "approximated: finetune's student is the whole vocabulary's distribution (its mass outside "
+                         "the teacher's top-k one tail bucket); Axolotl renormalizes the student's top-k to sum to 1",
     "rl": "dpo, ipo: train.objective: dpo; orpo: train.objective: orpo; grpo: train.objective: grpo; others refused",
     "trl": "rl: grpo's grpo: section (beta, num_generations, max_completion_length, temperature, top_p, epsilon, "
            "epsilon_high, num_iterations, scale_rewards, loss_type dapo/grpo/dr_grpo -> normalize, "
@@ -239,8 +253,8 @@ DROPPED: dict[str, str] = {
             "streaming_multipack_buffer_size", _unless("pretraining_dataset or streaming")),
     **_each("metric_for_best_model greater_is_better", _unless("load_best_model_at_end or save_strategy: best")),
     **_each("grokfast_alpha grokfast_lamb", _plugin("Grokfast")),
-    **_each("kd_trainer kd_ce_alpha kd_alpha kd_temperature kd_temperature_min kd_beta kd_normalize_topk "
-            "kd_online_server kd_online_server_base_url kd_online_timeout kd_online_topk", _plugin("distillation")),
+    **_each("kd_online_server kd_online_timeout kd_online_topk", _unless("kd_online_server_base_url")),
+    "kd_temperature_min": _unless("kd_online_server_base_url") + " (it anneals the online teacher's temperature)",
     **_each("lm_eval_model lm_eval_tasks lm_eval_batch_size lm_eval_post_train", _plugin("lm-eval")),
     **_each("spectrum_top_fraction spectrum_model_name", _plugin("Spectrum")),
     "mora": _plugin("MoRA"),
@@ -343,6 +357,9 @@ REFUSED: dict[str, str] = {
     **_each("dpo_loss_weights dpo_use_weighting", "weighted or mixed DPO losses are not supported"),
     "dpo_norm_loss": "a length-normalized DPO loss is not supported (dpo.loss: ipo is length-averaged)",
     "rpo_alpha": "the RPO term (DPO plus NLL) is not supported",
+    "kd_online_server_base_url": "a teacher served over HTTP (vLLM, SGLang) is not supported; finetune's online "
+                                 "teacher is a model it loads itself (distill.teacher: PATH, docs/distill.md), or "
+                                 "store the teacher's top-k in the datasets",
 }
 
 DATASET_MAPPED: dict[str, str] = {
@@ -350,7 +367,8 @@ DATASET_MAPPED: dict[str, str] = {
     "split": "split",
     "name": "name",
     "type": "format (alpaca[:style]: alpaca with prompt_template; chat_template: chat; completion; "
-            "chat_template.default with rl: preference)",
+            "chat_template.default with rl: preference; axolotl.integrations.kd.chat_template[.load_legacy] with "
+            "kd_trainer: chat, the teacher in the rows)",
     "field_messages": "messages_field (preference: prompt_field)",
     "message_property_mappings": "role_field, content_field",
     "message_field_role": "role_field",
@@ -367,14 +385,14 @@ DATASET_MAPPED: dict[str, str] = {
     "message_field_training": "train (the per-message flag finetune reads)",
     "field_thinking": "reasoning_content or thinking (the fields finetune reads)",
     "template_thinking_key": "reasoning_content or thinking",
+    "logprobs_field": "distill.teacher_logprobs (distillation types; \"logprobs\" when unset; every dataset the same)",
+    "temperature": "distillation types: the generation temperature, which must be kd_temperature (1 when unset)",
 }
 
 DATASET_DROPPED: dict[str, str] = {
     "ds_type": "finetune reads a file by its suffix",
     "input_format": "finetune reads a file by its suffix",
     "preprocess_shards": "how data is prepared: the same samples",
-    "temperature": _unless("distillation"),
-    "logprobs_field": _unless("distillation"),
     **_each("step_separator max_completion_length train_on_last_step_only", _unless("process_reward_model")),
 }
 

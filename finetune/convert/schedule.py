@@ -15,6 +15,7 @@ from typing import Any
 
 from finetune.convert.context import Conversion
 from finetune.convert.reading import read_side_file
+from finetune.convert.rules_distill import is_kd_plugin, kd_requested
 
 _KNOWN_PLUGINS = {
     "cut_cross_entropy": "a fused cross-entropy: finetune's loss is fused too (the same math)",
@@ -113,7 +114,7 @@ def run_rules(c: Conversion) -> None:
 
 
 def parallel_rules(c: Conversion, base: Path) -> None:
-    """deepspeed, fsdp, fsdp_config -> distributed; plugins."""
+    """deepspeed, fsdp, fsdp_config -> distributed; plugins (the distillation plugin: rules_distill.py)."""
     if c.has("deepspeed"):
         _deepspeed(c, base)
     fsdp, fsdp_config = c.get("fsdp"), c.mapping("fsdp_config")
@@ -123,6 +124,11 @@ def parallel_rules(c: Conversion, base: Path) -> None:
         if offload:
             c.put("distributed.cpu_offload", True)
     for plugin in c.texts("plugins") or []:
+        if is_kd_plugin(plugin):  # with kd_trainer it is what the distill: section converts (rules_distill.py)
+            if not kd_requested(c):
+                c.drop(f"plugins: {plugin}", "Axolotl's distillation plugin without kd_trainer: nothing it does is "
+                                             "trained")
+            continue
         name = next((k for k in _KNOWN_PLUGINS if f".{k}." in f".{plugin}."), None)
         if name is None:
             c.refuse("plugins", f"{plugin}: this plugin changes what is trained (or finetune does not know it)")
