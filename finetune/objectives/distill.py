@@ -65,14 +65,18 @@ class Distill(DatasetRows):
 
     def plan(self, planning: Planning) -> StepPlan:
         """The datasets' rows each step; with distill.lmbda, a seeded fraction of steps on the student's own
-        completions of their prompts (objectives/on_policy.py)."""
+        completions of their prompts, and with distill.seq_kd the others on the teacher's (objectives/on_policy.py)."""
         c = self.cfg
-        if not c.lmbda:
+        if not c.lmbda and not c.seq_kd:
             return super().plan(planning)
         sampling = GRPOConfig(max_new_tokens=c.max_new_tokens, temperature=c.sample_temperature, top_p=1.0)
-        generator = HFGenerator(planning.lm, planning.tokenizer, sampling, end_ids(planning.tokenizer, planning.lm),
-                                planning.device, c.generation_batch_size)
-        return OnPolicyPlan(planning.train, planning.recipe, planning.world_size, generator)
+
+        def sampler(lm: torch.nn.Module) -> HFGenerator:
+            return HFGenerator(lm, planning.tokenizer, sampling, end_ids(planning.tokenizer, planning.lm),
+                               planning.device, c.generation_batch_size)
+
+        teacher = sampler(self.teacher.lm) if c.seq_kd and self.teacher is not None else None
+        return OnPolicyPlan(planning.train, planning.recipe, planning.world_size, sampler(planning.lm), teacher)
 
     def counts(self, batch: MicroBatch) -> dict[str, int]:
         return {"tokens": batch.targets}

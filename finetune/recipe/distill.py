@@ -36,10 +36,14 @@ class DistillConfig(Section):
     rows are the student's own completions of their prompts (the tokens before each row's last trained turn),
     sampled at `sample_temperature`; the rest train on the datasets' completions. Needs a teacher model and
     data.packing: false."""
+    seq_kd: bool = False
+    """Sequence-level KD (TRL's seq_kd): the steps that are not on-policy train on the teacher's own completions of
+    their prompts, sampled as the student's are; the divergence is then taken on those tokens. Needs a teacher model
+    and data.packing: false."""
     max_new_tokens: int = Field(128, gt=0)
-    """The longest on-policy completion, in tokens (lmbda > 0)."""
+    """The longest on-policy (or seq_kd) completion, in tokens."""
     sample_temperature: float = Field(0.9, gt=0)
-    """The student's sampling temperature for on-policy completions (TRL's GKDConfig.temperature); the divergence's
-    is `temperature`."""
+    """The sampling temperature of on-policy (and seq_kd) completions (TRL's GKDConfig.temperature); the
+    divergence's is `temperature`."""
     generation_batch_size: int = Field(16, gt=0)
     """On-policy prompts generated together: fixed, so that every split of the step samples the same completions."""

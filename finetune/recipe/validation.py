@@ -224,15 +224,16 @@ def _distill_checks(recipe: Recipe) -> list[str]:
                         "stored in the datasets (this key), not both")
     if d.teacher_4bit and not d.teacher:
         problems.append("distill.teacher_4bit: quantizes a teacher model (distill.teacher); there is none to load")
-    if d.lmbda > 0 and d.teacher_logprobs:
-        problems.append("distill.lmbda: on-policy completions need the teacher itself (distill.teacher): stored "
-                        "log-probabilities have no entries for the student's own tokens")
-    if d.lmbda > 0 and recipe.distributed.strategy == "fsdp":
-        problems.append("distributed.strategy: on-policy distillation samples with the student on every rank; with "
-                        "fsdp the ranks' generate calls would have to stay in step: use ddp, or distill.lmbda: 0")
-    if d.lmbda > 0 and recipe.data.packing:
-        problems.append("distill.lmbda: on-policy steps replace each row by the student's completion of its prompt, "
-                        "one completion per row; set data.packing: false")
+    sampled = "distill.lmbda" if d.lmbda > 0 else "distill.seq_kd" if d.seq_kd else None
+    if sampled and d.teacher_logprobs:
+        problems.append(f"{sampled}: sampled completions need the teacher itself (distill.teacher): stored "
+                        "log-probabilities have no entries for other tokens than the data's")
+    if sampled and recipe.distributed.strategy == "fsdp":
+        problems.append(f"distributed.strategy: {sampled} samples completions on every rank; with fsdp the ranks' "
+                        f"generate calls would have to stay in step: use ddp, or turn {sampled} off")
+    if sampled and recipe.data.packing:
+        problems.append(f"{sampled}: its steps replace each row by a completion of its prompt, one completion per "
+                        "row; set data.packing: false")
     if d.teacher_logprobs and any(c.format == "preference" for c in [*recipe.datasets, *recipe.eval_datasets]):
         problems.append("distill.teacher_logprobs: preference datasets have no stored teacher; use chat, alpaca or "
                         "completion rows")

@@ -105,9 +105,10 @@ def test_a_resumed_on_policy_run_is_bitwise_the_straight_one(tmp_path, teacher):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["data.packing=true"], "distill.lmbda: on-policy steps replace each row"),
-    (["distill.teacher=null", "distill.teacher_logprobs=teacher"], "distill.lmbda: on-policy completions need"),
-    (["distributed.strategy=fsdp"], "distributed.strategy: on-policy distillation samples"),
+    (["data.packing=true"], "distill.lmbda: its steps replace each row"),
+    (["distill.teacher=null", "distill.teacher_logprobs=teacher"], "distill.lmbda: sampled completions need"),
+    (["distributed.strategy=fsdp"], "distributed.strategy: distill.lmbda samples completions on every rank"),
+    (["distill.lmbda=0", "distill.seq_kd=true"], "distill.seq_kd: its steps replace each row"),
 ])
 def test_what_on_policy_cannot_serve_is_refused(extra, message):
     from finetune.errors import UserError
@@ -127,3 +128,29 @@ def test_seeded_draws_do_not_depend_on_pythons_global_random():
     first = [OnPolicyPlan(samples, recipe, 1, _Echo()).on_policy(s) for s in range(50)]
     random.seed(2)
     assert first == [OnPolicyPlan(samples, recipe, 1, _Echo()).on_policy(s) for s in range(50)]
+
+
+def test_seq_kd_steps_are_the_teachers_completions():
+    """distill.seq_kd: the steps that are not on-policy take the teacher's generator, the others the student's."""
+    from finetune.recipe import load_recipe
+
+    samples = [{"input_ids": [1, 2, 3, 4 + i], "labels": [-100, -100, 3, 4 + i]} for i in range(40)]
+    recipe = load_recipe(QUICKSTART, ["train.objective=distill", "distill.teacher=x", "distill.lmbda=0.5",
+                                      "distill.seq_kd=true", "data.packing=false", "train.micro_batch_size=2",
+                                      "train.gradient_accumulation_steps=1"])
+    student, teacher = _Echo(), _Echo()
+    plan = OnPolicyPlan(samples, recipe, 1, student, teacher)
+    kinds = [plan.on_policy(s) for s in range(6)]
+    for s in range(6):
+        plan.step(s)
+        assert plan.info(s)["seq_kd"] == (0.0 if kinds[s] else 1.0) and plan.info(s)["completion_tokens"] == 2
+    assert len(student.calls) == sum(kinds) and len(teacher.calls) == 6 - sum(kinds) and 0 < sum(kinds) < 6
+
+
+def test_a_seq_kd_run_trains_on_the_teachers_completions(tmp_path, teacher):
+    run = tmp_path / "seq-kd"
+    r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *TINY, *ON_POLICY, f"distill.teacher={teacher}",
+                "distill.seq_kd=true", "train.max_steps=2", "eval_datasets.0.max_rows=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = train_lines(run)
+    assert [x["seq_kd"] for x in lines] == [1.0, 1.0] and all(0 < x["completion_tokens"] <= 6 for x in lines)
