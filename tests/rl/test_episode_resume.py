@@ -1,5 +1,5 @@
-"""A run stopped by SIGTERM in the middle of an episode (inside a tool call) resumes to the uninterrupted run's losses
-and weights bit for bit: the batch cut short is dropped and made again on resume, with new tool calls and the same
+"""A run stopped by SIGTERM, or killed by SIGKILL, in the middle of an episode (inside a tool call) resumes to the
+uninterrupted run's losses and weights bit for bit: the batch cut short is dropped and made again on resume, with new tool calls and the same
 seeded sampling (docs/rl.md, "Tools and environments": no environment state is restored, an episode is regenerated).
 
 The policy's turns are scripted (a generator that writes a call to `multiply` with numbers drawn from torch's RNG,
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from grpo_files import write_prompts
-from helpers import QUICKSTART, TINY, final_weights
+from helpers import QUICKSTART, TEST_ENV, TINY, final_weights, run_process
 
 from finetune.errors import Stopped
 from finetune.rl import sources
@@ -35,7 +37,8 @@ def multiply(a: int, b: int) -> int:
     with log.open("a") as f:
         f.write("call\\n")
     if len(log.read_text().splitlines()) == int(os.environ.get("STOP_AT", "0")):
-        os.kill(os.getpid(), signal.SIGTERM)  # preempted while the tool runs
+        # preempted while the tool runs, or killed outright
+        os.kill(os.getpid(), signal.SIGKILL if os.environ.get("KILL") else signal.SIGTERM)
     return a * b
 '''
 
@@ -61,15 +64,17 @@ class ScriptedPolicy(HFGenerator):
         return out
 
 
+def scripted_generator(lm, tokenizer, cfg, end_ids, device, batch_size) -> ScriptedPolicy:
+    """sources.HFGenerator's stand-in: the scripted policy."""
+    policy = ScriptedPolicy(lm, tokenizer, cfg, end_ids, device, batch_size)
+    policy.tokenizer = tokenizer
+    policy.end_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return policy
+
+
 @pytest.fixture
 def scripted(monkeypatch):
-    def make(lm, tokenizer, cfg, end_ids, device, batch_size):
-        policy = ScriptedPolicy(lm, tokenizer, cfg, end_ids, device, batch_size)
-        policy.tokenizer = tokenizer
-        policy.end_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        return policy
-
-    monkeypatch.setattr(sources, "HFGenerator", make)
+    monkeypatch.setattr(sources, "HFGenerator", scripted_generator)
 
 
 def _train(tmp_path, run, resume=False, stop_at=0):
@@ -108,3 +113,23 @@ def test_sigterm_inside_a_tool_call_resumes_bit_for_bit(tmp_path, scripted, monk
     lines = [json.loads(x) for x in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3] and all(x["tool_calls"] == 1.0 for x in lines
                                                                            if "loss" in x)
+
+
+def test_sigkill_inside_a_tool_call_resumes_bit_for_bit(tmp_path, scripted, monkeypatch):
+    """kill -9 while a tool runs, in a child process running the same scripted training: nothing of the episode
+    survives but step 1's checkpoint, and the resumed run is the straight one, bit for bit."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "steptools.py").write_text(TOOL)
+    _train(tmp_path, "straight")
+    here = Path(__file__).resolve().parent
+    child = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}, {str(tmp_path)!r}]\n"
+             "from pathlib import Path\nimport test_episode_resume as t\nfrom finetune.rl import sources\n"
+             f"sources.HFGenerator = t.scripted_generator\nt._train(Path({str(tmp_path)!r}), 'killed', stop_at=7)\n")
+    r = run_process([sys.executable, "-c", child], env={**TEST_ENV, "KILL": "1"}, timeout=300)
+    assert r.returncode == -9, r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-1"]
+    _train(tmp_path, "killed", resume=True)
+    ours, theirs = final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    lines = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3]
