@@ -20,8 +20,9 @@ ALLOWED = {
     "versions": set(),
     "dist": set(),  # rank and world facts, each rank's device, the few collectives
     "templates": set(),  # the chat templates shipped by name (tokenizer.chat_template: chatml)
-    "progress": set(),
-    "chat": set(),  # the chat rendering engine: any Jinja template's messages, turns and their tokens (SFT and RL)  # a long phase's progress on stderr (a line in place on a terminal, a line per update off one)
+    "progress": set(),  # a long phase's progress on stderr (a line in place on a terminal, a line per update off one)
+    "chat": set(),  # the chat rendering engine: any Jinja template's messages, turns and their tokens (SFT and RL)
+    "context_parallel": set(),  # Ulysses attention: sequence-sharded rows to head-sharded full sequences and back
     "recipe": {"versions", "templates"},  # `requires:` is checked by the version rules; chat template names
     "batch": {"labels"},  # the micro-batch: what collate makes and the objectives and the model read
     "data": {"recipe", "labels", "batch", "chat", "progress"},  # recipe datasets -> samples -> rows -> micro-batches
@@ -29,7 +30,7 @@ ALLOWED = {
     "loss": {"labels", "batch"},  # the fused linear cross-entropy, per-token log-probabilities
     "model": {"attention", "batch", "data", "loss", "progress", "recipe", "templates"},  # loading, the model with its loss
     # the seam, SFT, DPO/ORPO, the reference; GRPO's plan and rows from rl
-    "objectives": {"batch", "data", "dist", "loss", "model", "progress", "recipe", "rl"},
+    "objectives": {"batch", "data", "dist", "labels", "loss", "model", "progress", "recipe", "rl"},
     "rl": {"batch", "chat", "data", "dist", "labels", "progress", "recipe"},  # rollouts (replayed), rewards, advantages, which rows each step trains
     "run": {"dist", "model", "recipe"},  # the run directory, checkpoints, a finished run's model
     "metrics": {"recipe", "run"},
