@@ -56,8 +56,13 @@ def environment_turn(tokenizer: Any, messages: Sequence[Mapping[str, Any]], new:
     `alternatives`: other messages that turn may be written as (its raw text, for a template that renders no tool
     calls), tried in order when the first does not render as sampled. `Continuation.message` is the one used."""
     for last in [messages[-1], *alternatives]:
-        after = render_chat(tokenizer, [*messages[:-1], last, *new], template_kwargs, add_generation_prompt=True,
-                            tools=tools)
+        try:
+            after = render_chat(tokenizer, [*messages[:-1], last, *new], template_kwargs, add_generation_prompt=True,
+                                tools=tools)
+        except Exception:  # noqa: BLE001 - a template may refuse an alternative (gpt-oss: channel tags as content)
+            if last is messages[-1]:
+                raise
+            continue
         if after.startswith(so_far):
             text = after[len(so_far):]
             return Continuation(text, _ids(tokenizer, text), True, dict(last))

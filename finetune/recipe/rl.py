@@ -152,9 +152,10 @@ class GRPOConfig(Section):
     tool_results_cut). null: no limit."""
     tool_result_keep: Literal["head", "tail"] = "head"
     """Which end of a long tool result is kept: its start (head) or its end (tail)."""
-    tool_call_format: Literal["auto", "tokenizer", "hermes", "llama3", "mistral", "mistral_v7"] = "auto"
+    tool_call_format: Literal["auto", "tokenizer", "hermes", "llama3", "mistral", "mistral_v7", "harmony"] = "auto"
     """How tool calls are read from the policy's text: auto = the tokenizer's own response_template, else the format
-    the chat template writes (hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]); or one by name."""
+    the chat template writes (hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS], gpt-oss harmony); or one by
+    name."""
     template_rewrites: Literal["keep", "refuse"] = "keep"
     """A chat template that rewrites earlier turns when a turn is added (Qwen3 drops earlier reasoning): keep trains
     the tokens the policy saw and renders the environment's turn after them; refuse stops naming the turn."""
