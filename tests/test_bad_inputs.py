@@ -538,6 +538,20 @@ CASES = [
                     "init: random may come from a recipe this one extends, such as the quickstart); to train the "
                     "model at model.path, set model.init: pretrained",),
          patch={"model": {"path": "my/model"}}),
+    Case("config_override_unknown_key", "`model.config_overrides` names a key the model's config does not have "
+         "(a typo)", "model",
+         ("model.config_overrides.attention_dropot: LlamaConfig has no key 'attention_dropot'; did you mean "
+          "attention_dropout, attention_bias, num_attention_heads?",),
+         patch={"model": {**PRETRAINED["model"], "config_overrides": {"attention_dropot": 0.1}}},
+         files=tiny_model(TINY_WEIGHTS)),
+    Case("config_overrides_with_init_random", "`model.config_overrides` with `init: random` (the quickstart's)",
+         "recipe", ("model.config_overrides: only with init: pretrained; with init: random, model.config is the whole "
+                    "config: write the keys there",),
+         patch={"model": {"config_overrides": {"attention_dropout": 0.1}}}),
+    Case("deduplicate_with_grpo", "`data.deduplicate: exact` with train.objective grpo", "recipe",
+         ("data.deduplicate: not with train.objective grpo (its prompt datasets are read as they are); remove "
+          "duplicate prompts from the data",),
+         patch=deep_merge(GRPO_PROMPTS, {"data": {"deduplicate": "exact"}}), files={"train.jsonl": jsonl(PROMPT_ROW)}),
     Case("step_larger_than_epoch", "one optimizer step takes more rows than an epoch has: a warning", "train", (),
          patch={"data": {"packing": False}, "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 4},
                 "output_dir": "{d}/fresh"},

@@ -67,7 +67,17 @@ MAPPED: dict[str, str] = {
     "adam_epsilon": "train.adam_eps",
     "train_on_inputs": "alpaca: datasets[].train_on_inputs; chat: roles_to_train: [system, user, assistant]; with "
                        "processor_type: datasets[].train_on_inputs (every token)",
-    "unfrozen_parameters": "train.trainable_parameters (each pattern's dots made literal, as Axolotl does)",
+    "unfrozen_parameters": "train.trainable_parameters (each pattern's dots made literal, as Axolotl does, and "
+                           "matched from the start of the name, as Axolotl's re.match; a pattern with a row range "
+                           "[start:end] refused)",
+    "model_config": "model.config_overrides (each key checked against the model's config when it loads; "
+                    "output_router_logits: true refused: the MoE router's auxiliary loss is not computed here)",
+    "overrides_of_model_config": "as model_config (its other name)",
+    "dataset_exact_deduplication": "data.deduplicate: exact (datasets together, before val_set_size's split; "
+                                   "test_datasets on their own). Axolotl compares the tokenized rows, finetune "
+                                   "the rows as read (the same, but for rows made equal only by truncation); "
+                                   "with rl: dpo or orpo and test_datasets approximated: Axolotl also drops the "
+                                   "eval rows equal to training rows",
     "bf16": "model.dtype: bfloat16 (auto and unset too: bf16 on the GPUs Axolotl targets)",
     "bfloat16": "model.dtype: bfloat16",
     "fp16": "model.dtype: float16",
@@ -292,7 +302,6 @@ REFUSED: dict[str, str] = {
     "pretraining_dataset": "streamed pretraining data (overlapping windows) is not supported; use datasets with "
                            "type: completion",
     "streaming": "streamed datasets are not supported; finetune reads and caches every dataset",
-    "dataset_exact_deduplication": "deduplication is not done by finetune; remove duplicate rows from the data",
     **_each("dataset_shard_num dataset_shard_idx", "training on one shard of the data is not supported; cut the "
                                                    "data file instead"),
     "gptq": "GPTQ-quantized base models are not supported; use the unquantized model (qlora for 4-bit)",
@@ -330,9 +339,6 @@ REFUSED: dict[str, str] = {
     "flash_attn_rms_norm": "removed from Axolotl (Axolotl itself rejects it)",
     "auto_find_batch_size": "finetune never changes the batch behind your back; set micro_batch_size",
     "trainer_cls": "a custom trainer class is not supported",
-    "overrides_of_model_config": "overriding a pretrained model's config is not supported (finetune refuses "
-                                 "output_router_logits: the MoE auxiliary loss); edit the model's config.json",
-    "model_config": "overriding a pretrained model's config is not supported (overrides_of_model_config)",
     **_each("overrides_of_model_kwargs model_kwargs", "extra from_pretrained arguments are not supported"),
     **_each("revision_of_model model_revision", "a hub revision is not supported: download it "
                                                 "(huggingface-cli download MODEL --revision REV) and use the directory"),

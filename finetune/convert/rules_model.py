@@ -39,6 +39,22 @@ def model_rules(c: Conversion) -> None:
                                         "5 takes the class from tokenizer_config.json)")
     if c.boolean("tokenizer_use_fast") is False:
         c.approximate("tokenizer_use_fast", "the tokenizer loads as transformers 5 loads it (its fast backend)")
+    _config_overrides(c)
+
+
+def _config_overrides(c: Conversion) -> None:
+    """model_config (overrides_of_model_config: Axolotl's field, model_config its alias) -> model.config_overrides:
+    Axolotl sets each key on the loaded config before the weights load, as finetune does."""
+    given = {key: c.mapping(key) for key in ("model_config", "overrides_of_model_config") if c.mapping(key)}
+    if len(given) == 2 and given["model_config"] != given["overrides_of_model_config"]:
+        c.refuse("overrides_of_model_config", "model_config is its other name, set to something else: keep one")
+        return
+    for key, overrides in given.items():
+        if overrides.get("output_router_logits"):
+            c.refuse(key, "output_router_logits: true adds the MoE router's load-balancing loss, which finetune does "
+                          "not compute (its loss is the fused cross-entropy); remove it, or set it false")
+            return
+        c.put("model.config_overrides", dict(overrides))
 
 
 def _model_class(c: Conversion, key: str) -> None:

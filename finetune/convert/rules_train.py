@@ -212,7 +212,8 @@ def _lengths(c: Conversion) -> None:
 
 
 def data_rules(c: Conversion) -> None:
-    """sequence_len, sample_packing, excess_length_strategy, curriculum_sampling, group_by_length, val_set_size."""
+    """sequence_len, sample_packing, excess_length_strategy, curriculum_sampling, group_by_length, val_set_size,
+    dataset_exact_deduplication."""
     if is_vision(c):
         vision_data(c)
     else:
@@ -230,3 +231,8 @@ def data_rules(c: Conversion) -> None:
         c.put("data.val_fraction", size)
     elif size:
         c.refuse("val_set_size", f"{size}: a number of rows is not supported; give a fraction below 1")
+    if c.boolean("dataset_exact_deduplication"):
+        c.put("data.deduplicate", "exact")
+        if c.peek("train.objective") in ("dpo", "orpo") and c.has("test_datasets"):
+            c.approximate("dataset_exact_deduplication", "eval rows equal to training rows stay in eval (Axolotl's "
+                          "preference path drops them from eval; each split is deduplicated on its own either way)")

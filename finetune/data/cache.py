@@ -186,6 +186,8 @@ def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
     import transformers
 
     data = {k: v for k, v in recipe.data.model_dump(mode="json").items() if k not in _AFTER_SAMPLES}
+    if data.get("deduplicate") == "none":
+        del data["deduplicate"]  # the default: the entries made before the key existed stay valid
     split = not recipe.eval_datasets and recipe.data.val_fraction > 0  # build_samples holds out rows only then
     if not split:
         data["val_fraction"] = 0.0  # ignored by build_samples: must not cost a re-tokenization

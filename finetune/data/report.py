@@ -45,7 +45,8 @@ def _print_stats(console: Any, p: Prepared) -> None:
     table.add_column("")
     table.add_column("train", justify="right")
     table.add_column("eval", justify="right")
-    rows = [("rows read", "rows_read"), ("bad rows skipped", "bad_rows_skipped"), ("samples", "samples"),
+    rows = [("rows read", "rows_read"), ("bad rows skipped", "bad_rows_skipped"),
+            ("duplicates dropped", "duplicates_dropped"), ("samples", "samples"),
             ("tokens", "tokens"), ("target tokens", "target_tokens"), ("truncated samples", "truncated"),
             ("truncated tokens", "truncated_tokens"), ("dropped samples", "dropped_too_long"),
             ("dropped tokens", "dropped_tokens")]
@@ -54,6 +55,8 @@ def _print_stats(console: Any, p: Prepared) -> None:
     console.print(table)
     for example in p.train_stats.bad_row_examples + p.eval_stats.bad_row_examples:
         console.print(f"  bad row: {example}", markup=False, highlight=False)
+    for example in p.train_stats.duplicate_examples + p.eval_stats.duplicate_examples:
+        console.print(f"  duplicate: {example}", markup=False, highlight=False)
     for example in p.train_stats.dropped_examples + p.eval_stats.dropped_examples:
         console.print(f"  dropped: {example}", markup=False, highlight=False)
     for line in template_notes(p.train_stats) + template_notes(p.eval_stats, "eval: "):

@@ -13,6 +13,7 @@ import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+from finetune.data.dedup import Seen, seen_for
 from finetune.data.formats import Example, MessageFields, to_example
 from finetune.data.image_files import DEFAULT_MAX_IMAGE_PIXELS
 from finetune.data.pairs import PairExample, PairFields, completion_end, to_pair
@@ -58,22 +59,24 @@ def iter_examples(configs: Sequence[DatasetConfig], on_bad_row: str, stats: Data
                   teacher: str | None = None) -> Iterator[Example]:
     """load_examples as a stream: each example as its row is read (a JSONL file is never read whole)."""
     data = data or DataConfig()
+    seen = seen_for(data.deduplicate)  # one for the whole split: a row equal to one of another dataset is dropped too
     for index, cfg in enumerate(configs):
-        yield from _dataset_examples(cfg, index, key, data, on_bad_row, stats, teacher)
+        yield from _dataset_examples(cfg, index, key, data, on_bad_row, stats, teacher, seen)
 
 
 def _dataset_examples(cfg: DatasetConfig, index: int, key: str, data: DataConfig, on_bad_row: str,
-                      stats: DataStats, teacher: str | None = None) -> Iterator[Example]:
+                      stats: DataStats, teacher: str | None = None, seen: Seen | None = None) -> Iterator[Example]:
     with _named_source(key, index):
         fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir, data.max_image_pixels,
                                 teacher)
         rows = read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes)
-        yield from _examples(rows, cfg, fields, on_bad_row, stats)
+        yield from _examples(rows, cfg, fields, on_bad_row, stats, seen)
 
 
 def _examples(rows: Iterable[Any], cfg: DatasetConfig, fields: MessageFields, on_bad_row: str,
-              stats: DataStats) -> Iterator[Example]:
-    """The examples of a dataset's rows (up to its max_rows), every row read counted, bad ones per on_bad_row."""
+              stats: DataStats, seen: Seen | None = None) -> Iterator[Example]:
+    """The examples of a dataset's rows (up to its max_rows), every row read counted, bad ones per on_bad_row; with
+    `seen` (data.deduplicate: exact), an example seen before is dropped and counted (max_rows counts it)."""
     taken = 0
     for row in rows:
         if cfg.max_rows is not None and taken >= cfg.max_rows:
@@ -85,6 +88,9 @@ def _examples(rows: Iterable[Any], cfg: DatasetConfig, fields: MessageFields, on
             stats.bad_row(e, on_bad_row)
             continue
         taken += 1
+        if seen is not None and not seen.first(example):
+            stats.duplicate(example.origin)
+            continue
         yield example
 
 
@@ -107,7 +113,10 @@ def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, dat
     workers read themselves: spans of CHUNK_EXAMPLES lines of a JSONL file, never parsed here, or a parquet file's
     batches as pyarrow decodes them, made into rows there (a batch over PARQUET_WORKER_BYTES, images say, is read
     here, so that the batches in flight stay small). Any other dataset is read here, as ReadRows of CHUNK_EXAMPLES
-    examples. `teacher`: as load_examples."""
+    examples. `teacher`: as load_examples. With data.deduplicate: exact every row is read here, whatever
+    `in_workers` (the workers still tokenize), so that the duplicates of the whole split are found in input order."""
+    in_workers = in_workers and data.deduplicate == "none"
+    seen = seen_for(data.deduplicate)
     for index, cfg in enumerate(configs):
         if in_workers and _read_by_workers(cfg):
             with _named_source(key, index):
@@ -122,7 +131,7 @@ def iter_chunks(configs: Sequence[DatasetConfig], on_bad_row: str, key: str, dat
                         yield chunk
             continue
         counts = DataStats()
-        examples = _dataset_examples(cfg, index, key, data, on_bad_row, counts, teacher)
+        examples = _dataset_examples(cfg, index, key, data, on_bad_row, counts, teacher, seen)
         while True:
             chunk = list(itertools.islice(examples, CHUNK_EXAMPLES))
             if chunk or counts.rows_read:  # bad rows after the last example are counted too
@@ -260,7 +269,7 @@ def build_into(recipe: Recipe, tokenizer: Any, train: Sink, evals: Sink) -> tupl
               completion_end(recipe))
     sources: tuple[Iterable[Chunk], Iterable[Chunk]]
     if not recipe.eval_datasets and data.val_fraction > 0 and workers_for(data) > 1 and \
-            all(map(_read_by_workers, recipe.datasets)):
+            data.deduplicate == "none" and all(map(_read_by_workers, recipe.datasets)):
         sources = _split_in_workers(recipe, train_stats, job, workers_for(data))
     elif not recipe.eval_datasets and data.val_fraction > 0:
         train_part, eval_part = _split(recipe, train_stats)
@@ -398,8 +407,10 @@ def check_train_stats(recipe: Recipe, train_stats: DataStats) -> None:
     paths = ", ".join(d.path for d in recipe.datasets)
     if not train_stats.samples:
         raise UserError(f"datasets: no training samples in {paths}: {train_stats.rows_read} rows read, "
-                        f"{train_stats.bad_rows_skipped} bad rows skipped, {train_stats.dropped_too_long} "
-                        "dropped as too long (see data.on_bad_row, data.truncation)"
+                        f"{train_stats.bad_rows_skipped} bad rows skipped, "
+                        + (f"{train_stats.duplicates_dropped} duplicates dropped, " if train_stats.duplicates_dropped
+                           else "")
+                        + f"{train_stats.dropped_too_long} dropped as too long (see data.on_bad_row, data.truncation)"
                         + "".join(f"\n  dropped: {e}" for e in train_stats.dropped_examples[:1]))
     if train_stats.target_tokens == 0:
         raise UserError(f"datasets: the training data ({paths}) has no target tokens (every label is masked): "

@@ -23,6 +23,10 @@ class DataStats:
     bad_row_examples: list[str] = field(default_factory=list)
     dropped_examples: list[str] = field(default_factory=list)
     """The first samples dropped as too long, each `file:line: why`, as bad rows are named."""
+    duplicates_dropped: int = 0
+    """Rows dropped as the same example as an earlier row (data.deduplicate: exact)."""
+    duplicate_examples: list[str] = field(default_factory=list)
+    """The first of them, by file:line."""
 
     def bad_row(self, error: BadRow, on_bad_row: str) -> None:
         """Stop on a bad row (`data.on_bad_row: error`) or count it and keep a few examples (`skip`)."""
@@ -34,6 +38,12 @@ class DataStats:
         self.bad_rows_skipped += 1
         if len(self.bad_row_examples) < EXAMPLES:
             self.bad_row_examples.append(why)
+
+    def duplicate(self, origin: str) -> None:
+        """Count a row dropped as a duplicate (data.deduplicate: exact) and name the first few."""
+        self.duplicates_dropped += 1
+        if len(self.duplicate_examples) < EXAMPLES:
+            self.duplicate_examples.append(origin.encode("utf-8", "backslashreplace").decode("utf-8"))
 
     def drop(self, origin: str, tokens: int, why: str) -> None:
         """Count a sample dropped as too long (its `tokens` lost) and name the first few by their row's origin."""

@@ -37,7 +37,7 @@ import torch
 
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
-from finetune.model import architectures, files, hub, kernels, vision, vocab
+from finetune.model import architectures, config_overrides, files, hub, kernels, vision, vocab
 from finetune.model.tokenizer import gguf_location
 from finetune.progress import Phase
 from finetune.recipe import AdapterConfig, ModelConfig
@@ -165,6 +165,7 @@ def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int, key: str = "model.
         kwargs["gguf_file"] = gguf
     if hub.local_files_only(path, key):
         kwargs["local_files_only"] = True  # the hub is out of reach and the cache has it: no minute of retries
+    _with_overrides(cfg, path, kwargs)
     # GGUF weights are de-quantized tensor by tensor inside transformers (minutes on a CPU): said while it runs.
     what = f"model: de-quantizing {gguf} (GGUF)" if gguf else f"model: loading {path}"
     try:
@@ -177,6 +178,15 @@ def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int, key: str = "model.
         raise UserError(f"{files.where(key)} {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
                         f"  {fix}.") from None
     return _plain_copy(model, dtype, common) if gguf else model
+
+
+def _with_overrides(cfg: ModelConfig, path: str, kwargs: dict[str, Any]) -> None:
+    """model.config_overrides: the model's config with them set (each key checked: config_overrides.py) goes into
+    from_pretrained's `kwargs` as its config, before any weight is read."""
+    where = {k: kwargs[k] for k in ("gguf_file", "local_files_only") if k in kwargs}
+    config = config_overrides.overridden_config(cfg, path, **where)
+    if config is not None:
+        kwargs["config"] = config
 
 
 def _checked_location(cfg: ModelConfig, key: str) -> tuple[str, str | None]:
@@ -235,6 +245,7 @@ def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.d
         # On the CPU (no GPU, or FINETUNE_DEVICE=cpu), bitsandbytes (>= 0.49) quantizes and computes there.
         kwargs["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
     if cfg.init == "pretrained" and not gguf:
+        _with_overrides(cfg, path, kwargs)
         try:
             with files.load_errors(path, key, auto, cfg.trust_remote_code):
                 return auto.from_pretrained(path, **kwargs)

@@ -33,6 +33,7 @@ import torch
 
 from finetune.data.images import attach, layout_for, make_layout
 from finetune.errors import UserError, first_line
+from finetune.model.config_overrides import apply_overrides
 from finetune.recipe import AdapterConfig, ModelConfig
 
 
@@ -252,9 +253,10 @@ def model_config(cfg: ModelConfig) -> Any | None:
     if not cfg.path or cfg.gguf_file or cfg.path.endswith(".gguf") or cfg.path.startswith("pkg://"):
         return None
     try:
-        return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError):
         return None  # loading the model says why
+    return apply_overrides(config, cfg.config_overrides)  # its refusals see them (output_router_logits: false)
 
 
 # --- the image processor and the layout ------------------------------------------------------------------------

@@ -116,7 +116,8 @@ def load_teacher(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, impl: str,
     maps any text to other ids than the student's, and a student with more output rows than the teacher."""
     path = recipe.distill.teacher
     assert path is not None  # validation requires it for train.objective distill
-    cfg = recipe.model.model_copy(update={"path": path, "init": "pretrained", "gguf_file": None, "config": None})
+    cfg = recipe.model.model_copy(update={"path": path, "init": "pretrained", "gguf_file": None, "config": None,
+                                           "config_overrides": {}})
     _same_tokenizer(tokenizer, load_tokenizer(TokenizerConfig(path=path), cfg), path)
     _predicts_every_id(path, cfg, len(tokenizer))
     four_bit = recipe.distill.teacher_4bit

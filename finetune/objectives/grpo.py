@@ -72,7 +72,7 @@ class GRPO:
             ref = copy.deepcopy(lm)
         else:
             cfg = recipe.model if path == "auto" else recipe.model.model_copy(
-                update={"path": path, "init": "pretrained", "gguf_file": None})
+                update={"path": path, "init": "pretrained", "gguf_file": None, "config_overrides": {}})
             ref = load_model(cfg, AdapterConfig(), setting.tokenizer, recipe.seed, setting.device,
                              key="model.path" if path == "auto" else "grpo.reference").to(setting.device)
         if ref is not lm:

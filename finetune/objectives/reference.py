@@ -90,7 +90,7 @@ def _reference(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, device: torc
         yield lm
     else:
         cfg = recipe.model if path == "auto" else recipe.model.model_copy(
-            update={"path": path, "init": "pretrained", "gguf_file": None})
+            update={"path": path, "init": "pretrained", "gguf_file": None, "config_overrides": {}})
         key = "model.path" if path == "auto" else "dpo.reference"  # which key a bad file's message names
         # device: liger_kernels need it
         ref = load_model(cfg, AdapterConfig(), tokenizer, recipe.seed, device, key=key).to(device)

@@ -43,4 +43,6 @@ def data_summary(stats: DataStats, n_eval: int) -> str:
         line += f"; {stats.truncated} truncated, {stats.dropped_too_long} dropped (too long)"
     if stats.bad_rows_skipped:
         line += f"; {stats.bad_rows_skipped} bad rows skipped"
+    if stats.duplicates_dropped:
+        line += f"; {stats.duplicates_dropped} duplicate rows dropped (data.deduplicate)"
     return line

@@ -20,6 +20,14 @@ class ModelConfig(Section):
     """pretrained: load weights from path. random: build from `config` with random weights (model.path unset)."""
     config: dict[str, Any] | None = None
     """Model config for init: random, e.g. {model_type: llama, hidden_size: 128, ...}."""
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    """init: pretrained: keys set on the model's own config (its config.json) before the weights load, e.g.
+    {attention_dropout: 0.1, output_router_logits: false} (Axolotl's model_config). Each key must be one the
+    config has: an unknown one stops the load before any weight is read, naming the close ones. A sub-config of a
+    vision-language model takes a mapping that is merged into it ({text_config: {attention_dropout: 0.1}}); any
+    other value replaces the key's whole value (rope_parameters: the whole mapping). The trained model's config.json
+    keeps them. Not with init: random, where model.config is the whole config (write the keys there). A teacher or
+    reference model loaded from another path gets its own config, without these."""
     gguf_file: str | None = None
     """A .gguf file inside `path` (a directory) to load through transformers' GGUF support."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

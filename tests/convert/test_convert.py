@@ -276,3 +276,23 @@ def test_migration_doc_is_current():
     spec.loader.exec_module(module)
     assert module.DOC.read_text(encoding="utf-8") == module.render(), \
         "docs/migrating-from-axolotl.md is stale: run python scripts/gen_migrating_doc.py"
+
+
+def test_deduplication_and_model_config_overrides_convert(tmp_path):
+    """dataset_exact_deduplication -> data.deduplicate: exact (approximated where Axolotl's preference path also drops
+    eval rows equal to training rows); model_config (overrides_of_model_config) -> model.config_overrides, but the MoE
+    router's auxiliary loss (output_router_logits: true), which finetune does not compute."""
+    text = MINIMAL + "dataset_exact_deduplication: true\nmodel_config:\n  attention_dropout: 0.1\n"
+    recipe = yaml.safe_load(_convert(tmp_path, text).text)
+    assert recipe["data"]["deduplicate"] == "exact"
+    assert recipe["model"]["config_overrides"] == {"attention_dropout": 0.1}
+    same = yaml.safe_load(_convert(tmp_path, MINIMAL + "overrides_of_model_config: {rope_theta: 1.0e6}\n").text)
+    assert same["model"]["config_overrides"] == {"rope_theta": 1.0e6}
+    dpo = (MINIMAL.replace("type: alpaca", "type: chat_template.default") + "rl: dpo\ndataset_exact_deduplication: "
+           "true\ntest_datasets:\n  - {path: eval.jsonl, type: chat_template.default}\n")
+    assert "dataset_exact_deduplication: only approximately: eval rows equal to training rows" in _error(tmp_path, dpo)
+    assert yaml.safe_load(_convert(tmp_path, dpo, allow_approx=True).text)["data"]["deduplicate"] == "exact"
+    assert "model_config: output_router_logits: true adds the MoE router's load-balancing loss" in \
+        _error(tmp_path, MINIMAL + "model_config: {output_router_logits: true}\n")
+    assert "overrides_of_model_config: model_config is its other name" in \
+        _error(tmp_path, MINIMAL + "model_config: {a: 1}\noverrides_of_model_config: {a: 2}\n")
