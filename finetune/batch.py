@@ -107,7 +107,7 @@ class Documents:
     """One packed micro-batch's documents: each row's (start, end) spans on the host, and `cu_seqlens`, their
     cumulative lengths over the flattened rows (int32 [documents + 1], on the model's device). `kernel` is the
     run's packed-attention setting (auto, varlen, flex, sdpa) that the attention reads from here; `block_masks`
-    keeps a flex BlockMask once the first layer built it."""
+    keeps a flex BlockMask once the first layer built it; `sharded`, the context-parallel exchange."""
 
     spans: list[list[tuple[int, int]]]
     cu_seqlens: torch.Tensor
@@ -116,6 +116,10 @@ class Documents:
     length: int
     kernel: str = "auto"
     block_masks: dict[Any, Any] = field(default_factory=dict)
+    sharded: Any = None
+    """Context parallelism (finetune/context_parallel): the rows are split across ranks, each holding `length` /
+    N positions, and attention runs as sharded(attend, q, k, v) around an attention over whole rows (Ulysses's
+    exchanges); None: each rank holds whole rows."""
 
     @staticmethod
     def of(position_ids: torch.Tensor, device: torch.device | str | None = None) -> Documents:

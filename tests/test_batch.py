@@ -43,7 +43,7 @@ def _pair(chosen: int, rejected: int) -> dict:
 
 def test_sections_are_the_optional_typed_fields_of_a_micro_batch():
     defaults = {f.name: f.default for f in dataclasses.fields(MicroBatch)}
-    assert set(SECTIONS) == {"pairs", "rollouts"} and all(defaults[name] is None for name in SECTIONS)
+    assert set(SECTIONS) == {"pairs", "rollouts", "teacher"} and all(defaults[name] is None for name in SECTIONS)
 
 
 def test_an_objective_meeting_batches_without_what_it_needs_is_refused_before_any_forward(tmp_path):
@@ -68,7 +68,7 @@ def test_a_need_that_names_no_section_is_the_objectives_own_bug(tmp_path):
         name, needs = "typo", ("pair",)
 
     with pytest.raises(ValueError, match=r"the typo objective needs 'pair': not a section of MicroBatch "
-                                         r"\(pairs, rollouts\)"):
+                                         r"\(pairs, rollouts, teacher\)"):
         step_micro_batches(Typo(), [_sample(6)], _recipe(tmp_path), 0, 1, 0, CPU)
 
 

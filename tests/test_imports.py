@@ -22,7 +22,8 @@ ALLOWED = {
     "templates": set(),  # the chat templates shipped by name (tokenizer.chat_template: chatml)
     "progress": set(),  # a long phase's progress on stderr (a line in place on a terminal, a line per update off one)
     "chat": set(),  # the chat rendering engine: any Jinja template's messages, turns and their tokens (SFT and RL)
-    "context_parallel": set(),  # Ulysses attention: sequence-sharded rows to head-sharded full sequences and back
+    # rows split across ranks: their targets and documents found whole; Ulysses attention around ours
+    "context_parallel": {"batch", "labels"},
     "recipe": {"versions", "templates"},  # `requires:` is checked by the version rules; chat template names
     "batch": {"labels"},  # the micro-batch: what collate makes and the objectives and the model read
     "data": {"recipe", "labels", "batch", "chat", "progress"},  # recipe datasets -> samples -> rows -> micro-batches
@@ -34,8 +35,8 @@ ALLOWED = {
     "rl": {"batch", "chat", "data", "dist", "labels", "progress", "recipe"},  # rollouts (replayed), rewards, advantages, which rows each step trains
     "run": {"dist", "model", "recipe"},  # the run directory, checkpoints, a finished run's model
     "metrics": {"recipe", "run"},
-    "train": {"attention", "batch", "data", "dist", "loss", "metrics", "model", "objectives", "progress", "recipe",
-              "rl", "run", "versions"},
+    "train": {"attention", "batch", "context_parallel", "data", "dist", "loss", "metrics", "model", "objectives",
+              "progress", "recipe", "rl", "run", "versions"},
     "commands": {"batch", "data", "dist", "loss", "metrics", "model", "objectives", "progress", "recipe", "run",
                  "train"},
     "convert": {"recipe", "templates"},  # `finetune convert axolotl`: a config in, a recipe out

@@ -129,6 +129,8 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"{ATTN_NAME} does not support {unsupported}; set model.attn_implementation: eager")
     docs = kwargs.get(DOCUMENTS_KWARG)
+    if isinstance(docs, Documents) and docs.sharded is not None and (docs.batch, docs.length) != (batch, q_length):
+        return _sharded(module, query, key, value, dropout, scaling, position_ids, sliding_window, docs, kwargs)
     if not isinstance(docs, Documents) or (docs.batch, docs.length) != (batch, q_length):
         docs = None
     if docs is not None:
@@ -154,6 +156,20 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
     out = rows[0] if batch == 1 else torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sharded(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
+             scaling: float | None, position_ids: torch.Tensor, sliding_window: int | None, docs: Documents,
+             kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    """This rank's share of rows split across context-parallel ranks: the documents' exchange (docs.sharded) around
+    this same attention over whole rows, for this rank's heads."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, _ = sdpa_varlen_attention(module, q, k, v, None, dropout=dropout, scaling=scaling,
+                                       position_ids=position_ids, sliding_window=sliding_window, **kwargs)
+        return out.transpose(1, 2)  # [b, heads, S, d], as the exchange takes it
+
+    return docs.sharded(attend, query, key, value).transpose(1, 2).contiguous(), None
 
 
 def _window_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:

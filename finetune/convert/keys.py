@@ -117,6 +117,8 @@ MAPPED: dict[str, str] = {
     "bnb_config_kwargs": "finetune's NF4 with double quantization; other settings refused",
     "deepspeed": "distributed.strategy: ddp (ZeRO 1/2) or fsdp (ZeRO 3), distributed.cpu_offload",
     "fsdp": "distributed.strategy: fsdp (offload_params: distributed.cpu_offload)",
+    "context_parallel_size": "distributed.context_parallel (Ulysses here, ring attention there: the same math)",
+    "sequence_parallel_degree": "distributed.context_parallel (the older name of context_parallel_size)",
     "fsdp_config": "distributed.strategy: fsdp, distributed.cpu_offload from offload_params",
     "eval_batch_size": "eval.micro_batch_size",
     "evals_per_epoch": "eval.every_epochs (1 / evals_per_epoch), or eval.every_steps with max_steps",
@@ -207,7 +209,7 @@ DROPPED: dict[str, str] = {
             "tiled_mlp tiled_mlp_num_shards tiled_mlp_use_original_mlp embeddings_skip_upcast gc_steps "
             "gc_collect_steps torch_empty_cache_steps gpu_memory_limit max_memory fp32_norms fp32_norm_classes "
             "qlora_sharded_model_loading lora_on_cpu accelerator_config", MEMORY),
-    **_each("context_parallel_size sequence_parallel_degree tensor_parallel_size dp_shard_size dp_replicate_size "
+    **_each("tensor_parallel_size dp_shard_size dp_replicate_size "
             "expert_parallel_size expert_parallel_backend expert_parallel_num_nvl_bytes "
             "expert_parallel_num_rdma_bytes expert_parallel_fallback_on_unsupported fsdp_version "
             "fsdp_final_state_dict_type ddp ddp_find_unused_parameters ddp_broadcast_buffers ddp_bucket_cap_mb "

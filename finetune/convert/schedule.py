@@ -114,9 +114,15 @@ def run_rules(c: Conversion) -> None:
 
 
 def parallel_rules(c: Conversion, base: Path) -> None:
-    """deepspeed, fsdp, fsdp_config -> distributed; plugins (the distillation plugin: rules_distill.py)."""
+    """deepspeed, fsdp, fsdp_config, context_parallel_size -> distributed; plugins (the distillation plugin:
+    rules_distill.py)."""
     if c.has("deepspeed"):
         _deepspeed(c, base)
+    for key in ("context_parallel_size", "sequence_parallel_degree"):
+        size = c.integer(key, minimum=1)
+        if size is not None and size > 1:
+            c.put("distributed.context_parallel", size)
+            break
     fsdp, fsdp_config = c.get("fsdp"), c.mapping("fsdp_config")
     if fsdp or fsdp_config:
         c.put("distributed.strategy", "fsdp")

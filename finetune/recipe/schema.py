@@ -101,6 +101,13 @@ class DataConfig(Section):
     num_proc: int | None = Field(None, ge=1)
     """Processes that tokenize (worker processes over chunks of the streamed rows); null: every core. The samples
     are the same for any number."""
+    deduplicate: Literal["none", "exact"] = "none"
+    """exact: a row whose example is the same as an earlier row's (the same messages, text, or prompt and completion,
+    with its tools, images and trained turns: everything read from it but its file:line) is dropped, the first kept,
+    and counted (`finetune preprocess`, the run's data line). Over all training datasets together, before
+    val_fraction's split; eval_datasets on their own (an eval row equal to a training row stays). Rows are then read
+    in the main process (workers still tokenize), which keeps about 100 bytes per distinct row (a 16-byte hash).
+    Not with train.objective grpo (its prompts are read as they are). Axolotl's dataset_exact_deduplication."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed data row stops the run (error) or is skipped and counted (skip)."""
     max_row_bytes: int = Field(8 * 1024 * 1024, gt=0)
@@ -237,6 +244,9 @@ class DistributedConfig(Section):
     """Data parallel with replicated (ddp) or sharded (fsdp, FSDP2) weights under torchrun."""
     cpu_offload: bool = False
     """fsdp: keep sharded parameters on the CPU."""
+    context_parallel: int = Field(1, ge=1)
+    """Context parallelism: each row (packed or padded) split across this many ranks of the torchrun world, the
+    attention exchanged among them (Ulysses); world = data parallel x this. SFT only for now (docs/design.md)."""
 
 
 class LoggingConfig(Section):

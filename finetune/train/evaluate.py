@@ -15,6 +15,8 @@ import torch
 
 from finetune import dist
 from finetune.batch import to_device
+from finetune.context_parallel.groups import data_parallel
+from finetune.context_parallel.shard import ContextGroup, shard_batch
 from finetune.data import collate, eval_rows, rank_micro_batches
 from finetune.errors import UserError
 from finetune.model.isolation import check_packable
@@ -39,12 +41,14 @@ class EvalResult:
 
 
 def evaluate_loss(objective: Objective, net: torch.nn.Module, samples: list[dict], recipe: Recipe,
-                  micro_batch_size: int, pad_id: int, world: dist.World, device: torch.device) -> EvalResult:
+                  micro_batch_size: int, pad_id: int, world: dist.World, device: torch.device,
+                  context: ContextGroup | None = None) -> EvalResult:
     """The objective's loss and metrics over the eval set (SFT: the sum of token losses over all eval target
-    tokens)."""
+    tokens); `context`: this rank's context-parallel group (the rows split across it, as in training)."""
     # Dealt to ranks like a training step's rows: a rank with fewer micro-batches runs fillers that count
     # nothing, so every rank makes the same forward calls (FSDP gathers parameters in each).
-    micro_batches = rank_micro_batches(eval_rows(samples, recipe.data), micro_batch_size, world.size, world.rank)
+    dp_rank, dp_size = data_parallel(world.rank, world.size, context)
+    micro_batches = rank_micro_batches(eval_rows(samples, recipe.data), micro_batch_size, dp_size, dp_rank)
     units, metrics = objective.units, list(objective.metrics)
     # On the device: the loss terms and metrics, added up without a read. On the host: the counts, known from the
     # collated rows (a count put on the device per micro-batch would be a blocking copy, a sync, each time).
@@ -55,7 +59,8 @@ def evaluate_loss(objective: Objective, net: torch.nn.Module, samples: list[dict
         for rows in micro_batches:
             # Copied from pinned memory without blocking on CUDA (MicroBatch.to): the host collates the next
             # micro-batch while the device runs this one.
-            batch = collate(rows, recipe.data, pad_id).to(device)
+            collated = collate(rows, recipe.data, pad_id)
+            batch = collated.to(device) if context is None else shard_batch(collated, context, device)
             result = objective.forward(net, batch, device)
             counts = objective.counts(batch)
             for u in units:

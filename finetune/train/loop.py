@@ -210,7 +210,7 @@ def _micro_batches(run: Run, step: int, clock: Stopwatch) -> tuple[int, list[dic
     with clock.excluded():
         epoch, step_rows = run.plan.step(step)
     micro = step_micro_batches(run.objective, step_rows, recipe, run.tokenizer.pad_token_id, world.size, world.rank,
-                               run.device)
+                               run.device, run.context)
     return epoch, step_rows, micro
 
 
@@ -247,7 +247,7 @@ def _evaluate(run: Run, step: int) -> None:
         return
     micro = run.recipe.eval.micro_batch_size or run.recipe.train.micro_batch_size
     result = evaluate_loss(run.objective, run.net, run.eval_samples, run.recipe, micro,
-                           run.tokenizer.pad_token_id, run.world, run.device)
+                           run.tokenizer.pad_token_id, run.world, run.device, run.context)
     run.net.train()
     if run.logger:
         run.logger.log(result.record(step))

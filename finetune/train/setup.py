@@ -14,6 +14,8 @@ from rich.console import Console
 
 from finetune import dist, versions
 from finetune.attention.kernels import setting
+from finetune.context_parallel.groups import context_group, data_parallel
+from finetune.context_parallel.shard import ContextGroup
 from finetune.data import StepPlan
 from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import MetricsLogger, WeightSamples, open_sinks
@@ -28,7 +30,7 @@ from finetune.rl.plan import RolloutPlan
 from finetune.run import atomic, checkpoint, startup
 from finetune.run.directory import RunDir, truncate_metrics, write_run_header
 from finetune.train.optim import build_optimizer, build_scheduler
-from finetune.train.parallel import wrap_model
+from finetune.train.parallel import check_context_parallel, wrap_model
 from finetune.train.parts import Parts, load_parts, plan_for
 from finetune.train.plan import step_larger_than_epoch
 
@@ -68,6 +70,7 @@ class Run:
     images_key: str | None = None  # the training images' bytes, recorded in checkpoints (None: no images)
     frozen: str | None = None  # the weights a resume loads from model.path again (model/digest.py), recorded too
     config: str | None = None  # the model's config by content (model/digest.py): with `frozen`, a moved model.path
+    context: ContextGroup | None = None  # this rank's context-parallel group (distributed.context_parallel > 1)
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
@@ -110,7 +113,10 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     # Before any wrapping shards the parameters; on rank 0 only, as every rank loaded the same weights.
     frozen = dist.from_main(frozen_digest(parts.lm) if world.is_main else None)
     config = config_digest(parts.lm.config)  # once: checkpoints record it, a resume compares it
-    plan = plan_for(recipe, parts, world)
+    context = context_group(world.rank, world.size, recipe.distributed.context_parallel) if world.distributed else None
+    if context is not None:
+        check_context_parallel(parts.lm, context.ranks)
+    plan = plan_for(recipe, parts, world, data_parallel(world.rank, world.size, context)[1])
     if plan.note:
         console.print(plan.note)
     if isinstance(plan, StepPlan) and (oversized := step_larger_than_epoch(plan, world.size)) is not None:
@@ -140,7 +146,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
                plan, parts.evals, parts.samples_key, logger, start, n_params,
                plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every, parts.images_key,
-               frozen, config)
+               frozen, config, context)
 
 
 def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpointing: bool, replaced: list[str],

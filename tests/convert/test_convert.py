@@ -296,3 +296,17 @@ def test_deduplication_and_model_config_overrides_convert(tmp_path):
         _error(tmp_path, MINIMAL + "model_config: {output_router_logits: true}\n")
     assert "overrides_of_model_config: model_config is its other name" in \
         _error(tmp_path, MINIMAL + "model_config: {a: 1}\noverrides_of_model_config: {a: 2}\n")
+
+
+def test_context_parallel_size_converts():
+    """context_parallel_size (sequence_parallel_degree, its older name) -> distributed.context_parallel; 1 is the
+    default and writes nothing."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in ("context_parallel_size", "sequence_parallel_degree"):
+            recipe = yaml.safe_load(_convert(Path(tmp), MINIMAL + f"{key}: 4\n").text)
+            assert recipe["distributed"]["context_parallel"] == 4
+        plain = yaml.safe_load(_convert(Path(tmp), MINIMAL + "context_parallel_size: 1\n").text)
+        assert "context_parallel" not in (plain.get("distributed") or {})
