@@ -40,7 +40,8 @@ class _Echo:
     def generate(self, prompts, greedy=False, stop=lambda: False, max_new_tokens=None):
         self.calls.append(prompts)
         torch.rand(3)  # sampling draws: the run's own stream must not see them
-        return [[p[-1] + 100, int(torch.randint(0, 50, ()))] for p in prompts]
+        self.outputs = [[p[-1] + 100, int(torch.randint(0, 50, ()))] for p in prompts]
+        return self.outputs
 
 
 def test_the_plan_draws_its_steps_from_the_seed_and_leaves_the_rng_alone():
@@ -154,3 +155,21 @@ def test_a_seq_kd_run_trains_on_the_teachers_completions(tmp_path, teacher):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = train_lines(run)
     assert [x["seq_kd"] for x in lines] == [1.0, 1.0] and all(0 < x["completion_tokens"] <= 6 for x in lines)
+
+
+def test_an_on_policy_step_is_the_step_on_its_completions_replayed():
+    """The rows an on-policy step trains on are exactly the prompts and the sampled completions: collated, they are the
+    micro-batches of the same completions given as data (replayed), tensor for tensor."""
+    from finetune.data import collate
+    from finetune.recipe import load_recipe
+
+    samples = [{"input_ids": [1, 2, 3, 4 + i, 9], "labels": [-100, -100, 3, 4 + i, 9]} for i in range(8)]
+    recipe = load_recipe(QUICKSTART, ["train.objective=distill", "distill.teacher=x", "distill.lmbda=1",
+                                      "data.packing=false", "train.micro_batch_size=4",
+                                      "train.gradient_accumulation_steps=1"])
+    student = _Echo()
+    _, generated = OnPolicyPlan(samples, recipe, 1, student).step(0)
+    # the replay: each sample's prompt (its tokens before the trained turn: [1, 2]) and the completion sampled for it
+    replayed = [{"input_ids": [1, 2, *out], "labels": [-100, -100, *out]} for out in student.outputs]
+    a, b = collate(generated, recipe.data, 0), collate(replayed, recipe.data, 0)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels) and a.targets == b.targets == 8
