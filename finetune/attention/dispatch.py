@@ -121,6 +121,11 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     batch, _, q_length, _ = query.shape
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
+    docs = kwargs.get(DOCUMENTS_KWARG)
+    if isinstance(docs, Documents) and docs.sharded is not None and (docs.batch, docs.length) != (batch, q_length):
+        # Rows split across context-parallel ranks: a mask the model built for this rank's share (a sliding window
+        # longer than the share makes one) means nothing; the documents and the window apply over whole rows.
+        return _sharded(module, query, key, value, dropout, scaling, position_ids, sliding_window, docs, kwargs)
     if attention_mask is not None or not usable or key.shape[2] != q_length or not causal:
         # A padding mask, a cache prefix or a bidirectional module: transformers' own path, mask and all.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -128,9 +133,6 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"{ATTN_NAME} does not support {unsupported}; set model.attn_implementation: eager")
-    docs = kwargs.get(DOCUMENTS_KWARG)
-    if isinstance(docs, Documents) and docs.sharded is not None and (docs.batch, docs.length) != (batch, q_length):
-        return _sharded(module, query, key, value, dropout, scaling, position_ids, sliding_window, docs, kwargs)
     if not isinstance(docs, Documents) or (docs.batch, docs.length) != (batch, q_length):
         docs = None
     if docs is not None:

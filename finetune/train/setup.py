@@ -15,13 +15,21 @@ from rich.console import Console
 from finetune import dist, versions
 from finetune.attention.kernels import setting
 from finetune.context_parallel.groups import context_group, data_parallel
+from finetune.context_parallel.isolation import sharded_isolation_error
 from finetune.context_parallel.shard import ContextGroup
 from finetune.data import StepPlan
+from finetune.errors import UserError
 from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import MetricsLogger, WeightSamples, open_sinks
 from finetune.model import kernels as model_kernels
 from finetune.model.digest import config_digest, frozen_digest
-from finetune.model.isolation import check_packable, check_packing_isolation, is_ours, packed_attention
+from finetune.model.isolation import (
+    check_packable,
+    check_packing_isolation,
+    default_tolerance,
+    is_ours,
+    packed_attention,
+)
 from finetune.model.loading import count_parameters
 from finetune.objectives import Objective
 from finetune.recipe import Recipe, features, to_yaml
@@ -116,6 +124,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     context = context_group(world.rank, world.size, recipe.distributed.context_parallel) if world.distributed else None
     if context is not None:
         check_context_parallel(parts.lm, context.ranks)
+        if recipe.data.packing and recipe.data.packing_check:
+            _check_sharded_isolation(recipe, parts, context, device, console)
     plan = plan_for(recipe, parts, world, data_parallel(world.rank, world.size, context)[1])
     if plan.note:
         console.print(plan.note)
@@ -177,6 +187,20 @@ def _check_model(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, console: C
         err = check_packing_isolation(lm, len(tokenizer), kernel=setting(recipe.model.packed_attention))
         console.print(f"packing isolation check passed (max logit difference {err:.1e})")
     return compiled
+
+
+def _check_sharded_isolation(recipe: Recipe, parts: Parts, context: ContextGroup, device: torch.device,
+                             console: Console) -> None:
+    """Packed documents isolated across the context-parallel cut (context_parallel/isolation.py), with the
+    tolerance of the whole-row check."""
+    err = sharded_isolation_error(parts.lm, len(parts.tokenizer), context, device)
+    tolerance = default_tolerance(next(parts.lm.parameters()).dtype, device)
+    if not err <= tolerance:
+        raise UserError(f"distributed.context_parallel: packed documents leak attention once rows are split across "
+                        f"{context.ranks} ranks: changing one document changed another's logits by {err:.3g} "
+                        f"(tolerance {tolerance:.1g}); this is finetune's bug to report")
+    console.print(f"packing isolation check across {context.ranks} context-parallel ranks passed (max logit "
+                  f"difference {err:.1e})")
 
 
 def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPlan, compiled: int,

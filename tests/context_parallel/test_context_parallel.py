@@ -1,6 +1,7 @@
 """Context parallelism end to end (distributed.context_parallel; finetune/context_parallel/): each row split across
-ranks trains as one process does, packed and padded, a short last step included, alone (CP 2, DDP and FSDP2) and
-with data parallelism (DP 2 x CP 2, four gloo ranks): every step's loss and grad norm within 1e-5, the final weights within
+ranks trains as one process does (Llama, Mistral with a sliding window, Qwen2), packed (gradient checkpointing, LoRA)
+and padded, a short last step included, alone (CP 2, DDP and FSDP2) and with data parallelism (DP 2 x CP 2, four
+gloo ranks), packed documents checked isolated across the cut at start: every step's loss and grad norm within 1e-5, the final weights within
 1e-5 per tensor. And the splitting itself: labels shifted once, on the whole rows (verl #6068), each target on
 exactly one rank (no position split twice: Axolotl #3498), the documents those of the whole rows (TRL #6843)."""
 
@@ -41,12 +42,15 @@ def _torchrun(nproc: int, *args: str):
     return run_process(cmd, env={**TEST_ENV, "OMP_NUM_THREADS": "1", "FINETUNE_DEVICE": "cpu"}, timeout=300)
 
 
-def _same(run, ref) -> None:
+def _same(run, ref, weight_tolerance: float) -> None:
+    """LoRA's B starts at 0, so AdamW's first steps move an entry by about lr * sign(g) whatever its size: one whose
+    gradient is float noise shows the ranks' summation order in the weights (tests/train/test_distributed.py's
+    tolerance for it, 5e-5)."""
     assert_same_steps(train_lines(run), train_lines(ref), equal=("tokens", "seq_tokens"))
     got, want = final_weights(run), final_weights(ref)
     assert set(got) == set(want)
     for name in want:
-        assert rel_diff(got[name], want[name]) <= 1e-5, name
+        assert rel_diff(got[name], want[name]) <= weight_tolerance, name
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +70,17 @@ def one_process(tmp_path_factory):
     return run
 
 
-CASES = {"packed": PACKED, "short": SHORT}
+# Llama packed, with gradient checkpointing; Mistral with a sliding window shorter than the rows (the window is kept
+# across the cut: each rank attends over whole rows), padded, a short last step; Qwen2 packed, with a LoRA adapter.
+CASES = {"checkpointed": [*PACKED, "model.gradient_checkpointing=true"],
+         "short": [*SHORT, "model.config.model_type=mistral", "model.config.sliding_window=16"],
+         "lora": [*PACKED, "model.config.model_type=qwen2", "adapter.type=lora", "train.lr=1e-2"]}
 
 
 @pytest.mark.parametrize("case, nproc, micro, accumulation, strategy", [
-    ("packed", 2, 2, 2, "ddp"),  # CP 2: one data-parallel rank, its 4 rows a step in 2 micro-batches
+    ("checkpointed", 2, 2, 2, "ddp"),  # CP 2: one data-parallel rank, its 4 rows a step in 2 micro-batches
     ("short", 2, 2, 2, "fsdp"),
-    ("packed", 4, 1, 2, "ddp"),  # DP 2 x CP 2
+    ("lora", 4, 1, 2, "ddp"),  # DP 2 x CP 2
 ])
 def test_context_parallel_trains_as_one_process(tmp_path, one_process, case, nproc, micro, accumulation, strategy):
     extra = CASES[case]
@@ -83,7 +91,9 @@ def test_context_parallel_trains_as_one_process(tmp_path, one_process, case, npr
                   f"distributed.strategy={strategy}")
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert f"world size {nproc}" in r.stdout and "optimizer steps of 4 rows" in r.stdout
-    _same(run, ref)
+    if case != "short":  # packed rows: isolation across the cut checked at start
+        assert "packing isolation check across 2 context-parallel ranks passed" in r.stdout
+    _same(run, ref, 5e-5 if case == "lora" else 1e-5)
 
 
 @pytest.mark.parametrize("packing", [True, False])
