@@ -171,6 +171,9 @@ class RolloutFields:
     advantages: torch.Tensor
     old_logps: torch.Tensor
     scored: list[int]
+    sampling_logps: torch.Tensor | None = None
+    """The sampling engine's log-probability of each scored token (a replay file's `logprobs`; NaN: none), laid out
+    as old_logps, for grpo.importance_correction."""
 
     @property
     def count(self) -> int:
@@ -179,7 +182,9 @@ class RolloutFields:
     def to(self, device: torch.device | str) -> RolloutFields:
         return dataclasses.replace(self, seq_index=to_device(self.seq_index, device),
                                    advantages=to_device(self.advantages, device),
-                                   old_logps=to_device(self.old_logps, device))
+                                   old_logps=to_device(self.old_logps, device),
+                                   sampling_logps=None if self.sampling_logps is None else
+                                   to_device(self.sampling_logps, device))
 
 
 @dataclass(eq=False)

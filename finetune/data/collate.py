@@ -143,6 +143,7 @@ def rollout_fields(rows: Sequence[dict], labels: torch.Tensor, filler: bool) -> 
     """The completions of an RL micro-batch (padded rows, one completion each; see finetune/rl/rollout.py)."""
     seq_index = torch.full(labels.shape, -1, dtype=torch.long)
     old = torch.full(labels.shape, float("nan"), dtype=torch.float64)
+    sampling = torch.full(labels.shape, float("nan"), dtype=torch.float64)
     scored_at = torch.zeros_like(labels, dtype=torch.bool)
     scored_at[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position t scores label t + 1
     advantages, scored = [], []
@@ -151,7 +152,8 @@ def rollout_fields(rows: Sequence[dict], labels: torch.Tensor, filler: bool) -> 
         seq_index[i, :len(row["input_ids"])] = i
         advantages.append(info["advantage"])
         scored.append(int(scored_at[i].sum()))
-        if info["logprobs"] is not None and scored[-1]:
-            start = info["prompt_length"] - 1  # completion token j is scored at prompt_length - 1 + j
-            old[i, start:start + len(info["logprobs"])] = torch.tensor(info["logprobs"], dtype=torch.float64)
-    return RolloutFields(seq_index, torch.tensor(advantages, dtype=torch.float64), old, scored)
+        start = info["prompt_length"] - 1  # completion token j is scored at prompt_length - 1 + j
+        for values, into in ((info["logprobs"], old), (info.get("sampling"), sampling)):
+            if values is not None and scored[-1]:
+                into[i, start:start + len(values)] = torch.tensor(values, dtype=torch.float64)
+    return RolloutFields(seq_index, torch.tensor(advantages, dtype=torch.float64), old, scored, sampling)

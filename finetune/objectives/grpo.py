@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +47,9 @@ class GRPO:
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
+        if cfg.importance_correction != "none":  # the engine/trainer mismatch and what the weight did, per token
+            self.metrics = {**self.metrics, "logprob_mismatch": "tokens", "importance_weight": "tokens",
+                            "importance_masked": "tokens"}
         self.units = (UNITS[cfg.normalize],)
         self._reference: CausalLMWithLoss | None = None
         self._adapter_off: torch.nn.Module | None = None  # the policy whose adapter is turned off for the reference
@@ -127,6 +131,11 @@ class GRPO:
         ratio = torch.exp(logp - old)
         low, high = 1 - self.cfg.epsilon, 1 + self.cfg.clip_high
         per_token = -torch.min(ratio * advantage, torch.clamp(ratio, low, high) * advantage)
+        extra: dict[str, torch.Tensor] = {}
+        if self.cfg.importance_correction != "none":
+            sampling = r.sampling_logps.reshape(-1).index_select(0, keep).to(logp.dtype)
+            weight, extra = importance_weights(old.detach() - sampling, seq, len(r.scored), self.cfg)
+            per_token = per_token * weight  # the policy term only, as TRL (the KL is added after)
         kl = torch.zeros_like(logp)
         if self.cfg.beta:
             d = self.reference_logps(batch).to(logp.dtype) - logp
@@ -140,5 +149,25 @@ class GRPO:
         metrics = {"kl": kl.detach().sum(), "clip_ratio": (clipped_low | clipped_high).sum(),
                    "clip_ratio_low": clipped_low.sum(), "clip_ratio_high": clipped_high.sum(),
                    "policy_logp": logp.detach().sum(),
-                   "entropy": entropy.total if entropy.total is not None else logp.new_zeros(())}
+                   "entropy": entropy.total if entropy.total is not None else logp.new_zeros(()), **extra}
         return MicroResult({self.units[0]: per_token.sum()}, {k: v.double() for k, v in metrics.items()})
+
+
+def importance_weights(log_ratio: torch.Tensor, seq: torch.Tensor, completions: int,
+                       cfg: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each scored token's importance weight from the trainer's minus the engine's log-probability (NaN, no engine
+    value: 0, weight 1, as TRL), per token or summed per completion (`seq`: each token's completion), truncated (tis)
+    or masked (mis) to [importance_min, importance_max]; and its metrics, sums over the tokens: |log_ratio|
+    (logprob_mismatch), the weight, the tokens whose weight was masked to 0."""
+    diff = torch.nan_to_num(log_ratio, nan=0.0)
+    if cfg.importance_level == "sequence":
+        per_completion = torch.zeros(completions, dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
+        diff = per_completion.index_select(0, seq)
+    weight = torch.exp(diff)
+    low = cfg.importance_min if cfg.importance_min is not None else 0.0
+    high = cfg.importance_max if cfg.importance_max is not None else math.inf
+    outside = (weight < low) | (weight > high)
+    weight = weight.clamp(low, high) if cfg.importance_correction == "tis" else weight.masked_fill(outside, 0.0)
+    masked = outside.sum() if cfg.importance_correction == "mis" else outside.new_zeros((), dtype=torch.long)
+    return weight, {"logprob_mismatch": torch.nan_to_num(log_ratio, nan=0.0).abs().sum(),
+                    "importance_weight": weight.sum(), "importance_masked": masked}

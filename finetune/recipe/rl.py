@@ -117,6 +117,19 @@ class GRPOConfig(Section):
     """The importance ratio's denominator. policy (TRL's): the policy's own log-probabilities before the batch's
     first update (with iterations 1 the ratio is exactly 1). replay: the replay file's `logprobs` (rollouts sampled
     by another engine or an older policy; every line must have them)."""
+    importance_correction: Literal["none", "tis", "mis"] = "none"
+    """The sampling engine's log-probabilities against the trainer's (the replay file's `logprobs`: another engine's
+    numbers), corrected by an importance weight exp(trainer - engine) on each completion token's policy loss (TRL's
+    vllm_importance_sampling_correction): tis truncates it to [importance_min, importance_max] (TRL's *_truncate), mis
+    zeroes it outside (TRL's *_mask); per token or per sequence (importance_level). none: no weight. A token without
+    an engine log-probability gets weight 1. Needs ratio_against: policy (docs/rl.md)."""
+    importance_level: Literal["token", "sequence"] = "sequence"
+    """The weight per token, or one per completion from the sum of its tokens' log-ratios (TRL's default,
+    sequence_mask, is importance_correction mis at this level)."""
+    importance_max: float | None = Field(3.0, gt=0)
+    """The upper bound of the importance weight (TRL's vllm_importance_sampling_clip_max); null: none."""
+    importance_min: float | None = Field(None, ge=0)
+    """The lower bound (TRL's vllm_importance_sampling_clip_min); null: none."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage = (reward - group mean) / (std + 1e-4), std with Bessel's correction over the group (group), the
     whole step's rollouts (batch), or no division (none)."""

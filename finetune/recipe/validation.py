@@ -198,6 +198,13 @@ def _grpo_checks(recipe: Recipe) -> list[str]:
     if not recipe.grpo.replay and recipe.distributed.strategy == "fsdp":
         problems.append("distributed.strategy: GRPO's generation runs on each rank's own prompts; with fsdp the "
                         "ranks' generate calls would have to stay in step: use ddp, or grpo.replay")
+    g = recipe.grpo
+    if g.importance_correction != "none" and g.ratio_against == "replay":
+        problems.append("grpo.importance_correction: weighs the engine's log-probabilities against the trainer's, and "
+                        "ratio_against: replay already takes the engine's as the ratio's denominator: use "
+                        "ratio_against: policy")
+    if g.importance_min is not None and g.importance_max is not None and g.importance_min >= g.importance_max:
+        problems.append(f"grpo.importance_min {g.importance_min} must be below importance_max {g.importance_max}")
     if recipe.grpo.ratio_against == "replay" and not recipe.grpo.replay:
         problems.append("grpo.ratio_against: replay takes the replay file's logprobs; set grpo.replay, or use policy")
     if recipe.grpo.replay and recipe.grpo.multi_turn:

@@ -51,14 +51,14 @@ def training_row(rollout: Rollout, advantage: float, masked: bool, sampled_logpr
     """The row the objective trains on: prompt + completion, labels on the completion's sampled tokens only (none
     when `masked`, none on the environment's), and the completion's advantage under "rollout", with its sampling
     log-probabilities as the ratio's denominator when `sampled_logprobs` (grpo.ratio_against: replay; else the
-    policy's own, found later)."""
+    policy's own, found later) and, as "sampling", the engine's (grpo.importance_correction)."""
     n_prompt = len(rollout.prompt_ids)
     sampled = rollout.env_mask or [1] * len(rollout.completion_ids)
     labels = [IGNORE_INDEX] * n_prompt + [IGNORE_INDEX if masked or not mine else token
                                           for token, mine in zip(rollout.completion_ids, sampled)]
     return {"input_ids": [*rollout.prompt_ids, *rollout.completion_ids], "labels": labels,
             "rollout": {"advantage": advantage, "logprobs": rollout.logprobs if sampled_logprobs else None,
-                        "where": rollout.where,
+                        "sampling": rollout.logprobs, "where": rollout.where,
                         "prompt_length": n_prompt}}
 
 

@@ -189,6 +189,81 @@ def test_epsilon_high_clips_only_above(epsilon_high):
     assert figures.metrics["clip_ratio_low"] == pytest.approx(1 / 6, abs=1e-12)
 
 
+# --- the engine's log-probabilities against the trainer's: importance correction ------------------------------
+
+# The engine's log-probability of each token = the trainer's minus a known mismatch (the trainer is on-policy here:
+# its own log-probabilities are the ratio's denominator, ratio 1); completion 0's log-ratios sum to 1.3, 1's to -0.9.
+MISMATCH = [0.1, 1.5, -0.3, -0.2, -0.2, -0.5]
+
+
+def _corrected_step(**grpo: object):
+    cfg = GRPOConfig(num_generations=2, normalize="tokens", **grpo)
+    engine = [lp - d for lp, d in zip(LOGPS, MISMATCH)]
+    rows = [training_row(Rollout(0, [5, 6, 7], list(range(10, 13)), logprobs=engine[3 * i:3 * i + 3]), adv, False)
+            for i, adv in enumerate([1.0, -1.0])]
+    batch = collate(rows, DataConfig(packing=False), 0)
+    policy, objective = _Policy(LOGPS), GRPO(cfg)
+    world = __import__("finetune.dist", fromlist=["World"]).World()
+    counts = step_counts(objective, [batch], world, torch.device("cpu"))[0]
+    figures = read_step(objective, forward_backward(policy, objective, [batch], counts, world, torch.device("cpu")),
+                        torch.tensor(0.0), counts)
+    return figures, policy.logp.grad.tolist()
+
+
+def _by_hand(weights: list[float]) -> tuple[float, list[float]]:
+    """Loss and gradient of -A * w * ratio, ratio = exp(logp - logp.detach()) = 1, over 6 tokens."""
+    a = [1.0] * 3 + [-1.0] * 3
+    return sum(-x * w for x, w in zip(a, weights)) / 6, [-x * w / 6 for x, w in zip(a, weights)]
+
+
+@pytest.mark.parametrize("correction, level, weights", [
+    # tis, per token, capped at 3: exp(0.1), exp(1.5) = 4.48 -> 3, ...
+    ("tis", "token", [math.exp(0.1), 3.0, math.exp(-0.3), math.exp(-0.2), math.exp(-0.2), math.exp(-0.5)]),
+    # mis per sequence: completion 0's exp(1.3) = 3.67 > 3 -> every token 0; completion 1's exp(-0.9) kept
+    ("mis", "sequence", [0.0] * 3 + [math.exp(-0.9)] * 3),
+    ("tis", "sequence", [3.0] * 3 + [math.exp(-0.9)] * 3),
+    ("mis", "token", [math.exp(0.1), 0.0, math.exp(-0.3), math.exp(-0.2), math.exp(-0.2), math.exp(-0.5)]),
+])
+def test_the_importance_correction_weighs_each_token_as_its_formula_says(correction, level, weights):
+    """TRL's vllm_importance_sampling_correction, its four modes, checked against the formula by hand (cap 3)."""
+    figures, grad = _corrected_step(importance_correction=correction, importance_level=level)
+    loss, want = _by_hand(weights)
+    assert figures.loss == pytest.approx(loss, rel=1e-9)
+    assert grad == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert figures.metrics["logprob_mismatch"] == pytest.approx(sum(map(abs, MISMATCH)) / 6, rel=1e-9)
+    assert figures.metrics["importance_weight"] == pytest.approx(sum(weights) / 6, rel=1e-9)
+    assert figures.metrics["importance_masked"] == pytest.approx(
+        sum(w == 0.0 for w in weights) / 6 if correction == "mis" else 0.0)
+
+
+def test_without_a_mismatch_the_correction_changes_nothing():
+    """Engine and trainer agree: every mode gives the uncorrected step, bit for bit."""
+    global MISMATCH
+    saved, MISMATCH = MISMATCH, [0.0] * 6
+    try:
+        plain = _corrected_step()
+        for correction in ("tis", "mis"):
+            for level in ("token", "sequence"):
+                figures, grad = _corrected_step(importance_correction=correction, importance_level=level)
+                assert figures.loss == plain[0].loss and grad == plain[1]
+    finally:
+        MISMATCH = saved
+
+
+def test_the_correction_needs_the_trainers_own_ratio():
+    from finetune.errors import UserError
+    from finetune.recipe import load_recipe
+
+    base = ["train.objective=grpo", "datasets=[]", "eval_datasets=[]", "data.packing=false",
+            f"grpo.replay={ROOT / 'examples' / 'data' / 'grpo_replay.jsonl'}", "grpo.num_generations=4"]
+    with pytest.raises(UserError, match="ratio_against: replay already takes the engine's"):
+        load_recipe(ROOT / "examples" / "yaml" / "quickstart.yaml", [*base, "grpo.importance_correction=tis",
+                                                                     "grpo.ratio_against=replay"])
+    with pytest.raises(UserError, match="importance_min 4.0 must be below importance_max 3.0"):
+        load_recipe(ROOT / "examples" / "yaml" / "quickstart.yaml", [*base, "grpo.importance_correction=mis",
+                                                                     "grpo.importance_min=4"])
+
+
 # --- top_p: generation honours it -----------------------------------------------------------------------------
 
 
