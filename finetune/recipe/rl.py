@@ -98,6 +98,10 @@ class GRPOConfig(Section):
     (the policy that samples, as TRL does)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling of the rollouts."""
+    engine: Literal["auto", "generate", "paged"] = "auto"
+    """What generates the rollouts: generate (transformers' generate on left-padded batches), paged (its continuous
+    batching, generate_batch: a paged KV cache, no padding, requests leaving the batch as they finish; greedy gives
+    generate's tokens exactly), auto (generate, until paged is measured faster on a device)."""
     beta: float = Field(0.0, ge=0)
     """Weight of the per-token KL to the reference (k3 estimator). 0: no reference pass."""
     kl_gradient: Literal["exact", "k3"] = "exact"

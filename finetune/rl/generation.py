@@ -1,6 +1,7 @@
 """The generation seam: prompts in, sampled completions out. `HFGenerator` runs transformers' `generate` on the
-policy itself (adapters on, eval mode, KV cache, left-padded batches); a faster engine (vLLM on CUDA) can take its
-place by implementing `Generator`, without touching the objective or the plan.
+policy itself (adapters on, eval mode, KV cache, left-padded batches); `PagedGenerator` transformers' continuous
+batching (grpo.engine: paged); another engine (vLLM on CUDA) can take their place by implementing `Generator`,
+without touching the objective or the plan.
 
 A generator is handed `stop`, the run's stop request (SIGTERM, train/stop.py): it asks it between tokens and, once
 it says yes, raises `Interrupted` instead of returning, so that a preempted run stops within a token of the signal
@@ -77,6 +78,71 @@ class HFGenerator:
 
     def _cut(self, ids: list[int]) -> list[int]:
         """Up to and including the first end token (what follows is generate's padding)."""
+        for i, t in enumerate(ids):
+            if t in self.end_ids:
+                return ids[:i + 1]
+        return ids
+
+
+# The attention implementations transformers' continuous batching runs (its own check's list, transformers 5.x).
+_PAGED_ATTENTION = ("sdpa", "eager", "paged|eager", "paged|sdpa")
+
+
+class PagedGenerator:
+    """transformers' continuous batching (`generate_batch`: a paged KV cache, requests join and leave the batch as they
+    finish, no padding) on the policy: grpo.engine: paged. The same sampling settings as HFGenerator's; greedy
+    decoding gives its tokens exactly. The sampled tokens' log-probabilities (of the processed distribution: logits /
+    temperature, top-p) are kept in `logprobs` for the last call. The policy's attention runs as transformers' sdpa
+    while it generates (continuous batching takes no other; HFGenerator's cached path runs sdpa too), and is put back
+    after. The stop request is asked before and after the whole call: a SIGTERM during it is honoured when it ends."""
+
+    def __init__(self, lm: torch.nn.Module, tokenizer: Any, cfg: GRPOConfig, end_ids: Collection[int],
+                 device: torch.device, batch_size: int) -> None:
+        self.lm, self.cfg, self.end_ids, self.device = lm, cfg, sorted(end_ids), device
+        self.pad_id = tokenizer.pad_token_id
+        self.batch_size = batch_size  # the scheduler decides how many requests run together; kept for the seam
+        self.logprobs: list[list[float]] = []
+
+    def generate(self, prompts: list[list[int]], greedy: bool = False, stop: StopAsked = never,
+                 max_new_tokens: int | None = None) -> list[list[int]]:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        if stop():
+            raise Interrupted
+        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        attention, training = base.config._attn_implementation, self.lm.training
+        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": self.cfg.temperature,
+                                                        "top_p": self.cfg.top_p, "top_k": 0}
+        most = max_new_tokens or self.cfg.max_new_tokens
+        config = GenerationConfig(max_new_tokens=most, eos_token_id=self.end_ids, pad_token_id=self.pad_id, **sampling)
+        # The paged cache sized for these requests: by default it takes a share of the device's free memory, which on
+        # a CPU is the host's (seconds to allocate, for a few blocks used).
+        page = ContinuousBatchingConfig().page_size
+        paging = ContinuousBatchingConfig(
+            return_logprobs=True, num_blocks=sum(-(-(len(p) + most) // page) for p in prompts) + len(prompts),
+            max_batch_tokens=min(max(256, sum(map(len, prompts))), 16384))
+        self.lm.eval()
+        try:
+            if attention not in _PAGED_ATTENTION:
+                base.set_attn_implementation("sdpa")
+            with torch.no_grad():
+                out = base.generate_batch(inputs=prompts, generation_config=config, progress_bar=False,
+                                          continuous_batching_config=paging)
+        finally:
+            if base.config._attn_implementation != attention:
+                base.set_attn_implementation(attention)
+            self.lm.train(training)
+        if stop():
+            raise Interrupted
+        results = [out[f"req_{i}"] for i in range(len(prompts))]
+        for result in results:
+            if result.error:
+                raise RuntimeError(f"continuous batching failed on a prompt: {result.error}")
+        completions = [self._cut(r.generated_tokens) for r in results]
+        self.logprobs = [list(r.logprobs[:len(c)]) for r, c in zip(results, completions)]
+        return completions
+
+    def _cut(self, ids: list[int]) -> list[int]:
         for i, t in enumerate(ids):
             if t in self.end_ids:
                 return ids[:i + 1]

@@ -18,7 +18,7 @@ from finetune.data.cache import CacheError, Prepared, tokenizer_fingerprint
 from finetune.errors import UserError
 from finetune.recipe import Recipe
 from finetune.rl.episodes import Episodes
-from finetune.rl.generation import HFGenerator
+from finetune.rl.generation import HFGenerator, PagedGenerator
 from finetune.rl.live import LiveRollouts
 from finetune.rl.plan import RolloutPlan, group_batch, policy_scorer, replay_plan
 from finetune.rl.prompts import read_prompts
@@ -81,7 +81,8 @@ def rollout_plan(recipe: Recipe, tokenizer: Any, lm: torch.nn.Module, net: torch
     if not prompts:
         raise UserError("datasets: no prompts to generate from")
     size = group_batch(recipe, world_size)
-    generator = HFGenerator(lm, tokenizer, g, ends, device, recipe.train.micro_batch_size * g.num_generations)
+    engine = PagedGenerator if g.engine == "paged" else HFGenerator
+    generator = engine(lm, tokenizer, g, ends, device, recipe.train.micro_batch_size * g.num_generations)
     rewards = load_rewards(recipe) + environment_rewards(environment)
     if not rewards:
         raise UserError(f"grpo.rewards is empty and grpo.environment {g.environment!r} defines no get_reward(): "
