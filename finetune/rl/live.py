@@ -87,6 +87,7 @@ class LiveRollouts:
         keys = sorted({k for p in asked for k in p.fields})
         fields = {k: [p.fields.get(k) for p in asked] for k in keys}
         start = time.perf_counter()
+        logprobs: list[list[float] | None] = [None] * len(asked)  # an episode's: not recorded yet (weight 1)
         if self.episodes is not None:
             made = self.episodes.run(asked, greedy, self.stop)
             prompt_ids, completions = [e.prompt_ids for e in made], [e.completion for e in made]
@@ -97,16 +98,21 @@ class LiveRollouts:
             completions = self.generator.generate([p.prompt_ids for p in asked], greedy=greedy, stop=self.stop)
             prompt_ids, masks = [p.prompt_ids for p in asked], [None] * len(asked)
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+            # the engine's own log-probabilities, where it gives them (grpo.engine: paged): what the importance
+            # correction weighs against the trainer's (grpo.importance_correction)
+            engine = getattr(self.generator, "logprobs", None)
+            logprobs = engine if engine is not None and len(engine) == len(asked) and not greedy else logprobs
         generated = time.perf_counter()
         per_function = score(self.rewards, [p.prompt for p in asked], texts, fields, lambda i: asked[i].where,
                              self.recipe.grpo.reward_timeout_s, self.stop)
         weights = {r.name: r.weight for r in self.rewards}
         totals = total(per_function, weights) if per_function else [0.0] * len(asked)
         self._seconds = {"generate": generated - start, "reward": time.perf_counter() - generated}
-        return [Rollout(p.where, ids_p, ids, {k: v[i] for k, v in per_function.items()}, totals[i],
+        return [Rollout(p.where, ids_p, ids, {k: v[i] for k, v in per_function.items()}, totals[i], lp,
                         where=p.where, prompt=p.prompt, completion=text if isinstance(text, str) else "",
                         fields=p.fields, env_mask=mask)
-                for i, (p, ids_p, ids, text, mask) in enumerate(zip(asked, prompt_ids, completions, texts, masks))]
+                for i, (p, ids_p, ids, text, mask, lp) in enumerate(zip(asked, prompt_ids, completions, texts, masks,
+                                                                        logprobs))]
 
     def evaluate(self, prompts: list[Prompt]) -> dict[str, float]:
         """Mean reward of one greedy completion per held-out prompt (each rank its share, summed over ranks)."""

@@ -58,13 +58,19 @@ def test_sampled_logprobs_are_the_trainers():
         torch.testing.assert_close(torch.tensor(logprobs), want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_grpo_run_generates_with_the_paged_engine(tmp_path):
+def test_a_grpo_run_generates_with_the_paged_engine_and_weighs_its_logprobs(tmp_path):
+    """The engine's log-probabilities reach the importance correction: they are the trainer's here (fp32, one
+    process), so the mismatch is at the float floor and every weight 1."""
     prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)
     run = tmp_path / "run"
     r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *TINY, "data.packing=false", "train.objective=grpo",
                 f"datasets.0.path={prompts}", "datasets.0.format=prompt", "eval_datasets=[]", "grpo.engine=paged",
                 "grpo.num_generations=2", "grpo.max_new_tokens=8", "grpo.rewards=[{function: length, args: {target: 4}}]",
+                "grpo.importance_correction=mis", "grpo.importance_level=token",
                 "train.micro_batch_size=2", "train.gradient_accumulation_steps=2", "train.max_steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = train_lines(run)
     assert len(lines) == 2 and all(x["completion_length"] > 0 for x in lines)
+    for x in lines:
+        assert 0 <= x["logprob_mismatch"] < 1e-5 and x["importance_weight"] == pytest.approx(1.0, abs=1e-5)
+        assert x["importance_masked"] == 0
