@@ -50,6 +50,8 @@ class GRPO:
         if cfg.importance_correction != "none":  # the engine/trainer mismatch and what the weight did, per token
             self.metrics = {**self.metrics, "logprob_mismatch": "tokens", "importance_weight": "tokens",
                             "importance_masked": "tokens"}
+        elif cfg.engine == "paged" or cfg.replay:  # an engine's log-probabilities may come: their mismatch, logged
+            self.metrics = {**self.metrics, "logprob_mismatch": "tokens"}
         self.units = (UNITS[cfg.normalize],)
         self._reference: CausalLMWithLoss | None = None
         self._adapter_off: torch.nn.Module | None = None  # the policy whose adapter is turned off for the reference
@@ -136,6 +138,9 @@ class GRPO:
             sampling = r.sampling_logps.reshape(-1).index_select(0, keep).to(logp.dtype)
             weight, extra = importance_weights(old.detach() - sampling, seq, len(r.scored), self.cfg)
             per_token = per_token * weight  # the policy term only, as TRL (the KL is added after)
+        elif "logprob_mismatch" in self.metrics:
+            sampling = r.sampling_logps.reshape(-1).index_select(0, keep).to(logp.dtype)
+            extra = {"logprob_mismatch": torch.nan_to_num(old.detach() - sampling, nan=0.0).abs().sum()}
         kl = torch.zeros_like(logp)
         if self.cfg.beta:
             d = self.reference_logps(batch).to(logp.dtype) - logp

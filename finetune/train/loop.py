@@ -187,6 +187,11 @@ class _Line:
         return float(self.ratio) if self.ratio is not None else 0.0
 
 
+# The mean |trainer - engine| log-probability per token above which an uncorrected run is warned (TRL #3867 saw
+# mismatches of this order make training collapse; fp32 on one device gives ~1e-7).
+MISMATCH_WARNING = 0.02
+
+
 def _write_line(run: Run, line: _Line, ratio: float) -> None:
     """Log a step's line with its update ratio now read; say when an applied update changed nothing."""
     record = line.record
@@ -195,6 +200,13 @@ def _write_line(run: Run, line: _Line, ratio: float) -> None:
     if not record["skipped"] and ((ratio == 0.0 and record["lr"] > 0) or record["grad_norm"] == 0.0):
         what = "the trainable weights did not change" if ratio == 0.0 else "every gradient was 0"
         run.console.print(f"[yellow]step {record['step']}: {what}[/yellow]")
+    if record.get("logprob_mismatch", 0.0) > MISMATCH_WARNING and run.recipe.grpo.importance_correction == "none" \
+            and "mismatch" not in run.warned:
+        run.warned.add("mismatch")  # once a run: it is in every step line from here
+        run.console.print(f"[yellow]step {record['step']}: the rollouts' engine log-probabilities differ from the "
+                          f"trainer's by {record['logprob_mismatch']:.3g} nats a token on average (logprob_mismatch): "
+                          "the update is biased; grpo.importance_correction: mis (or tis) corrects it "
+                          "(docs/rl.md)[/yellow]")
     if record.get("zero_std_groups") == 1.0:
         run.console.print(f"[yellow]step {record['step']}: the rewards are equal within every group (no advantage): "
                           "nothing to learn from its rollouts[/yellow]")

@@ -5,7 +5,7 @@ directory, loads the data and the model, restores a checkpoint and opens the run
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class Run:
     frozen: str | None = None  # the weights a resume loads from model.path again (model/digest.py), recorded too
     config: str | None = None  # the model's config by content (model/digest.py): with `frozen`, a moved model.path
     context: ContextGroup | None = None  # this rank's context-parallel group (distributed.context_parallel > 1)
+    warned: set[str] = field(default_factory=set)  # the once-a-run warnings said already
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:

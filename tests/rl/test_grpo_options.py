@@ -316,3 +316,21 @@ def test_a_resume_refuses_a_reference_whose_weights_changed(inputs):
     assert state["reference_digest"] == weights_digest(AutoModelForCausalLM.from_pretrained(reference))
     assert_resume_checks_reference_weights(["train", str(recipe)], run, reference, "grpo.reference",
                                            work / "reference-moved")
+
+
+def test_an_uncorrected_run_says_once_when_the_engine_disagrees(tmp_path):
+    """A replay whose log-probabilities are far from the trainer's, no correction: logprob_mismatch in every step
+    line, one console warning naming grpo.importance_correction."""
+    from grpo_files import grpo_args, write_replay
+
+    replay = write_replay(tmp_path / "r.jsonl")
+    lines = [json.loads(x) for x in replay.read_text().splitlines()]
+    replay.write_text("".join(json.dumps({**x, "logprobs": [-0.01] * len(x["completion_ids"])}) + "\n"
+                              for x in lines))
+    run = tmp_path / "run"
+    r = run_cli("train", str(ROOT / "examples" / "yaml" / "quickstart.yaml"), f"output_dir={run}",
+                *grpo_args(replay, "train.micro_batch_size=4", "train.gradient_accumulation_steps=1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = train_lines(run)
+    assert len(steps) == 4 and all(x["logprob_mismatch"] > 1.0 for x in steps)  # ~6.9 nats: a random model
+    assert r.stdout.count("grpo.importance_correction: mis (or tis) corrects it") == 1
