@@ -74,14 +74,16 @@ class HFGenerator:
                                max_new_tokens=most, eos_token_id=self.end_ids,
                                pad_token_id=self.pad_id, use_cache=True,
                                stopping_criteria=StoppingCriteriaList([_Asking(stop)]), **sampling)
-        return [self._cut(row) for row in out[:, width:].tolist()]
+        return [cut_at_end(row, self.end_ids) for row in out[:, width:].tolist()]
 
-    def _cut(self, ids: list[int]) -> list[int]:
-        """Up to and including the first end token (what follows is generate's padding)."""
-        for i, t in enumerate(ids):
-            if t in self.end_ids:
-                return ids[:i + 1]
-        return ids
+
+
+def cut_at_end(ids: list[int], end_ids: Collection[int]) -> list[int]:
+    """A completion up to and including its first end token (what follows is an engine's padding)."""
+    for i, t in enumerate(ids):
+        if t in end_ids:
+            return ids[:i + 1]
+    return ids
 
 
 # The attention implementations transformers' continuous batching runs (its own check's list, transformers 5.x).
@@ -138,15 +140,10 @@ class PagedGenerator:
         for result in results:
             if result.error:
                 raise RuntimeError(f"continuous batching failed on a prompt: {result.error}")
-        completions = [self._cut(r.generated_tokens) for r in results]
+        completions = [cut_at_end(r.generated_tokens, self.end_ids) for r in results]
         self.logprobs = [list(r.logprobs[:len(c)]) for r, c in zip(results, completions)]
         return completions
 
-    def _cut(self, ids: list[int]) -> list[int]:
-        for i, t in enumerate(ids):
-            if t in self.end_ids:
-                return ids[:i + 1]
-        return ids
 
 
 class _Asking(StoppingCriteria):

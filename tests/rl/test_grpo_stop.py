@@ -15,7 +15,7 @@ from helpers import QUICKSTART, TINY, final_weights, run_cli, train_lines
 from finetune import dist
 from finetune.errors import Interrupted
 from finetune.recipe import GRPOConfig
-from finetune.rl.generation import HFGenerator
+from finetune.rl.generation import HFGenerator, cut_at_end
 from finetune.rl.live import LiveRollouts
 from finetune.rl.prompts import Prompt
 from finetune.run import checkpoint
@@ -52,7 +52,7 @@ def test_a_stop_request_never_made_changes_no_sample():
     ids = torch.tensor([[0, 5, 6, 7], [0, 0, 8, 9]])
     plain = lm.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=8, eos_token_id=[2],
                         pad_token_id=0, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
-    assert ours == [generator._cut(row) for row in plain[:, 4:].tolist()]
+    assert ours == [cut_at_end(row, generator.end_ids) for row in plain[:, 4:].tolist()]
 
 
 class _Cut:
