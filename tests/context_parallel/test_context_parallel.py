@@ -126,3 +126,14 @@ def test_each_target_is_scored_once_on_the_whole_rows(packing, ranks):
     assert sorted(positions) == sorted(want) and len(positions) == len(set(positions))
     order = sorted(range(len(positions)), key=lambda k: positions[k])
     assert [got_ids[k] for k in order] == whole.ids.tolist()  # each position scores the next token's label
+
+
+def test_verify_checks_a_context_parallel_recipe_with_whole_rows():
+    from finetune.commands.verify import verify
+    from finetune.recipe import load_recipe
+
+    said: list[str] = []
+    recipe = load_recipe(QUICKSTART, [*PACKED, "distributed.context_parallel=2", "train.micro_batch_size=2",
+                                      "train.gradient_accumulation_steps=2"])
+    result = verify(recipe, world_size=2, say=said.append)
+    assert result.passed and any("context_parallel 2: not simulated here" in s for s in said)
