@@ -23,7 +23,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=(same & causal)[:, None])
 
 
-def check(heads: int, kv_heads: int, rank: int, ranks: int) -> None:
+def check(heads: int, kv_heads: int, rank: int, ranks: int, group=None) -> None:
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     b, s, d = len(DOCS), 16, 8
     full = [torch.randn(b, h, s, d, generator=g) for h in (heads, kv_heads, kv_heads)]
@@ -33,7 +33,7 @@ def check(heads: int, kv_heads: int, rank: int, ranks: int) -> None:
     (out * weight).sum().backward()
     shard = slice(rank * s // ranks, (rank + 1) * s // ranks)
     mine = [t[:, :, shard].clone().requires_grad_(True) for t in full]
-    got = ulysses_attention(attend, *mine)
+    got = ulysses_attention(attend, *mine, group=group)
     (got * weight[:, :, shard]).sum().backward()
     torch.testing.assert_close(got, out[:, :, shard].detach(), rtol=1e-6, atol=1e-6)
     for name, a, want in zip("qkv", mine, ref):
@@ -45,6 +45,10 @@ if __name__ == "__main__":
     rank, ranks = dist.get_rank(), dist.get_world_size()
     for heads, kv_heads in ((4, 4), (4, 2), (4, 1), (8, 2)):  # MHA, GQA split, GQA repeated (fewer kv heads than ranks)
         check(heads, kv_heads, rank, ranks)
+    if ranks == 4:  # and in groups of 2 within the 4 (context parallel 2 x data parallel 2), each group on its own
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for heads, kv_heads in ((4, 2), (4, 1)):
+            check(heads, kv_heads, rank % 2, 2, pairs[rank // 2])
     dist.barrier()
     if rank == 0:
         print("OK")
