@@ -1,7 +1,7 @@
 """grpo.engine: paged (finetune/rl/generation.py PagedGenerator, transformers' continuous batching): greedy decoding
 gives exactly HFGenerator's tokens on ragged prompts with early stops (Llama and Qwen2, tiny, our attention put back
 after); sampled tokens' log-probabilities equal the trainer's recomputed ones (logits / temperature) within 1e-5 in
-fp32; a GRPO run generates with it."""
+fp32; GRPO runs generate with it, keep the loss contract, resume bit for bit and weigh its log-probabilities."""
 
 from __future__ import annotations
 
@@ -58,38 +58,23 @@ def test_sampled_logprobs_are_the_trainers():
         torch.testing.assert_close(torch.tensor(logprobs), want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_grpo_run_generates_with_the_paged_engine_and_weighs_its_logprobs(tmp_path):
-    """The engine's log-probabilities reach the importance correction: they are the trainer's here (fp32, one
-    process), so the mismatch is at the float floor and every weight 1."""
-    prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)
-    run = tmp_path / "run"
-    r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *TINY, "data.packing=false", "train.objective=grpo",
-                f"datasets.0.path={prompts}", "datasets.0.format=prompt", "eval_datasets=[]", "grpo.engine=paged",
-                "grpo.num_generations=2", "grpo.max_new_tokens=8", "grpo.rewards=[{function: length, args: {target: 4}}]",
-                "grpo.importance_correction=mis", "grpo.importance_level=token",
-                "train.micro_batch_size=2", "train.gradient_accumulation_steps=2", "train.max_steps=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = train_lines(run)
-    assert len(lines) == 2 and all(x["completion_length"] > 0 for x in lines)
-    for x in lines:
-        assert 0 <= x["logprob_mismatch"] < 1e-5 and x["importance_weight"] == pytest.approx(1.0, abs=1e-5)
-        assert x["importance_masked"] == 0
-
-
 def _grpo(tmp_path, name: str, *extra: str):
     prompts = write_prompts(tmp_path / "p.jsonl", 8, 1)
     run = tmp_path / name
     r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *TINY, "data.packing=false", "train.objective=grpo",
                 f"datasets.0.path={prompts}", "datasets.0.format=prompt", "eval_datasets=[]", "grpo.engine=paged",
                 "grpo.num_generations=2", "grpo.max_new_tokens=8", "grpo.rewards=[{function: length, args: {target: 4}}]",
-                "train.max_steps=4", "checkpoint.every_steps=2", "train.warmup_steps=0", *extra)
+                "grpo.importance_correction=mis", "grpo.importance_level=token", "train.max_steps=4",
+                "checkpoint.every_steps=2", "train.warmup_steps=0", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     return run
 
 
 def test_paged_rollouts_keep_the_loss_contract_and_resume_bit_for_bit(tmp_path):
     """A step's prompts are generated together whatever the split, so 4 x 1 and 2 x 2 sample the same completions
-    and train the same weights (1e-5); a run resumed from its step-2 checkpoint is the straight one, bit for bit."""
+    and train the same weights (1e-5); a run resumed from its step-2 checkpoint is the straight one, bit for bit.
+    The engine's log-probabilities reach the importance correction: they are the trainer's here (fp32, one
+    process), so the mismatch is at the float floor and every weight 1."""
     import shutil
 
     from helpers import final_weights, rel_diff
@@ -97,6 +82,9 @@ def test_paged_rollouts_keep_the_loss_contract_and_resume_bit_for_bit(tmp_path):
     whole = _grpo(tmp_path, "whole", "train.micro_batch_size=4", "train.gradient_accumulation_steps=1")
     split = _grpo(tmp_path, "split", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2")
     a, b = train_lines(whole), train_lines(split)
+    for x in a:
+        assert x["completion_length"] > 0 and 0 <= x["logprob_mismatch"] < 1e-5 and x["importance_masked"] == 0
+        assert x["importance_weight"] == pytest.approx(1.0, abs=1e-5)
     assert [x["tokens"] for x in a] == [x["tokens"] for x in b]
     ref = final_weights(whole)
     assert all(rel_diff(w, ref[k]) < 1e-5 for k, w in final_weights(split).items())
