@@ -54,7 +54,7 @@ def shard_batch(batch: MicroBatch, context: ContextGroup, device: torch.device) 
     low, high = (int(local_ids.min()), int(local_ids.max())) if len(local_ids) else (0, 0)
     targets = Targets(to_device(local, device), len(local), low, high, to_device(local_ids, device))
     documents = Documents.of(positions, device)
-    documents.sharded = functools.partial(_exchange, group=context.group)
+    documents.sharded = functools.partial(ulysses_attention, group=context.group)
     teacher = batch.teacher
     if teacher is not None:  # a stored teacher's rows are in the order of the whole rows' targets
         keep = torch.from_numpy(mine)
@@ -65,10 +65,6 @@ def shard_batch(batch: MicroBatch, context: ContextGroup, device: torch.device) 
         seq_tokens=batch.seq_tokens if context.rank == 0 else 0, padded_tokens=ids.shape[0] * share,
         position_ids=to_device(positions[:, lo:hi].contiguous(), device), attention_mask=None, teacher=teacher,
         device=device, target_positions=targets, documents=documents)
-
-
-def _exchange(attend: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any) -> torch.Tensor:
-    return ulysses_attention(attend, query, key, value, group)
 
 
 def _packed_form(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from finetune.batch import MicroBatch, PairFields, RolloutFields, StoredTeacherFields
 from finetune.data.pixels import vision_fields
 from finetune.data.teacher_logprobs import KEYS as TEACHER_KEYS
-from finetune.labels import IGNORE_INDEX
+from finetune.labels import IGNORE_INDEX, trained_count
 from finetune.recipe import DataConfig
 
 
@@ -100,7 +100,7 @@ def stored_teacher(rows: Sequence[dict], targets: int) -> StoredTeacherFields:
     tokens in order; a filler's labels are all ignored, so it has none)."""
     columns: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
     for r in rows:
-        m = sum(1 for label in r["labels"] if label != IGNORE_INDEX)
+        m = trained_count(r["labels"])
         for column, key in zip(columns, TEACHER_KEYS):
             value = r[key]  # a packed row: a list, its documents' arrays
             column.append((np.concatenate(value) if isinstance(value, list) else value)[:m])

@@ -41,7 +41,7 @@ from finetune.data.store import SplitWriter
 from finetune.data.teacher_logprobs import KEYS as TEACHER_KEYS
 from finetune.data.teacher_logprobs import trained_entries
 from finetune.data.tokenize import render_ahead, tokenize_example
-from finetune.labels import IGNORE_INDEX
+from finetune.labels import IGNORE_INDEX, trained_count
 from finetune.recipe import DataConfig
 
 # Below this many examples a process pool (starting it, sending examples out and samples back) costs more
@@ -194,7 +194,7 @@ class Part:
             if i in images:
                 sample["images"] = images[i]
             if self.teacher is not None:
-                m = sum(1 for label in sample["labels"] if label != IGNORE_INDEX)
+                m = trained_count(sample["labels"])
                 sample.update(zip(TEACHER_KEYS, (a[trained:trained + m] for a in self.teacher)))
                 trained += m
             out.append(sample)

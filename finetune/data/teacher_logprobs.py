@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from finetune.data.sources import BadRow
-from finetune.labels import IGNORE_INDEX
+from finetune.labels import IGNORE_INDEX, trained_count
 
 # A sample's stored teacher: two arrays [trained tokens, k], in the order of the sample's trained tokens.
 KEYS = ("teacher_ids", "teacher_logprobs")
@@ -134,5 +134,5 @@ def _checked(entry: tuple[list[int], list[float]], k: int, vocab: int, origin: s
 
 def kept_entries(sample: dict[str, Any], labels: Any) -> dict[str, Any]:
     """The stored teacher of a sample cut to `labels` (a prefix of its own): the entries of the trained tokens kept."""
-    m = sum(1 for label in labels if label != IGNORE_INDEX)
+    m = trained_count(labels)
     return {key: sample[key][:m] for key in KEYS if key in sample}

@@ -293,19 +293,26 @@ def distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, stu
     The loss is in float32 (float64 for float64 inputs), whatever the input dtypes."""
     setup = _check(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
                    beta, temperature, chunk_size, student_softcap, teacher_softcap, top_k, vocab)
-    sd, td = compute_dtype(student_hidden, student_weight), compute_dtype(teacher_hidden, teacher_weight)
+    td = compute_dtype(teacher_hidden, teacher_weight)
+    bt = teacher_bias.detach().to(td) if teacher_bias is not None else None
+    return _apply(student_hidden, student_weight, student_bias, setup, teacher_hidden.detach().to(td),
+                  teacher_weight.detach().to(td), bt)
+
+
+def _apply(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
+           setup: _Setup, *teacher: torch.Tensor | None) -> DistillSums:
+    """The student's tensors cast to what nn.Linear would use, the gradients it needs noted, and the divergence
+    computed with autocast off (so that it cannot downcast the fp32 work) against the teacher's tensors."""
+    sd = compute_dtype(student_hidden, student_weight)
     hs, ws = student_hidden.to(sd), student_weight.to(sd)
     bs = student_bias.to(sd) if student_bias is not None else None
-    ht, wt = teacher_hidden.detach().to(td), teacher_weight.detach().to(td)
-    bt = teacher_bias.detach().to(td) if teacher_bias is not None else None
     grad_on = torch.is_grad_enabled()
     setup = replace(setup, grad_flags=(grad_on and hs.requires_grad, grad_on and ws.requires_grad,
                                        grad_on and bs is not None and bs.requires_grad))
     dev = hs.device.type
-    # cast above to what nn.Linear would use, then compute with autocast off so it cannot downcast the fp32 work
     autocast = dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
     with torch.autocast(device_type=dev, enabled=False) if autocast else contextlib.nullcontext():
-        loss, agree, tail, outside = _ChunkedDistill.apply(hs, ws, bs, setup, ht, wt, bt)
+        loss, agree, tail, outside = _ChunkedDistill.apply(hs, ws, bs, setup, *teacher)
     return DistillSums(loss=loss, agree=agree, tail=tail, outside=outside)
 
 
@@ -328,19 +335,9 @@ def distill_stored_loss(student_hidden: torch.Tensor, student_weight: torch.Tens
         raise ValueError(f"a stored top-k needs fewer ids than the vocabulary ({vocab}), got {teacher_ids.shape[1]}")
     setup = _check(student_hidden, student_weight, student_bias, student_hidden, student_weight, None, beta,
                    temperature, chunk_size, student_softcap, None, teacher_ids.shape[1], vocab)
-    sd = compute_dtype(student_hidden, student_weight)
-    hs, ws = student_hidden.to(sd), student_weight.to(sd)
-    bs = student_bias.to(sd) if student_bias is not None else None
-    grad_on = torch.is_grad_enabled()
-    setup = replace(setup, top_k=teacher_ids.shape[1], stored=True,
-                    grad_flags=(grad_on and hs.requires_grad, grad_on and ws.requires_grad,
-                                grad_on and bs is not None and bs.requires_grad))
-    dev = hs.device.type
-    autocast = dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
-    with torch.autocast(device_type=dev, enabled=False) if autocast else contextlib.nullcontext():
-        loss, agree, tail, outside = _ChunkedDistill.apply(hs, ws, bs, setup, teacher_ids.detach(),
-                                                           teacher_logprobs.detach())
-    return DistillSums(loss=loss, agree=agree, tail=tail, outside=outside)
+    setup = replace(setup, top_k=teacher_ids.shape[1], stored=True)
+    return _apply(student_hidden, student_weight, student_bias, setup, teacher_ids.detach(),
+                  teacher_logprobs.detach())
 
 
 def _check(hs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, ht: torch.Tensor, wt: torch.Tensor,

@@ -140,7 +140,7 @@ class GRPO:
             per_token = per_token * weight  # the policy term only, as TRL (the KL is added after)
         elif "logprob_mismatch" in self.metrics:
             sampling = r.sampling_logps.reshape(-1).index_select(0, keep).to(logp.dtype)
-            extra = {"logprob_mismatch": torch.nan_to_num(old.detach() - sampling, nan=0.0).abs().sum()}
+            extra = {"logprob_mismatch": torch.nan_to_num(old.detach() - sampling, nan=0.0).abs().sum()}  # no weight
         kl = torch.zeros_like(logp)
         if self.cfg.beta:
             d = self.reference_logps(batch).to(logp.dtype) - logp
@@ -165,6 +165,7 @@ def importance_weights(log_ratio: torch.Tensor, seq: torch.Tensor, completions: 
     or masked (mis) to [importance_min, importance_max]; and its metrics, sums over the tokens: |log_ratio|
     (logprob_mismatch), the weight, the tokens whose weight was masked to 0."""
     diff = torch.nan_to_num(log_ratio, nan=0.0)
+    mismatch = diff.abs().sum()
     if cfg.importance_level == "sequence":
         per_completion = torch.zeros(completions, dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
         diff = per_completion.index_select(0, seq)
@@ -174,5 +175,4 @@ def importance_weights(log_ratio: torch.Tensor, seq: torch.Tensor, completions: 
     outside = (weight < low) | (weight > high)
     weight = weight.clamp(low, high) if cfg.importance_correction == "tis" else weight.masked_fill(outside, 0.0)
     masked = outside.sum() if cfg.importance_correction == "mis" else outside.new_zeros((), dtype=torch.long)
-    return weight, {"logprob_mismatch": torch.nan_to_num(log_ratio, nan=0.0).abs().sum(),
-                    "importance_weight": weight.sum(), "importance_masked": masked}
+    return weight, {"logprob_mismatch": mismatch, "importance_weight": weight.sum(), "importance_masked": masked}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from finetune.data import StepPlan
-from finetune.labels import IGNORE_INDEX
+from finetune.labels import IGNORE_INDEX, trained_count
 from finetune.recipe import Recipe
 from finetune.rl.generation import Generator
 
@@ -62,7 +62,7 @@ class OnPolicyPlan(StepPlan):
         figures = {"on_policy": float(on_policy), **({"seq_kd": float(not on_policy)} if self.teacher else {})}
         if self.source(step) is not None:
             _, rows = self.step(step)
-            lengths = [sum(1 for label in r["labels"] if label != IGNORE_INDEX) for r in rows]
+            lengths = [trained_count(r["labels"]) for r in rows]
             figures["completion_tokens"] = sum(lengths) / max(1, len(lengths))
         return figures
 
