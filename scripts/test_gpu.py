@@ -6,7 +6,7 @@ Stages (all by default, in this order):
   suite  the whole test suite with the `gpu` tests (pytest -q; -n 8 when pytest-xdist is installed);
   lora   `finetune train` of the quickstart in bf16 with LoRA, 20 steps on the GPU: exit 0, finite and falling loss;
   qlora  the same with QLoRA (an NF4 base through bitsandbytes);
-  liger  the LoRA run with model.liger_kernels: true (the opt-ins run here until they become defaults);
+  liger  the LoRA run with model.liger_kernels: true (lora and qlora run with its default, auto: on with CUDA);
   compile  the quickstart in bf16, all weights, with train.compile: true;
   bench  benchmarks/gpu_throughput.py --smoke (the default recipe path on a 2-layer Llama-1B-shaped model).
 Each stage's output goes to OUT/STAGE.log; its last lines are shown when it fails. The verdict is the last line:

@@ -66,8 +66,8 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
     _check_fused_loss(model, tokenizer)
     _document_attention(model, cfg)
     model.config.use_cache = False
-    if cfg.liger_kernels:  # after the attention probe (a CPU forward: Liger's kernels need CUDA), before the adapter
-        kernels.apply_liger(model, device or torch.device("cpu"))
+    # After the attention probe (a CPU forward: Liger's kernels need CUDA), before the adapter.
+    kernels.apply_liger(model, device or torch.device("cpu"), cfg.liger_kernels)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen embeddings (LoRA). transformers 5 renamed
         # gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.

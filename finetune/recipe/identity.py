@@ -21,7 +21,7 @@ def features(recipe: Recipe) -> list[str]:
     """
     used = {
         "liger": recipe.loss.impl == "liger",
-        "liger_kernels": recipe.model.liger_kernels,
+        "liger_kernels": recipe.model.liger_kernels is True,  # auto runs without it
         "flash_attention_2": recipe.model.attn_implementation == "flash_attention_2",
         "bnb": recipe.adapter.type == "qlora" or recipe.train.optimizer == "adamw_8bit",
         "gguf": bool(recipe.model.gguf_file) or str(recipe.model.path or "").endswith(".gguf"),

@@ -218,7 +218,9 @@ def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPla
         kernel, why = packed_attention(lm, device, setting(recipe.model.packed_attention))
         packed = f"; packed rows: {kernel} ({why})"
         record |= {"packed_kernel": kernel, "packed_kernel_why": why}
-    liger = f"; liger kernels: {model_kernels.liger_summary(lm)}" if recipe.model.liger_kernels else ""
+    liger_note = model_kernels.liger_auto_note(lm, device, recipe.model.liger_kernels)
+    liger = f"; liger kernels: {liger_note}" if liger_note else ""
+    record["liger_kernels"] = model_kernels.liger_summary(lm) if model_kernels.liger_modules(lm) else None
     compiled_note = f"; compiled: {compiled} decoder layers" if compiled else ""
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {loss}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "

@@ -102,6 +102,55 @@ def test_load_model_refuses_liger_here(tokenizer):
         load_model(cfg, AdapterConfig(), tokenizer, seed=0, device=CPU)
 
 
+def _tiny(tokenizer, setting: bool | str = "auto") -> torch.nn.Module:
+    cfg = ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), liger_kernels=setting)
+    return load_model(cfg, AdapterConfig(), tokenizer, seed=0, device=CPU)
+
+
+def test_liger_auto_is_the_default_and_off_a_gpu_does_not_even_import_liger(tokenizer):
+    assert ModelConfig().liger_kernels == "auto"
+    asked = kernels.liger_table.cache_info()
+    lm = _tiny(tokenizer)
+    assert not kernels.liger_modules(lm)
+    assert kernels.liger_auto_note(lm, CPU, "auto") == ""  # nothing to say on a CPU
+    after = kernels.liger_table.cache_info()
+    assert after.hits + after.misses == asked.hits + asked.misses
+
+
+@pytest.mark.parametrize(("table", "why"), [(None, "liger-kernel cannot be imported"),
+                                            ({"gemma": _gemma_like}, "no kernels for model_type 'llama'")])
+def test_liger_auto_on_cuda_leaves_what_liger_cannot_serve_and_says_why(tokenizer, monkeypatch, table, why):
+    """Where Liger cannot serve the model (not installed; an architecture it lacks), auto trains without it and the
+    run log says why, while true refuses. Liger's table is replaced here (our own lookup, not Liger's code): on
+    this CPU machine the decision is reached as on CUDA, and nothing is applied."""
+    monkeypatch.setattr(kernels, "liger_table", lambda: (table, "ModuleNotFoundError: No module named 'liger_kernel'"))
+    lm = _tiny(tokenizer)
+    cuda = torch.device("cuda")
+    assert kernels.apply_liger(lm, cuda, "auto") == [] and not kernels.liger_modules(lm)
+    note = kernels.liger_auto_note(lm, cuda, "auto")
+    assert note.startswith("off (auto: ") and why in note and "set model.liger_kernels" not in note.lower(), note
+    assert kernels.liger_auto_note(lm, cuda, False) == ""  # off by request: nothing to say
+    with pytest.raises(UserError, match=why):
+        kernels.apply_liger(lm, cuda, True)
+
+
+def test_liger_kernels_takes_auto_true_or_false():
+    for value in ("auto", True, False):
+        assert Recipe(model=ModelConfig(liger_kernels=value)).model.liger_kernels == value
+    with pytest.raises(ValueError, match="liger_kernels"):
+        Recipe.model_validate({"model": {"liger_kernels": "sometimes"}})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.liger_table()[0] is None,
+                    reason="needs CUDA and liger-kernel")
+def test_liger_auto_applies_on_cuda(tokenizer):
+    cfg = ModelConfig(init="random", config=dict(TINY_MODEL_CONFIG), dtype="bfloat16")
+    lm = load_model(cfg, AdapterConfig(), tokenizer, seed=0, device=torch.device("cuda"))
+    assert kernels.liger_summary(lm) == "LigerRMSNorm x5, LigerSwiGLUMLP x2"
+    assert kernels.liger_auto_note(lm, torch.device("cuda"), "auto") == "LigerRMSNorm x5, LigerSwiGLUMLP x2"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or kernels.liger_table()[0] is None,
                     reason="needs CUDA and liger-kernel")
