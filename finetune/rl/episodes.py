@@ -44,6 +44,9 @@ class Episode:
     environment: Any = None
     completion: list[int] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    """The engine's log-probability of each completion token (0.0 at the environment's, never read), or None where
+    the engine gives none (grpo.engine: generate) or the turns were greedy."""
     turns: int = 0
     calls: int = 0
     malformed: bool = False
@@ -123,10 +126,14 @@ class Episodes:
         start = time.perf_counter()
         sampled = self.generator.generate([e.prompt_ids + e.completion for e in going], greedy, stop, max(left))
         self.seconds["generate"] += time.perf_counter() - start
-        for episode, ids, budget in zip(going, sampled, left):
+        engine = getattr(self.generator, "logprobs", None)  # grpo.engine: paged gives them, for the correction
+        engine = engine if engine is not None and len(engine) == len(going) and not greedy else [None] * len(going)
+        for episode, ids, budget, logprobs in zip(going, sampled, left, engine):
             ids = ids[:budget]
             episode.completion += ids
             episode.env_mask += [1] * len(ids)
+            episode.logprobs = None if logprobs is None or episode.logprobs is None else \
+                episode.logprobs + list(logprobs[:len(ids)])
             episode.turns += 1
             turn_text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             episode.text += turn_text
@@ -174,4 +181,6 @@ class Episodes:
         episode.messages += results
         episode.completion += turn.ids
         episode.env_mask += [0] * len(turn.ids)
+        if episode.logprobs is not None:
+            episode.logprobs += [0.0] * len(turn.ids)
         episode.text += turn.text

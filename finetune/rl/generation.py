@@ -86,6 +86,10 @@ def cut_at_end(ids: list[int], end_ids: Collection[int]) -> list[int]:
     return ids
 
 
+# How often the stop request is asked while the paged engine generates (seconds): a few of a tiny model's tokens on
+# a CPU, less than one of a real model's.
+POLL_S = 0.005
+
 # The attention implementations transformers' continuous batching runs (its own check's list, transformers 5.x).
 _PAGED_ATTENTION = ("sdpa", "eager", "paged|eager", "paged|sdpa")
 
@@ -96,7 +100,11 @@ class PagedGenerator:
     decoding gives its tokens exactly. The sampled tokens' log-probabilities (of the processed distribution: logits /
     temperature, top-p) are kept in `logprobs` for the last call. The policy's attention runs as transformers' sdpa
     while it generates (continuous batching takes no other; HFGenerator's cached path runs sdpa too), and is put back
-    after. The stop request is asked before and after the whole call: a SIGTERM during it is honoured when it ends."""
+    after. The engine generates on its own thread; the stop request is asked every POLL_S seconds while it runs, and a
+    request stops it after the forward under way (hard stop: no request is finished) and raises Interrupted.
+    Sampling is seeded by torch's global generator, as HFGenerator's; the scheduler decides which requests share a
+    forward, which does not change a greedy token and, in fp32 on a CPU, gave the same samples run after run
+    (tests/rl/test_paged_generation.py resumes bit for bit); on a GPU batch shapes can change the last bits."""
 
     def __init__(self, lm: torch.nn.Module, tokenizer: Any, cfg: GRPOConfig, end_ids: Collection[int],
                  device: torch.device, batch_size: int) -> None:
@@ -128,21 +136,44 @@ class PagedGenerator:
             if attention not in _PAGED_ATTENTION:
                 base.set_attn_implementation("sdpa")
             with torch.no_grad():
-                out = base.generate_batch(inputs=prompts, generation_config=config, progress_bar=False,
-                                          continuous_batching_config=paging)
+                results = self._run(base, prompts, config, paging, most, stop)
         finally:
             if base.config._attn_implementation != attention:
                 base.set_attn_implementation(attention)
             self.lm.train(training)
-        if stop():
-            raise Interrupted
-        results = [out[f"req_{i}"] for i in range(len(prompts))]
         for result in results:
             if result.error:
                 raise RuntimeError(f"continuous batching failed on a prompt: {result.error}")
         completions = [cut_at_end(r.generated_tokens, self.end_ids) for r in results]
         self.logprobs = [list(r.logprobs[:len(c)]) for r, c in zip(results, completions)]
         return completions
+
+    @staticmethod
+    def _run(base: torch.nn.Module, prompts: list[list[int]], config: Any, paging: Any, most: int,
+             stop: StopAsked) -> list[Any]:
+        """transformers' continuous-batching manager (its public API, as generate_batch drives it), with the stop
+        request asked while it runs; the results in the order of the prompts."""
+        manager = base.init_continuous_batching(generation_config=config, continuous_batching_config=paging)
+        if not manager.warmed_up:
+            manager.warmup()
+        manager.start()
+        stopped = False
+        try:
+            ids = manager.add_requests(inputs=prompts, max_new_tokens=most)
+            done: dict[str, Any] = {}
+            while len(done) < len(ids):
+                if stop():
+                    stopped = True
+                    raise Interrupted
+                result = manager.get_result(timeout=POLL_S)
+                if result is not None and result.is_finished():
+                    done[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    raise RuntimeError("continuous batching ended before its requests finished")
+        finally:
+            manager.stop(block=True, timeout=5, hard_stop=stopped)
+            manager.destroy()
+        return [done[i] for i in ids]
 
 
 

@@ -87,13 +87,14 @@ class LiveRollouts:
         keys = sorted({k for p in asked for k in p.fields})
         fields = {k: [p.fields.get(k) for p in asked] for k in keys}
         start = time.perf_counter()
-        logprobs: list[list[float] | None] = [None] * len(asked)  # an episode's: not recorded yet (weight 1)
+        logprobs: list[list[float] | None] = [None] * len(asked)  # none from the engine: weight 1
         if self.episodes is not None:
             made = self.episodes.run(asked, greedy, self.stop)
             prompt_ids, completions = [e.prompt_ids for e in made], [e.completion for e in made]
             masks = [e.env_mask if 0 in e.env_mask else None for e in made]
             texts: list = [e.completion_messages for e in made]  # rewards get the episode's messages (TRL's)
             fields |= {"environments": [e.environment for e in made]} if self.recipe.grpo.environment else {}
+            logprobs = [e.logprobs or None for e in made]  # the engine's, per completion token (0.0 at the environment's)
         else:
             completions = self.generator.generate([p.prompt_ids for p in asked], greedy=greedy, stop=self.stop)
             prompt_ids, masks = [p.prompt_ids for p in asked], [None] * len(asked)

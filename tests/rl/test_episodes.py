@@ -237,6 +237,43 @@ def test_live_rollouts_give_rewards_the_episodes_messages_and_train_on_their_env
     assert live.figures["turns"] == 2.0 and live.figures["tool_calls"] == 1.0 and live.figures["tool_errors"] == 0.0
 
 
+class ScriptedEngine(Scripted):
+    """Scripted, with log-probabilities as the paged engine gives them: token i of call k gets -(k + 1 + i / 100)."""
+
+    def generate(self, prompts, greedy=False, stop=lambda: False, max_new_tokens=None):
+        out = super().generate(prompts, greedy, stop, max_new_tokens)
+        k = len(self.calls)
+        self.logprobs = [[-(k + i / 100) for i in range(len(ids))] for ids in out]
+        return out
+
+
+def test_an_episodes_engine_logprobs_follow_its_policy_tokens_and_reach_the_rollouts():
+    """An engine that gives log-probabilities (grpo.engine: paged): an episode keeps one per completion token, the
+    engine's for the tokens the policy sampled in each turn, 0.0 for the environment's (never read: no loss), so that
+    the importance correction weighs multi-turn rollouts too; an engine without them (generate) gives None."""
+    tokenizer = QWEN.build()
+    recipe = Recipe(grpo=GRPOConfig(num_generations=2, max_new_tokens=256, tools=["m:multiply"]))
+    prompt = Prompt(QUESTION, [], {}, "p.jsonl:1", [dict(m) for m in QUESTION])
+    tools = [tool_of(multiply, "t")]
+    for engine, logged in ((ScriptedEngine, True), (Scripted, False)):
+        generator = engine(tokenizer, calls_then_answers("multiply", a=6, b=7))
+        live = LiveRollouts([prompt], recipe, dist.World(), generator,
+                            [Reward("one", 1.0, lambda prompts, completions, **_: [1.0] * len(completions), {})],
+                            tokenizer, 2)
+        live.episodes = Episodes(generator, tokenizer, recipe, tools, None,
+                                 call_parser(tokenizer, "auto", [t.schema for t in tools]),
+                                 {tokenizer.convert_tokens_to_ids("<|im_end|>")})
+        for r in live(0):
+            if not logged:
+                assert r.logprobs is None
+                continue
+            assert len(r.logprobs) == len(r.completion_ids) == len(r.env_mask)
+            mine = [lp for lp, m in zip(r.logprobs, r.env_mask) if m]
+            first = r.env_mask.index(0)  # the first turn ends where the environment's tokens begin
+            assert mine == [-(1 + i / 100) for i in range(first)] + [-(2 + i / 100) for i in range(len(mine) - first)]
+            assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.env_mask) if not m)
+
+
 def test_a_run_with_tools_through_the_cli_logs_its_episodes(tmp_path):
     """The tiny random policy rarely writes a call, but the whole path runs: the tools imported with consent, their
     schemas, the parser of the format named, the episodes, and the step line's multi-turn figures."""

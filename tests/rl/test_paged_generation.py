@@ -5,11 +5,14 @@ fp32; GRPO runs generate with it, keep the loss contract, resume bit for bit and
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from grpo_files import write_prompts
 from helpers import QUICKSTART, TINY, run_cli, train_lines
 
+from finetune.errors import Interrupted
 from finetune.recipe import GRPOConfig
 from finetune.rl.generation import HFGenerator, PagedGenerator
 
@@ -56,6 +59,26 @@ def test_sampled_logprobs_are_the_trainers():
             logits = lm(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float() / 0.7
         want = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(logprobs), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stop_request_stops_the_paged_engine_while_it_generates():
+    """SIGTERM's stop request, asked while the engine's thread generates: it stops after a few of the 5 x 200
+    tokens (at least 200 forwards had it run to the end), raises Interrupted, leaves no thread behind, and puts the
+    policy's mode and attention back; asked before, nothing runs."""
+    lm = _model("llama").train()
+    forwards: list[int] = []
+    lm.register_forward_hook(lambda *_: forwards.append(1))
+    paged = PagedGenerator(lm, _Tokenizer(), GRPOConfig(max_new_tokens=200), {63}, torch.device("cpu"), 2)
+    threads = threading.active_count()
+    with pytest.raises(Interrupted):
+        paged.generate(PROMPTS, stop=lambda: len(forwards) >= 3)
+    assert 3 <= len(forwards) < 100, len(forwards)
+    assert threading.active_count() == threads
+    assert lm.training and lm.config._attn_implementation == "finetune_sdpa_varlen"
+    forwards.clear()
+    with pytest.raises(Interrupted):
+        paged.generate(PROMPTS, stop=lambda: True)
+    assert forwards == []
 
 
 def _grpo(tmp_path, name: str, *extra: str):
