@@ -31,7 +31,7 @@ from finetune.objectives.on_policy import OnPolicyPlan
 from finetune.objectives.rows import DatasetRows
 from finetune.recipe import AdapterConfig, GRPOConfig, Recipe, TokenizerConfig
 from finetune.recipe.distill import DistillConfig
-from finetune.rl.generation import HFGenerator
+from finetune.rl.generation import HFGenerator, PagedGenerator
 from finetune.rl.rollout import end_ids
 
 
@@ -71,9 +71,11 @@ class Distill(DatasetRows):
             return super().plan(planning)
         sampling = GRPOConfig(max_new_tokens=c.max_new_tokens, temperature=c.sample_temperature, top_p=1.0)
 
-        def sampler(lm: torch.nn.Module) -> HFGenerator:
-            return HFGenerator(lm, planning.tokenizer, sampling, end_ids(planning.tokenizer, planning.lm),
-                               planning.device, c.generation_batch_size)
+        engine = PagedGenerator if c.engine == "paged" else HFGenerator
+
+        def sampler(lm: torch.nn.Module) -> HFGenerator | PagedGenerator:
+            return engine(lm, planning.tokenizer, sampling, end_ids(planning.tokenizer, planning.lm),
+                          planning.device, c.generation_batch_size)
 
         teacher = sampler(self.teacher.lm) if c.seq_kd and self.teacher is not None else None
         return OnPolicyPlan(planning.train, planning.recipe, planning.world_size, sampler(planning.lm), teacher)

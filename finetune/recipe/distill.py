@@ -3,6 +3,8 @@ docs/distill.md)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from finetune.recipe.section import Section
@@ -47,3 +49,7 @@ class DistillConfig(Section):
     divergence's is `temperature`."""
     generation_batch_size: int = Field(16, gt=0)
     """On-policy prompts generated together: fixed, so that every split of the step samples the same completions."""
+    engine: Literal["auto", "generate", "paged"] = "auto"
+    """What generates on-policy (and seq_kd) completions, as grpo.engine: generate (transformers' generate on
+    left-padded batches of generation_batch_size), paged (its continuous batching; greedy gives generate's tokens
+    exactly), auto (generate: paged was measured slower on an H100; README)."""

@@ -67,14 +67,15 @@ def test_the_plan_draws_its_steps_from_the_seed_and_leaves_the_rng_alone():
     assert plan.info(step)["on_policy"] == 1.0 and plan.info(drawn.index(False)) == {"on_policy": 0.0}
 
 
-def test_on_policy_steps_are_the_same_in_any_split(tmp_path, teacher):
+@pytest.mark.parametrize("engine", ["generate", "paged"])
+def test_on_policy_steps_are_the_same_in_any_split(tmp_path, teacher, engine):
     """Every step on-policy, 24 rows in steps of 8: 8 x 1 and 2 x 4 sample the same completions and train the same
-    weights (each tensor within 1e-5)."""
+    weights (each tensor within 1e-5), with either engine (distill.engine)."""
     runs = []
     for micro, accumulation in ((8, 1), (2, 4)):
         run = tmp_path / f"m{micro}"
         r = run_cli("train", str(QUICKSTART), f"output_dir={run}", *TINY, *ON_POLICY, f"distill.teacher={teacher}",
-                    "distill.lmbda=1", f"train.micro_batch_size={micro}",
+                    "distill.lmbda=1", f"distill.engine={engine}", f"train.micro_batch_size={micro}",
                     f"train.gradient_accumulation_steps={accumulation}", "train.max_steps=null", "train.epochs=1")
         assert r.returncode == 0, r.stderr[-3000:]
         runs.append(run)
