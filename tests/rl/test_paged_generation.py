@@ -61,6 +61,37 @@ def test_sampled_logprobs_are_the_trainers():
         torch.testing.assert_close(torch.tensor(logprobs), want, rtol=1e-5, atol=1e-5)
 
 
+def _nucleus_logprobs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """log-probabilities renormalized over the top-p nucleus, by transformers' TopPLogitsWarper's rule (tokens whose
+    ascending cumulative probability is above 1 - top_p, the most likely always kept); -inf outside it."""
+    ordered, order = torch.sort(logits, dim=-1)
+    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p
+    drop[..., -1] = False
+    kept = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.log_softmax(kept, dim=-1)
+
+
+def test_a_top_p_samples_logprob_is_the_nucleus_renormalized_one():
+    """With top_p < 1 the engine's log-probability is that of the truncated distribution it sampled from (renormalized
+    over the nucleus), not the policy's: engine - trainer = -log(nucleus mass) > 0, so the correction's weight
+    exp(trainer - engine) is the nucleus' mass, the ratio of the policy to the truncated sampler (TRL #6789)."""
+    lm = _model("llama")
+    paged = PagedGenerator(lm, _Tokenizer(), GRPOConfig(max_new_tokens=8, temperature=0.7, top_p=0.3), {5},
+                           torch.device("cpu"), 2)
+    torch.manual_seed(0)
+    completions = paged.generate(PROMPTS)
+    for prompt, completion, logprobs in zip(PROMPTS, completions, paged.logprobs):
+        with torch.no_grad():
+            logits = lm(input_ids=torch.tensor([prompt + completion]), use_cache=False).logits[0, len(prompt) - 1:-1]
+        logits = logits.float() / 0.7
+        tokens = torch.tensor(completion)[:, None]
+        want = _nucleus_logprobs(logits, 0.3).gather(1, tokens).squeeze(1)
+        torch.testing.assert_close(torch.tensor(logprobs), want, rtol=1e-5, atol=1e-5)
+        policy = torch.log_softmax(logits, dim=-1).gather(1, tokens).squeeze(1)
+        assert bool((torch.tensor(logprobs) > policy).all())
+
+
 def test_a_stop_request_stops_the_paged_engine_while_it_generates():
     """SIGTERM's stop request, asked while the engine's thread generates: it stops after a few of the 5 x 200
     tokens (at least 200 forwards had it run to the end), raises Interrupted, leaves no thread behind, and puts the
