@@ -61,6 +61,23 @@ def test_sampled_logprobs_are_the_trainers():
         torch.testing.assert_close(torch.tensor(logprobs), want, rtol=1e-5, atol=1e-5)
 
 
+def test_paged_generates_with_the_lora_adapter_on():
+    """A LoRA policy (adapter weights not zero): paged greedy decoding gives generate's tokens on the PEFT model,
+    which differ from the base model's: the adapter is in the engine's forward."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    lm = get_peft_model(_model("llama"), LoraConfig(r=4, lora_alpha=32, target_modules="all-linear",
+                                                   init_lora_weights=False))
+    cfg = GRPOConfig(max_new_tokens=10)
+    want = HFGenerator(lm, _Tokenizer(), cfg, {5}, torch.device("cpu"), 2).generate(PROMPTS, greedy=True)
+    got = PagedGenerator(lm, _Tokenizer(), cfg, {5}, torch.device("cpu"), 2).generate(PROMPTS, greedy=True)
+    assert got == want
+    with lm.disable_adapter():
+        base = PagedGenerator(lm, _Tokenizer(), cfg, {5}, torch.device("cpu"), 2).generate(PROMPTS, greedy=True)
+    assert base != got
+
+
 def _nucleus_logprobs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """log-probabilities renormalized over the top-p nucleus, by transformers' TopPLogitsWarper's rule (tokens whose
     ascending cumulative probability is above 1 - top_p, the most likely always kept); -inf outside it."""
