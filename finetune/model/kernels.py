@@ -85,10 +85,11 @@ def liger_kernels_of(apply_fn: Callable[..., None]) -> list[str]:
     return on
 
 
-def apply_liger(model: torch.nn.Module, device: torch.device, setting: bool | str = True) -> list[str]:
+def apply_liger(model: torch.nn.Module, device: torch.device | str, setting: bool | str = True) -> list[str]:
     """Liger's kernels applied to `model` (before an adapter or a DDP/FSDP wrapper: Liger patches the model's own
     modules) as model.liger_kernels says; returns the kernels applied ([] when none). true: a UserError when Liger
     cannot serve this model here; auto: none then (liger_auto_note says why)."""
+    device = torch.device(device)
     if setting is False or (setting == "auto" and device.type != "cuda"):  # no import of Liger off CUDA
         return []
     problem = _liger_problem_for(model, device)
@@ -113,9 +114,10 @@ def _liger_problem_for(model: torch.nn.Module, device: torch.device) -> str | No
                          getattr(text, "hidden_act", None))
 
 
-def liger_auto_note(model: torch.nn.Module, device: torch.device, setting: bool | str) -> str:
+def liger_auto_note(model: torch.nn.Module, device: torch.device | str, setting: bool | str) -> str:
     """For the run log: Liger's modules in the model ("LigerRMSNorm x5, LigerSwiGLUMLP x2"), or, where auto left them
     off on CUDA, "off (auto: why)"; "" where there is nothing to say (off by request, or auto off CUDA)."""
+    device = torch.device(device)
     if liger_modules(model):
         return liger_summary(model)
     if setting != "auto" or device.type != "cuda":
