@@ -52,8 +52,11 @@ DEVICES = [pytest.param("cpu", id="cpu"),
 def _env(device: str, **extra: str) -> dict[str, str]:
     return {**os.environ, "FINETUNE_DEVICE": device, **extra}
 
-# 10 padded rows: with a global batch of 8, step 2 has 2 rows -> rank 0 one micro-batch, rank 1 a filler.
-SHORT = [*TINY, "datasets.0.max_rows=10", "data.packing=false", "train.max_steps=null", "train.epochs=1"]
+# 10 padded rows: with a global batch of 8, step 2 has 2 rows -> rank 0 one micro-batch, rank 1 a filler. 5 eval rows
+# in micro-batches of 2 at steps 0, 1 and 2: rank 0 gets two, rank 1 one and a filler that counts nothing (FSDP needs
+# every rank in every forward); the token-weighted eval loss must be one process's.
+SHORT = [*TINY, "datasets.0.max_rows=10", "data.packing=false", "train.max_steps=null", "train.epochs=1",
+         "eval_datasets.0.max_rows=5", "eval.micro_batch_size=2", "eval.at_start=true", "eval.every_steps=1"]
 # A LoRA adapter (the frozen base is not trained; under FSDP it is sharded with the adapter), packed, 3 steps.
 LORA = [*TINY, "train.max_steps=3", "adapter.type=lora", "train.lr=1e-2"]
 # DPO, packed (rows hold varying numbers of pairs); each rank computes the reference for its share of the pairs.
@@ -147,6 +150,16 @@ def test_two_ranks_equal_one_process(tmp_path, reference, strategy, case):
     assert "world size 2" in r.stdout
     assert f"device: {device}" in r.stdout  # rank 0's log: cpu, or cuda:0
     assert_same_training(tmp_path / "run", reference[case], WEIGHT_TOLERANCE.get(case, 1e-5))
+    if case == "short":
+        _assert_same_evals(tmp_path / "run", reference[case])
+
+
+def _assert_same_evals(run_dir: Path, ref: Path) -> None:
+    got, want = eval_lines(run_dir), eval_lines(ref)
+    assert [x["step"] for x in got] == [x["step"] for x in want] == [0, 1, 2]
+    for a, b in zip(got, want):
+        assert a["eval_tokens"] == b["eval_tokens"] > 0
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * b["eval_loss"], (a, b)
 
 
 def test_fsdp_checkpoint_resumes_on_another_world_size(tmp_path):
@@ -170,24 +183,6 @@ def test_fsdp_checkpoint_resumes_on_another_world_size(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "world size 3" in r.stdout
     assert_same_training(run, ref)
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_eval_on_two_ranks_equals_one_process(tmp_path, strategy):
-    """5 eval rows in micro-batches of 2: rank 0 gets two, rank 1 one and a filler that counts nothing (FSDP
-    needs every rank in every forward). The token-weighted eval loss must equal one process's."""
-    common = [*TINY, "train.max_steps=1", "data.packing=false", "eval_datasets.0.max_rows=5",
-              "eval.micro_batch_size=2", "eval.at_start=true", "eval.every_steps=1"]
-    ref = single("train", str(QUICKSTART), f"output_dir={tmp_path / 'one'}", *common)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    r = torchrun("train", str(QUICKSTART), f"output_dir={tmp_path / 'two'}", *common,
-                 f"distributed.strategy={strategy}", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    got, want = eval_lines(tmp_path / "two"), eval_lines(tmp_path / "one")
-    assert [x["step"] for x in got] == [x["step"] for x in want] == [0, 1]
-    for a, b in zip(got, want):
-        assert a["eval_tokens"] == b["eval_tokens"] > 0
-        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * b["eval_loss"], (a, b)
 
 
 def test_rank_0_failing_while_the_others_wait_ends_the_run_with_its_message(tmp_path):
