@@ -2,7 +2,7 @@
 and TRL's SFTTrainer on the same model and data when `trl` imports.
 
     python3 benchmarks/gpu_throughput.py [--model DIR] [--steps 30] [--seq 2048] [--micro 4] [--data lognormal]
-                                         [--rows default,per-doc,...] [--long] [--smoke] [--list] [--logs DIR]
+                                         [--rows default,per-doc,...] [--long] [--8b] [--smoke] [--list] [--logs DIR]
 
 Every row is the quickstart recipe with the model swapped: bf16, packed rows of --seq tokens, loss `auto` (chunked),
 AdamW, micro-batch --micro, no accumulation, no eval; a row changes one thing:
@@ -24,7 +24,15 @@ AdamW, micro-batch --micro, no accumulation, no eval; a row changes one thing:
                 padding-free packing (isolated), wrapped packing (documents attend to each other); only when `trl`
                 imports (`bash scripts/prepare_gpu.sh --trl` carries it)
 --long adds `long` and `long-sdpa-mask`: packed rows of 16384 tokens, micro 1, gradient checkpointing, default vs
-sdpa-mask. --data lognormal (default): chat rows whose lengths follow a lognormal with median ~100 tokens, long
+sdpa-mask. --8b adds the one-GPU adapter rows on a Llama-3.1-8B-shaped random model (written once to /tmp/llama8b,
+16 GB), each with gradient checkpointing (non-reentrant), packed rows of --seq, micro --micro:
+  lora8b        adapter.type=lora, rank 16, alpha 32, all linear layers, bf16 base
+  qlora8b       adapter.type=qlora: the same on an NF4 base (double quantization, bf16 compute)
+  trl-lora8b, trl-qlora8b   TRL's SFTTrainer with wrapped packing and Liger, PEFT's LoraConfig of the same rank,
+                alpha and targets, BitsAndBytesConfig of the same NF4 settings for QLoRA; TRL's peak memory is the
+                largest of the load's and every step's (Trainer.train() resets the statistics when it starts).
+                MFU counts the parameters as torch holds them on both sides (a 4-bit packed weight counts half):
+                compare these rows by tokens/s and peak memory. --data lognormal (default): chat rows whose lengths follow a lognormal with median ~100 tokens, long
 tail to 2048 (benchmarks/packing.py's generator); quickstart: examples/data/quickstart_train.jsonl.
 
 The model is --model, or a random Llama-3.2-1B-shaped one (vocab 128256, tied embeddings) written by
@@ -72,6 +80,14 @@ ROWS: dict[str, tuple[list[str], dict[str, str], int]] = {
 LONG_ROWS = {"long": (["model.gradient_checkpointing=true"], {}, -1),
              "long-sdpa-mask": (["model.gradient_checkpointing=true", "model.attn_implementation=sdpa"], {}, -1)}
 TRL_ROWS = {"trl-padded": "padded", "trl-bfd": "bfd", "trl-wrapped": "wrapped"}
+# The 8B adapter rows: ours (recipe overrides) and TRL's (the adapter its worker sets up), gradient checkpointing on.
+ADAPTER = ["adapter.r=16", "adapter.alpha=32", "adapter.target_modules=all-linear", "model.gradient_checkpointing=true"]
+EIGHT_B_ROWS = {"lora8b": (["adapter.type=lora", *ADAPTER], {}, 1), "qlora8b": (["adapter.type=qlora", *ADAPTER], {}, 1)}
+TRL_8B_ROWS = {"trl-lora8b": "lora", "trl-qlora8b": "qlora"}
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0,
+            "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+ALL_ROWS = (*ROWS, *LONG_ROWS, *EIGHT_B_ROWS, *TRL_ROWS, *TRL_8B_ROWS)
 
 
 def overrides(model: str, steps: int, seq: int, micro: int, out: str) -> list[str]:
@@ -112,6 +128,25 @@ def model_dir(given: str | None, smoke: bool) -> str:
     return str(target)
 
 
+def model_dir_8b(smoke: bool) -> str:
+    """A Llama-3.1-8B-shaped random model (bf16, made on the GPU when there is one), written once; 2 layers with
+    --smoke."""
+    import torch
+    import transformers
+
+    target = Path("/tmp/llama8b-2layers" if smoke else "/tmp/llama8b")
+    if not (target / "config.json").is_file():
+        config = transformers.LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": 2} if smoke else {})})
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            torch.set_default_dtype(torch.bfloat16)  # built in bf16: 16 GB, not 32 in float32 first
+            model = transformers.LlamaForCausalLM(config)
+            torch.set_default_dtype(torch.float32)
+        model.save_pretrained(target)
+        del model
+    return str(target)
+
+
 def data_file(kind: str) -> Path:
     """The training rows: the quickstart's, or lognormal chat rows (median ~100 tokens) made once in /tmp."""
     if kind == "quickstart":
@@ -128,7 +163,7 @@ def data_file(kind: str) -> Path:
 
 def row_command(name: str, a: argparse.Namespace, model: str, data: Path, out: str) -> tuple[list[str], dict]:
     """The `finetune train` command line and environment of one row."""
-    extra, env, micro = {**ROWS, **LONG_ROWS}[name]
+    extra, env, micro = {**ROWS, **LONG_ROWS, **EIGHT_B_ROWS}[name]
     seq = 16384 if name in LONG_ROWS else a.seq
     micro = -micro if micro < 0 else micro * a.micro
     args = [*overrides(model, a.steps, seq, micro, out), f"datasets.0.path={data}", *extra]
@@ -166,10 +201,12 @@ def trl_version() -> str | None:
 def run_trl(name: str, a: argparse.Namespace, model: str, data: Path) -> dict[str, float] | str:
     with tempfile.TemporaryDirectory(prefix="gpu-throughput-trl-") as tmp:
         out = Path(tmp) / "laps.json"
-        mode = TRL_ROWS[name]
+        mode = TRL_ROWS.get(name, "wrapped")
         micro = 16 if mode == "padded" else a.micro
+        adapter = ["--adapter", TRL_8B_ROWS[name], "--checkpointing"] if name in TRL_8B_ROWS else []
         cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", mode, "--model", model,
-               "--data-file", str(data), "--seq", str(a.seq), "--micro", str(micro), "--steps", str(a.steps), "--out", str(out)]
+               "--data-file", str(data), "--seq", str(a.seq), "--micro", str(micro), "--steps", str(a.steps),
+               "--out", str(out), *adapter]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         keep_log(a, name, done)
         if done.returncode != 0:
@@ -208,9 +245,24 @@ def trl_worker(a: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()  # the rows are GPU figures; a CPU only smoke-tests this worker
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "examples" / "tokenizer"))
+    quantized = {}
+    if a.adapter == "qlora":  # our NF4 settings (finetune/model/loading.py _nf4_config)
+        from transformers import BitsAndBytesConfig
+
+        quantized["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if cuda else torch.float32)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation="sdpa", **quantized)
     model.config.use_cache = False
+    peft_config = None
+    if a.adapter:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+    loaded_peak = torch.cuda.max_memory_allocated() if cuda else 0  # train() resets the statistics
+    step_peaks: list[int] = []
     laps: list[tuple[int, float]] = []
     computed: list[int] = []
     counted = {"real": 0, "computed": 0}
@@ -233,6 +285,7 @@ def trl_worker(a: argparse.Namespace) -> None:
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
             sync()
             now = time.perf_counter()
+            step_peaks.append(torch.cuda.max_memory_allocated() if cuda else 0)
             laps.append((counted["real"], now - Clock.last))
             computed.append(counted["computed"])
             counted.update(real=0, computed=0)
@@ -245,13 +298,14 @@ def trl_worker(a: argparse.Namespace) -> None:
         **({"packing_strategy": a.trl_worker} if packed else {}), padding_free=a.trl_worker == "bfd",
         assistant_only_loss=True, learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=10_000,
         save_strategy="no", report_to="none", disable_tqdm=True, seed=0, bf16=cuda, use_cpu=not cuda,
-        dataloader_num_workers=0, use_liger_kernel=cuda and importlib.util.find_spec("liger_kernel") is not None)
+        dataloader_num_workers=0, use_liger_kernel=cuda and importlib.util.find_spec("liger_kernel") is not None,
+        gradient_checkpointing=a.checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer = Timed(model=model, args=config, train_dataset=load_dataset("json", data_files=a.data_file, split="train"),
-                    processing_class=tokenizer, callbacks=[Clock()])
+                    processing_class=tokenizer, callbacks=[Clock()], peft_config=peft_config)
     trainer.train()
     text = model.config.get_text_config()
     Path(a.out).write_text(json.dumps({
-        "laps": laps, "computed": computed, "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0,
+        "laps": laps, "computed": computed, "peak_memory_mb": max([loaded_peak, *step_peaks]) / 2**20,
         "params": sum(p.numel() for p in model.parameters()), "layers": text.num_hidden_layers,
         "hidden": text.hidden_size}))
 
@@ -283,22 +337,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--data", choices=["lognormal", "quickstart"], default="lognormal")
-    p.add_argument("--rows", help=f"comma-separated rows of {', '.join([*ROWS, *LONG_ROWS, *TRL_ROWS])}")
+    p.add_argument("--rows", help=f"comma-separated rows of {', '.join(ALL_ROWS)}")
     p.add_argument("--long", action="store_true", help="add the rows of 16384-token packed rows")
     p.add_argument("--smoke", action="store_true", help="the default row, 2 layers, 6 steps of 1024 tokens")
     p.add_argument("--logs", help="write each row's whole output to LOGS/ROW.log")
     p.add_argument("--list", action="store_true", help="print each row's command and exit (no GPU needed)")
     p.add_argument("--print-overrides", action="store_true", help="print the recipe overrides and exit")
+    p.add_argument("--8b", dest="eight_b", action="store_true", help="add the 8B LoRA and QLoRA rows, ours and TRL's")
     p.add_argument("--trl-worker", choices=sorted(set(TRL_ROWS.values())), help=argparse.SUPPRESS)
+    p.add_argument("--adapter", choices=["lora", "qlora"], help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--data-file", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.smoke:
         a.steps, a.seq = 6, 1024
     default_rows = ["default"] if a.smoke else [*ROWS, *(LONG_ROWS if a.long else {}),
-                                                *(TRL_ROWS if trl_version() else {})]
+                                                *(EIGHT_B_ROWS if a.eight_b else {}),
+                                                *(TRL_ROWS if trl_version() else {}),
+                                                *(TRL_8B_ROWS if trl_version() and a.eight_b else {})]
     a.row_names = [r.strip() for r in a.rows.split(",")] if a.rows else default_rows
-    unknown = set(a.row_names) - {*ROWS, *LONG_ROWS, *TRL_ROWS}
+    unknown = set(a.row_names) - set(ALL_ROWS)
     if unknown:
         p.error(f"unknown rows {', '.join(sorted(unknown))}")
     return a
@@ -314,10 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.list:
         for name in a.row_names:
-            if name in TRL_ROWS:
-                print(f"{name}: TRL SFTTrainer, {TRL_ROWS[name]}")
+            if name in TRL_ROWS or name in TRL_8B_ROWS:
+                adapter = f", {TRL_8B_ROWS[name]}, gradient checkpointing" if name in TRL_8B_ROWS else ""
+                print(f"{name}: TRL SFTTrainer, {TRL_ROWS.get(name, 'wrapped')}{adapter}")
                 continue
-            cmd, env = row_command(name, a, a.model or "/tmp/llama1b", Path(f"<{a.data} data>"), "<tmp>")
+            default = "/tmp/llama8b" if name in EIGHT_B_ROWS else "/tmp/llama1b"
+            cmd, env = row_command(name, a, a.model or default, Path(f"<{a.data} data>"), "<tmp>")
             extra_env = {k: v for k, v in env.items() if os.environ.get(k) != v}
             print(f"{name}: {' '.join(f'{k}={v}' for k, v in extra_env.items())} {' '.join(cmd[2:])}".strip())
         return 0
@@ -334,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     results: dict[str, dict[str, float] | str] = {}
     for name in a.row_names:
-        results[name] = run_trl(name, a, model, data) if name in TRL_ROWS else run_ours(name, a, model, data)
+        eight_b = name in EIGHT_B_ROWS or name in TRL_8B_ROWS
+        on = (a.model or model_dir_8b(a.smoke)) if eight_b else model
+        trl = name in TRL_ROWS or name in TRL_8B_ROWS
+        results[name] = run_trl(name, a, on, data) if trl else run_ours(name, a, on, data)
         r = results[name]
         print(f"  {name}: {r}" if isinstance(r, str) else
               f"  {name}: {r['tokens_per_s']:,.0f} tokens/s real, {r['padded_tokens_per_s']:,.0f} computed, MFU "

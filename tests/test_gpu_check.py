@@ -92,6 +92,19 @@ def test_benchmark_overrides_make_a_valid_recipe(tmp_path):
     assert f"path: {model}" in r.stdout and "dtype: bfloat16" in r.stdout and "max_seq_len: 2048" in r.stdout
 
 
+@pytest.mark.parametrize("row", ["lora8b", "qlora8b"])
+def test_the_8b_adapter_rows_make_valid_recipes(tmp_path, row):
+    """The 8B rows (--8b) are cut for a lent GPU's minutes: their recipes must validate here first."""
+    model = tmp_path / "llama8b"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    a = gpu_throughput.parse(["--8b", "--rows", row])
+    cmd, _ = gpu_throughput.row_command(row, a, str(model), gpu_throughput.QUICKSTART_DATA, str(tmp_path / "run"))
+    r = run_cli("validate", *cmd[cmd.index("train") + 1:])
+    assert r.returncode == 0, r.stderr
+    assert "gradient_checkpointing: true" in r.stdout and f"type: {row.removesuffix('8b')}" in r.stdout
+
+
 def test_the_device_session_script_names_stages_and_rows_that_exist():
     # scripts/gpu_session.sh runs on a lent GPU machine, where a renamed stage or row would cost a call's minutes.
     import re
@@ -100,7 +113,7 @@ def test_the_device_session_script_names_stages_and_rows_that_exist():
     stages = re.search(r'\{STAGES:-([\w,]+)', text).group(1).split(",")
     rows = re.search(r'\{ROWS:-([\w,+-]+)', text).group(1).split(",")
     assert set(stages) <= set(test_gpu.STAGES) - {"suite", "bench"}, stages
-    assert set(rows) <= {*gpu_throughput.ROWS, *gpu_throughput.LONG_ROWS, *gpu_throughput.TRL_ROWS}, rows
+    assert set(rows) <= set(gpu_throughput.ALL_ROWS), rows
     for script in ("scripts/gpu_session.sh", "scripts/prepare_gpu.sh"):
         done = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
