@@ -114,6 +114,7 @@ MAPPED: dict[str, str] = {
     "lora_target_linear": "adapter.target_modules: all-linear (with processor_type approximated: the language "
                           "model's layers only, unless freeze_mm_modules)",
     "lora_modules_to_save": "adapter.modules_to_save",
+    "lora_target_parameters": "adapter.target_parameters (LoRA on fused MoE expert weights, PEFT's target_parameters)",
     "bnb_config_kwargs": "finetune's NF4 with double quantization; other settings refused",
     "deepspeed": "distributed.strategy: ddp (ZeRO 1/2) or fsdp (ZeRO 3), distributed.cpu_offload",
     "fsdp": "distributed.strategy: fsdp (offload_params: distributed.cpu_offload)",
@@ -351,7 +352,6 @@ REFUSED: dict[str, str] = {
     "shrink_embeddings": "shrinking the embedding below its rows is not supported",
     "default_system_message": "a default system message is not supported; put it in the data",
     "lora_fan_in_fan_out": "Conv1D (fan-in/fan-out) LoRA layers are not supported",
-    "lora_target_parameters": "LoRA on parameters (MoE expert tensors) is not supported; target modules",
     **_each("lora_rank_pattern lora_alpha_pattern", "per-module LoRA ranks or alphas are not supported"),
     **_each("peft_use_dora", "DoRA is not supported"),
     "peft_use_rslora": "rank-stabilized LoRA (alpha / sqrt(r)) is not supported",

@@ -137,6 +137,8 @@ def adapter_rules(c: Conversion) -> None:
     _targets(c)
     if c.has("lora_modules_to_save"):
         c.put("adapter.modules_to_save", c.texts("lora_modules_to_save"))
+    if c.has("lora_target_parameters"):
+        c.put("adapter.target_parameters", c.texts("lora_target_parameters"))
     _bnb(c, kind)
     if kind == "qlora" and c.peek("model.dtype") == "float16":
         c.approximate("fp16", "QLoRA computes in bfloat16 here (finetune's QLoRA takes float32 or bfloat16)")

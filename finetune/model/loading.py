@@ -330,9 +330,11 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
     # all-linear: PEFT's every nn.Linear but the output layer, less those a LoRA would not act on correctly.
     exclude = architectures.lora_exclusions(model) if adapter.target_modules == "all-linear" else []
     exclude += vision.lora_exclusions(model, adapter)  # a LoRA by names stays on the language model
+    parameters = _target_parameters(model, adapter.target_parameters)
     config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
                         target_modules=adapter.target_modules, exclude_modules=exclude or None,
-                        modules_to_save=adapter.modules_to_save, ensure_weight_tying=tie, task_type="CAUSAL_LM")
+                        target_parameters=parameters, modules_to_save=adapter.modules_to_save,
+                        ensure_weight_tying=tie, task_type="CAUSAL_LM")
     try:
         with quiet_peft():
             peft_model = get_peft_model(model, config)
@@ -346,12 +348,31 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
     return peft_model
 
 
+def _target_parameters(model: torch.nn.Module, names: list[str]) -> list[str] | None:
+    """adapter.target_parameters as PEFT takes them, each checked to name at least one parameter (a suffix of its
+    full name at a dot): a LoRA that silently reaches no expert trains nothing there (PEFT #3009)."""
+    if not names:
+        return None
+    full = [n for n, _ in model.named_parameters()]
+    for name in names:
+        if not any(n == name or n.endswith("." + name) for n in full):
+            fused = sorted({n.split(".", 3)[-1] if ".layers." in n else n
+                            for n, p in model.named_parameters() if p.dim() == 3})
+            raise UserError(f"adapter.target_parameters: {name!r} names no parameter of this model; its 3-D "
+                            f"(fused expert) parameters: {', '.join(fused) or 'none'}")
+    return list(names)
+
+
 @contextlib.contextmanager
 def quiet_peft() -> Iterator[None]:
-    """peft 0.21.2 reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model: a
-    FutureWarning the user cannot act on, printed on every run. Silenced for that call only."""
+    """peft 0.21.2's warnings the user cannot act on, printed on every run, silenced for the wrapping call only: it
+    reads transformers' deprecated `is_gradient_checkpointing`, and it warns about its own target_parameters."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # With two target_parameters of one module (gate_up_proj, down_proj of the experts) PEFT wraps them one by
+        # one and warns that the other one's rank and alpha patterns matched nothing yet; both are applied.
+        warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*",
+                                category=RuntimeWarning)
         yield
 
 

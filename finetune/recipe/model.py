@@ -123,6 +123,12 @@ class AdapterConfig(Section):
     '.*\\.(q_proj|v_proj)$'."""
     modules_to_save: list[str] | None = None
     """Modules trained in full next to the adapter (e.g. embed_tokens)."""
+    target_parameters: list[str] = []
+    """Parameters to adapt besides the modules (PEFT's target_parameters): a mixture-of-experts model's fused expert
+    weights, 3-D tensors no module name reaches, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (Qwen3-MoE,
+    Mixtral, gpt-oss in transformers 5): each a suffix of full parameter names; the LoRA of such a weight is one per
+    expert. An entry that names no parameter is an error listing the model's 3-D parameters (Axolotl's
+    lora_target_parameters)."""
 
     @field_validator("target_modules")
     @classmethod

@@ -310,3 +310,11 @@ def test_context_parallel_size_converts():
             assert recipe["distributed"]["context_parallel"] == 4
         plain = yaml.safe_load(_convert(Path(tmp), MINIMAL + "context_parallel_size: 1\n").text)
         assert "context_parallel" not in (plain.get("distributed") or {})
+
+
+def test_lora_target_parameters_carry_over_to_the_fused_experts(tmp_path):
+    text = _convert(tmp_path, MINIMAL + "adapter: lora\nlora_target_linear: true\n"
+                    "lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]\n").text
+    recipe = yaml.safe_load(text)
+    assert recipe["adapter"]["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    validate(recipe)
