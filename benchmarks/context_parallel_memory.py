@@ -79,20 +79,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout without an editable install
     sys.path.insert(0, str(REPO))
 
+from proc_memory import status_kib  # noqa: E402
+
 MiB = 1024 * 1024
 MMAP_THRESHOLD = 128 * 1024
 QUICKSTART = REPO / "examples" / "yaml" / "quickstart.yaml"
 WORDS = ["face", "bird", "apple", "river", "stone", "green", "seven", "house", "light", "music", "cloud", "paper",
          "table", "water", "dream", "north", "quiet", "orange", "silver", "window", "garden", "yellow", "winter",
          "summer"]  # ~2 tokens a word with the example tokenizer
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _trim() -> None:
@@ -142,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.reset_peak_memory_stats(device)
             base_kib = torch.cuda.memory_allocated(device) / 1024
         else:
-            base_kib = _status_kib("VmRSS")
+            base_kib = status_kib("VmRSS")
             try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
@@ -153,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-        peak_kib = torch.cuda.max_memory_allocated(device) / 1024 if cuda else _status_kib("VmHWM")
+        peak_kib = torch.cuda.max_memory_allocated(device) / 1024 if cuda else status_kib("VmHWM")
         grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in run.lm.parameters() if p.grad is not None)
         weight_bytes = sum(p.numel() * p.element_size() for p in run.lm.parameters())
         mine = {"rank": world.rank, "tokens": int(sum(m.input_ids.numel() for m in micro)),

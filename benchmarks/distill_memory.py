@@ -68,6 +68,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout without an edit
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from proc_memory import status_kib  # noqa: E402
 
 from finetune.loss.distill import distill_loss  # noqa: E402
 
@@ -75,14 +76,6 @@ MiB = 1024 * 1024
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 GOAL_MEMORY, GOAL_TIME = 1 / 8, 1.2
 NAIVE_BUFFERS = 16  # [n x V] fp32 buffers at the naive loss's peak (measured: 8 MiB a row at V = 131072)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _available_bytes() -> int | None:
@@ -155,14 +148,14 @@ def worker(impl: str, n: int, v: int, h: int, teacher_h: int, beta: float, tempe
            chunk_size: int) -> dict:
     """One measured forward+backward in this (fresh) process."""
     hs, ws, ht, wt = _inputs(n, v, h, teacher_h)
-    base_kib = _status_kib("VmRSS")
+    base_kib = status_kib("VmRSS")
     try:  # reset the high-water mark to the current RSS (Linux >= 4.0); without it HWM >= RSS still holds
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         reset = True
     except OSError:
         reset = False
-    hwm_before = _status_kib("VmHWM")
+    hwm_before = status_kib("VmHWM")
     t0, c0 = time.perf_counter(), time.process_time()
     if impl == "naive":
         loss = _naive(hs, ws, ht, wt, beta, temperature, top_k)
@@ -171,7 +164,7 @@ def worker(impl: str, n: int, v: int, h: int, teacher_h: int, beta: float, tempe
                             top_k=top_k).loss
     loss.backward()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     if not reset and hwm_before > base_kib:
         print(f"warning: could not reset VmHWM; it was already {hwm_before - base_kib} KiB above RSS",
               file=sys.stderr)

@@ -31,18 +31,11 @@ if str(REPO) not in sys.path:  # run as a script from a checkout without an edit
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from proc_memory import status_kib  # noqa: E402
 
 from finetune.loss.fused import linear_cross_entropy  # noqa: E402
 
 MiB = 1024 * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _make_inputs(n: int, h: int, v: int, dtype: torch.dtype, device: str, seed: int = 0):
@@ -62,18 +55,18 @@ def _step(impl: str, hidden, weight, labels, chunk_size: int) -> None:
 def worker_cpu(impl: str, n: int, h: int, v: int, chunk_size: int) -> dict:
     """One measured forward+backward in this (fresh) process."""
     hidden, weight, labels = _make_inputs(n, h, v, torch.float32, "cpu")
-    base_kib = _status_kib("VmRSS")
+    base_kib = status_kib("VmRSS")
     try:  # reset the high-water mark to the current RSS (Linux >= 4.0); without it HWM >= RSS still holds
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         reset = True
     except OSError:
         reset = False
-    hwm_before = _status_kib("VmHWM")
+    hwm_before = status_kib("VmHWM")
     t0, c0 = time.perf_counter(), time.process_time()
     _step(impl, hidden, weight, labels, chunk_size)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     if not reset and hwm_before > base_kib:
         print(f"warning: could not reset VmHWM; it was already {hwm_before - base_kib} KiB above RSS",
               file=sys.stderr)
