@@ -160,6 +160,18 @@ RATIOS = [1.1, 1.25, 1.35, 0.75, 0.85, 1.5]
 LOGPS = [-1.0, -2.0, -0.5, -1.5, -3.0, -0.7]
 
 
+def _step(cfg: GRPOConfig, rows: list[dict]) -> tuple:
+    """One step of the trainer's own GRPO objective on `rows` (padded, one micro-batch, one process) with the
+    _Policy of LOGPS: its figures and the policy, whose logp holds the gradient."""
+    batch = collate(rows, DataConfig(packing=False), 0)
+    policy, objective = _Policy(LOGPS), GRPO(cfg)
+    world = __import__("finetune.dist", fromlist=["World"]).World()
+    counts = step_counts(objective, [batch], world, torch.device("cpu"))[0]
+    figures = read_step(objective, forward_backward(policy, objective, [batch], counts, world, torch.device("cpu")),
+                        torch.tensor(0.0), counts)
+    return figures, policy
+
+
 @pytest.mark.parametrize("epsilon_high", [None, 0.28])
 def test_epsilon_high_clips_only_above(epsilon_high):
     """epsilon 0.2. Symmetric (epsilon_high null): completion 0's ratios 1.25 and 1.35 are clipped at 1.2. With
@@ -171,12 +183,7 @@ def test_epsilon_high_clips_only_above(epsilon_high):
     adv = [1.0, -1.0]  # group advantages of rewards (1, 0) are +-1/(std + 1e-4); used as the rows carry them
     rows = [training_row(Rollout(0, [5, 6, 7], list(range(10, 13)), logprobs=old[3 * i:3 * i + 3]), adv[i], False,
                          True) for i in range(2)]
-    batch = collate(rows, DataConfig(packing=False), 0)
-    policy, objective = _Policy(LOGPS), GRPO(cfg)
-    world = __import__("finetune.dist", fromlist=["World"]).World()
-    counts = step_counts(objective, [batch], world, torch.device("cpu"))[0]
-    figures = read_step(objective, forward_backward(policy, objective, [batch], counts, world, torch.device("cpu")),
-                        torch.tensor(0.0), counts)
+    figures, policy = _step(cfg, rows)
     high = 1 + (0.2 if epsilon_high is None else epsilon_high)
     a = [1.0] * 3 + [-1.0] * 3
     terms = [-min(r * x, min(max(r, 0.8), high) * x) for r, x in zip(RATIOS, a)]
@@ -201,12 +208,7 @@ def _corrected_step(**grpo: object):
     engine = [lp - d for lp, d in zip(LOGPS, MISMATCH)]
     rows = [training_row(Rollout(0, [5, 6, 7], list(range(10, 13)), logprobs=engine[3 * i:3 * i + 3]), adv, False)
             for i, adv in enumerate([1.0, -1.0])]
-    batch = collate(rows, DataConfig(packing=False), 0)
-    policy, objective = _Policy(LOGPS), GRPO(cfg)
-    world = __import__("finetune.dist", fromlist=["World"]).World()
-    counts = step_counts(objective, [batch], world, torch.device("cpu"))[0]
-    figures = read_step(objective, forward_backward(policy, objective, [batch], counts, world, torch.device("cpu")),
-                        torch.tensor(0.0), counts)
+    figures, policy = _step(cfg, rows)
     return figures, policy.logp.grad.tolist()
 
 
