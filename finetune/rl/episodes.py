@@ -25,7 +25,7 @@ from finetune.chat.continuation import environment_turn
 from finetune.chat.spans import render_chat
 from finetune.errors import UserError
 from finetune.recipe import Recipe
-from finetune.rl.generation import Generator, StopAsked
+from finetune.rl.generation import Generator, StopAsked, sampled_logprobs
 from finetune.rl.prompts import Prompt
 from finetune.rl.tool_calls import CallParser
 from finetune.rl.tools import CallCounts, Tool, capped, environment_tools, run_call
@@ -126,8 +126,7 @@ class Episodes:
         start = time.perf_counter()
         sampled = self.generator.generate([e.prompt_ids + e.completion for e in going], greedy, stop, max(left))
         self.seconds["generate"] += time.perf_counter() - start
-        engine = getattr(self.generator, "logprobs", None)  # grpo.engine: paged gives them, for the correction
-        engine = engine if engine is not None and len(engine) == len(going) and not greedy else [None] * len(going)
+        engine = sampled_logprobs(self.generator, len(going), greedy)
         for episode, ids, budget, logprobs in zip(going, sampled, left, engine):
             ids = ids[:budget]
             episode.completion += ids

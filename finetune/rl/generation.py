@@ -88,11 +88,18 @@ def cut_at_end(ids: list[int], end_ids: Collection[int]) -> list[int]:
     return ids
 
 
+def sampled_logprobs(generator: Any, count: int, greedy: bool) -> list[list[float] | None]:
+    """The log-probabilities the engine gave for its last call's `count` completions (grpo.engine: paged gives them,
+    for the importance correction), or None for each where it gives none or the call was greedy."""
+    engine = getattr(generator, "logprobs", None)
+    return engine if engine is not None and len(engine) == count and not greedy else [None] * count
+
+
 @contextlib.contextmanager
 def _collections_skip_older_objects() -> Iterator[None]:
     """The objects alive now left out of garbage collections until the block ends (gc.freeze). transformers'
     continuous batching runs gc.collect() three times a call (stopping its manager, freeing its batch processor): in
-    a trainer's process, whose heap holds hundreds of thousands of objects, that was 0.62 s of a 0.14 s call
+    a trainer's process, whose heap holds hundreds of thousands of objects, they made a 0.14 s call take 0.62 s
     (benchmarks/rollout_engines.py's note). Collections inside still free what the call itself left. Where someone
     else froze objects already, nothing is changed."""
     if gc.get_freeze_count():

@@ -21,7 +21,7 @@ from finetune import dist
 from finetune.errors import Interrupted
 from finetune.recipe import Recipe
 from finetune.rl.episodes import Episodes
-from finetune.rl.generation import Generator, StopAsked, never
+from finetune.rl.generation import Generator, StopAsked, never, sampled_logprobs
 from finetune.rl.prompts import Prompt
 from finetune.rl.rewards import Reward, score, total
 from finetune.rl.rollout import Rollout
@@ -87,7 +87,6 @@ class LiveRollouts:
         keys = sorted({k for p in asked for k in p.fields})
         fields = {k: [p.fields.get(k) for p in asked] for k in keys}
         start = time.perf_counter()
-        logprobs: list[list[float] | None] = [None] * len(asked)  # none from the engine: weight 1
         if self.episodes is not None:
             made = self.episodes.run(asked, greedy, self.stop)
             prompt_ids, completions = [e.prompt_ids for e in made], [e.completion for e in made]
@@ -99,10 +98,9 @@ class LiveRollouts:
             completions = self.generator.generate([p.prompt_ids for p in asked], greedy=greedy, stop=self.stop)
             prompt_ids, masks = [p.prompt_ids for p in asked], [None] * len(asked)
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-            # the engine's own log-probabilities, where it gives them (grpo.engine: paged): what the importance
-            # correction weighs against the trainer's (grpo.importance_correction)
-            engine = getattr(self.generator, "logprobs", None)
-            logprobs = engine if engine is not None and len(engine) == len(asked) and not greedy else logprobs
+            # the engine's own log-probabilities, where it gives them (grpo.engine: paged; else None: weight 1):
+            # what the importance correction weighs against the trainer's (grpo.importance_correction)
+            logprobs = sampled_logprobs(self.generator, len(asked), greedy)
         generated = time.perf_counter()
         per_function = score(self.rewards, [p.prompt for p in asked], texts, fields, lambda i: asked[i].where,
                              self.recipe.grpo.reward_timeout_s, self.stop)
