@@ -138,9 +138,11 @@ def model_dir_8b(smoke: bool) -> str:
     if not (target / "config.json").is_file():
         config = transformers.LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": 2} if smoke else {})})
         torch.manual_seed(0)
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            torch.set_default_dtype(torch.bfloat16)  # built in bf16: 16 GB, not 32 in float32 first
-            model = transformers.LlamaForCausalLM(config)
+        torch.set_default_dtype(torch.bfloat16)  # built in bf16: 16 GB, not 32 in float32 first
+        try:
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                model = transformers.LlamaForCausalLM(config)
+        finally:
             torch.set_default_dtype(torch.float32)
         model.save_pretrained(target)
         del model
