@@ -147,17 +147,26 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    rows = []
-    for row, row_spans in enumerate(spans):
-        pieces = []
-        for start, end in row_spans:
-            q, k, v = (t[row:row + 1, :, start:end] for t in (query, key, value))
-            window = _window_mask(end - start, sliding_window, query.device)
-            pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=window, dropout_p=dropout,
-                                                         is_causal=window is None, scale=scaling))
-        rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
-    out = rows[0] if batch == 1 else torch.cat(rows, dim=0)
-    return out.transpose(1, 2).contiguous(), None
+    return _per_document(query, key, value, spans, dropout, scaling, sliding_window), None
+
+
+def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[list[tuple[int, int]]],
+                  dropout: float, scaling: float | None, sliding_window: int | None) -> torch.Tensor:
+    """sdpa over each document of each row ([b, heads, S, d] in, [b, S, heads, d_v] out). The rows are unbound and
+    cut by split, not sliced: the backward of a slice zero-fills a gradient of the whole input and adds it in, once
+    per document (measured: 0.15 s of a 1.6 s step at 4 x 1024 tokens), where split's is one concatenation. The
+    outputs are joined once, already in the [S, heads, d] layout the caller wants."""
+    pieces = []
+    for q_row, k_row, v_row, row_spans in zip(query.unbind(0), key.unbind(0), value.unbind(0), spans):
+        sizes = [end - start for start, end in row_spans]
+        # 4-D pieces: on a CPU, sdpa takes its flash kernel for [1, heads, L, d] and its math path for 3-D ones.
+        for q, k, v in zip(*(t[None].split(sizes, dim=2) for t in (q_row, k_row, v_row))):
+            window = _window_mask(q.shape[2], sliding_window, query.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=window, dropout_p=dropout,
+                                                 is_causal=window is None, scale=scaling)
+            pieces.append(out[0].transpose(0, 1))  # [L, heads, d_v]
+    joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return joined.reshape(query.shape[0], query.shape[2], *joined.shape[1:])
 
 
 def _sharded(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
