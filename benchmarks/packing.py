@@ -145,13 +145,16 @@ def efficiencies(name: str, data: Path, work: Path) -> dict[str, float]:
 
 # --- ours -------------------------------------------------------------------------------------------------------
 
-def run_ours(name: str, data: Path, packing: bool, steps: int, work: Path, attn: str = "auto"
-             ) -> list[tuple[int, float]]:
-    """(real tokens, seconds) of every step after the first, from the run's metrics.jsonl."""
+def run_ours(name: str, data: Path, packing: bool, steps: int, work: Path, attn: str = "auto",
+             tree: Path | None = None) -> list[tuple[int, float]]:
+    """(real tokens, seconds) of every step after the first, from the run's metrics.jsonl. `tree`: run the
+    `finetune` of another checkout (a `git worktree` of an older commit, for a bisect) with this venv."""
     recipe = write_recipe(work, name, data, packing, steps, attn)
     env = {**os.environ, **THREAD_ENV}
-    result = subprocess.run([sys.executable, "-m", "finetune", "train", str(recipe), "--overwrite"], cwd=ROOT,
-                            env=env, capture_output=True, text=True)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    result = subprocess.run([sys.executable, "-m", "finetune", "train", str(recipe), "--overwrite"],
+                            cwd=tree or ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"finetune train failed ({name}, packing={packing}):\n{result.stdout}\n{result.stderr}")
     out = work / f"ours-{name}-{'packed' if packing else 'padded'}-{attn}"
@@ -176,12 +179,13 @@ def trl_version(python: str, trl_path: str | None) -> str | None:
 
 
 def run_trl(python: str, trl_path: str | None, name: str, data: Path, packing: bool, steps: int, work: Path,
-            micro: int, accumulation: int) -> list[tuple[int, float]]:
-    out = work / f"trl-{name}-{'packed' if packing else 'padded'}-{micro}x{accumulation}.json"
+            micro: int, accumulation: int, strategy: str = "bfd") -> list[tuple[int, float]]:
+    """(real tokens, seconds) of every step after the first; `strategy`: TRL's packing_strategy when packing."""
+    out = work / f"trl-{name}-{strategy if packing else 'padded'}-{micro}x{accumulation}.json"
     max_len = SETTINGS[name][0]
     command = [python, str(Path(__file__).resolve()), "--trl-worker", "--hidden", str(MODEL_CONFIG["hidden_size"]), "--data", str(data), "--out", str(out),
                "--max-len", str(max_len), "--micro", str(micro), "--accumulation", str(accumulation),
-               "--steps", str(steps)] + (["--packing"] if packing else [])
+               "--steps", str(steps), "--strategy", strategy] + (["--packing"] if packing else [])
     result = subprocess.run(command, cwd=ROOT, env=trl_env(trl_path), capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"TRL run failed ({name}, packing={packing}):\n{result.stdout[-3000:]}\n"
@@ -233,6 +237,7 @@ def trl_worker(args: argparse.Namespace) -> None:
         config_args = SFTConfig(
             output_dir=tmp, max_steps=args.steps, per_device_train_batch_size=args.micro,
             gradient_accumulation_steps=args.accumulation, max_length=args.max_len, packing=args.packing,
+            packing_strategy=args.strategy,
             assistant_only_loss=True, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=10_000,
             save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0, bf16=False,
             dataloader_num_workers=0)
@@ -278,6 +283,7 @@ def main() -> int:
     parser.add_argument("--micro", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="bfd", help=argparse.SUPPRESS)
     args = parser.parse_args()
     set_width(args.hidden)
     if args.trl_worker:
