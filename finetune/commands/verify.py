@@ -27,6 +27,7 @@ from finetune.data import collate
 from finetune.objectives import Objective
 from finetune.progress import Phase
 from finetune.recipe import Recipe
+from finetune.train import padding_free
 from finetune.train.parts import load_parts, plan_for
 from finetune.train.step import forward_backward, step_counts, step_micro_batches
 
@@ -73,7 +74,10 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     step_rows = plan_for(recipe, parts, dist.from_env(), world_size).step(0)[1]
     pad = parts.tokenizer.pad_token_id
     # Each simulated rank's micro-batches, cut as the trainer cuts them (one function for both).
-    ranks = [step_micro_batches(objective, step_rows, recipe, pad, world_size, rank, device)
+    # Padding-free where the run would be (train/padding_free.py): the reference below stays padded, so the check
+    # also compares the two layouts.
+    flat = padding_free.choose(recipe, lm, pad, device).on
+    ranks = [step_micro_batches(objective, step_rows, recipe, pad, world_size, rank, device, flat=flat)
              for rank in range(world_size)]
     size = reference_micro_batch or len(step_rows)
     reference = [collate(step_rows[i: i + size], recipe.data, pad) for i in range(0, len(step_rows), size)]

@@ -176,7 +176,7 @@ def _source_key(cfg: DatasetConfig, key: str) -> dict[str, Any]:
 # data.* keys that act only once the samples exist (batching, packing, order, parallelism). Every other data key
 # is in the cache key, including keys added to the schema later: a new key can cost one re-tokenization, never a
 # stale entry.
-_AFTER_SAMPLES = frozenset({"packing", "packing_check", "shuffle", "drop_last", "pad_to_multiple_of",
+_AFTER_SAMPLES = frozenset({"packing", "packing_check", "padding_free", "shuffle", "drop_last", "pad_to_multiple_of",
                             "group_by_length", "num_proc", "cache_dir"})
 
 

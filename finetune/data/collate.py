@@ -1,4 +1,5 @@
-"""Micro-batches as tensors: packed rows (position ids per document, no attention mask) or padded samples."""
+"""Micro-batches as tensors: packed rows (position ids per document, no attention mask), padded samples, or a
+micro-batch's samples end to end in one row (padding-free)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import torch
 
 from finetune.batch import MicroBatch, PairFields, RolloutFields, StoredTeacherFields
+from finetune.data.pack import packed_row
 from finetune.data.pixels import vision_fields
 from finetune.data.teacher_logprobs import KEYS as TEACHER_KEYS
 from finetune.labels import IGNORE_INDEX, trained_count
@@ -68,8 +70,18 @@ def _targets(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> MicroBatch:
-    """One micro-batch: packed rows (no attention mask, position ids per document) or padded.
+def collate_flat(samples: Sequence[dict], pad_token_id: int) -> MicroBatch:
+    """A padding-free micro-batch (data.padding_free): its samples end to end in one row, each a document, as
+    `packed_row` lays them (positions restart at 0; each document's first label, which no position scores in a padded
+    row, is ignored, so that the previous document's last token learns nothing across the boundary). The same tokens
+    and targets as collate_padded of the same samples, none of the padding."""
+    row = packed_row(samples, range(len(samples)), max(len(s["input_ids"]) for s in samples))
+    return collate_packed([row], pad_token_id)
+
+
+def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int, flat: bool = False) -> MicroBatch:
+    """One micro-batch: packed rows (no attention mask, position ids per document), padded, or with `flat` (the
+    run's padding-free choice, train/padding_free.py; packing off) the samples end to end in one row.
 
     `targets` counts the tokens that carry a loss after the shift (what N_step sums). A filler micro-batch (see
     rank_micro_batches) is computed, so its tokens count as padded tokens, but it is no data: its seq_tokens are 0.
@@ -80,8 +92,12 @@ def collate(rows: Sequence[dict], data: DataConfig, pad_token_id: int) -> MicroB
     pairs = bool(rows) and ("pairs" in rows[0] or "docs" in rows[0])
     if pairs and not data.packing:
         rows = [doc for sample in rows for doc in split_pair(sample)]  # a pair is two padded rows
-    batch = collate_packed(rows, pad_token_id) if data.packing else collate_padded(
-        rows, pad_token_id, data.pad_to_multiple_of)
+    if data.packing:
+        batch = collate_packed(rows, pad_token_id)
+    elif flat and not pairs:
+        batch = collate_flat(rows, pad_token_id)
+    else:
+        batch = collate_padded(rows, pad_token_id, data.pad_to_multiple_of)
     batch.filler = filler
     if filler:
         batch.seq_tokens = 0

@@ -29,8 +29,8 @@ from finetune.errors import UserError
 from finetune.model.architectures import packing_refusal
 from finetune.model.with_loss import takes_boundaries
 
-__all__ = ["attention_layers", "check_packable", "check_packing_isolation", "default_tolerance", "is_ours",
-           "packed_attention"]
+__all__ = ["attention_layers", "check_packable", "check_packing_isolation", "default_tolerance", "input_dtype",
+           "is_ours", "packed_attention"]
 
 # Two short documents of different lengths; a fixed generator so the check is reproducible.
 _DOC_LENGTHS = (7, 11)
@@ -100,6 +100,11 @@ def attention_layers(model: torch.nn.Module) -> list[tuple[str, int, int, float]
         layers.append((str(kind), head_dim, v_head_dim if isinstance(v_head_dim, int) else head_dim,
                        float(dropout) if isinstance(dropout, (int, float)) else 0.0))
     return layers
+
+
+def input_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The model's compute dtype: that of its first floating-point weight."""
+    return _input_device_dtype(model)[1]
 
 
 def _input_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:

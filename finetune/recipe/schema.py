@@ -98,6 +98,12 @@ class DataConfig(Section):
     """Padding mode: pad each micro-batch to a multiple of this."""
     group_by_length: bool = False
     """Padding mode: put samples of similar length in the same micro-batch."""
+    padding_free: bool | Literal["auto"] = "auto"
+    """Packing off: lay each micro-batch's samples end to end in one row, each attending only to itself (as packed
+    documents do), instead of padding them to the longest: the same samples, tokens, targets and loss, without
+    computing the padding. auto: on for train.objective sft where the model keeps packed documents apart (checked as
+    for packing) and our attention attends per document; otherwise padded rows, and the run log says why. true: an
+    error where it does not apply. false: padded rows. Eval batches stay padded."""
     num_proc: int | None = Field(None, ge=1)
     """Processes that tokenize (worker processes over chunks of the streamed rows); null: every core. The samples
     are the same for any number."""

@@ -222,7 +222,7 @@ def _micro_batches(run: Run, step: int, clock: Stopwatch) -> tuple[int, list[dic
     with clock.excluded():
         epoch, step_rows = run.plan.step(step)
     micro = step_micro_batches(run.objective, step_rows, recipe, run.tokenizer.pad_token_id, world.size, world.rank,
-                               run.device, run.context)
+                               run.device, run.context, run.padding_free)
     return epoch, step_rows, micro
 
 

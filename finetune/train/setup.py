@@ -37,7 +37,9 @@ from finetune.recipe.code import run_record
 from finetune.rl.plan import RolloutPlan
 from finetune.run import atomic, checkpoint, startup
 from finetune.run.directory import RunDir, truncate_metrics, write_run_header
+from finetune.train import padding_free
 from finetune.train.optim import build_optimizer, build_scheduler
+from finetune.train.padding_free import PaddingFree
 from finetune.train.parallel import check_context_parallel, wrap_model
 from finetune.train.parts import Parts, load_parts, plan_for
 from finetune.train.plan import step_larger_than_epoch
@@ -79,6 +81,7 @@ class Run:
     frozen: str | None = None  # the weights a resume loads from model.path again (model/digest.py), recorded too
     config: str | None = None  # the model's config by content (model/digest.py): with `frozen`, a moved model.path
     context: ContextGroup | None = None  # this rank's context-parallel group (distributed.context_parallel > 1)
+    padding_free: bool = False  # packing off: each micro-batch's samples end to end in one row (padding_free.py)
     warned: set[str] = field(default_factory=set)  # the once-a-run warnings said already
 
     @functools.cached_property
@@ -115,10 +118,12 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     torch.manual_seed(recipe.seed)
     if recipe.model.trust_remote_code:  # said before the tokenizer and the model load, i.e. before that code runs
         console.print("[yellow]model.trust_remote_code is on: running code shipped with the model[/yellow]")
-    compiled: list[int] = []
+    checked: list[tuple[int, PaddingFree]] = []
     parts = load_parts(recipe, world, device, lambda m: console.print(m, markup=False, highlight=False),
                        fresh_model=resume_from is None,
-                       check_model=lambda lm, tokenizer: compiled.append(_check_model(recipe, lm, tokenizer, console)))
+                       check_model=lambda lm, tokenizer: checked.append(_check_model(recipe, lm, tokenizer, device,
+                                                                                     console)))
+    compiled, flat = checked[0]
     # Before any wrapping shards the parameters; on rank 0 only, as every rank loaded the same weights.
     frozen = dist.from_main(frozen_digest(parts.lm) if world.is_main else None)
     config = config_digest(parts.lm.config)  # once: checkpoints record it, a resume compares it
@@ -136,7 +141,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     lm = parts.lm
     if world.is_main:
         _check_disk_room(recipe, out, lm, checkpoint_every is not None, replaced, resumed=resume_from is not None)
-    n_params, kernels_used = _report_model(recipe, parts, world, plan, compiled[0], console)
+    n_params, kernels_used = _report_model(recipe, parts, world, plan, compiled, flat, console)
     net = wrap_model(parts.net, recipe, world, device)
     optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
     scheduler = build_scheduler(optimizer, plan.total, recipe.train)
@@ -157,7 +162,7 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
                plan, parts.evals, parts.samples_key, logger, start, n_params,
                plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every, parts.images_key,
-               frozen, config, context)
+               frozen, config, context, flat.on)
 
 
 def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpointing: bool, replaced: list[str],
@@ -178,16 +183,26 @@ def _enforce_versions(recipe: Recipe, impl: str, allow_unpinned: bool, console: 
     return warnings
 
 
-def _check_model(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, console: Console) -> int:
-    """The loaded model, before anything runs it: compiled (train.compile; returns how many layers), and its packed
-    documents isolated from each other. Compiled first, so that the isolation check proves the compiled path."""
+def _check_model(recipe: Recipe, lm: torch.nn.Module, tokenizer: Any, device: torch.device,
+                 console: Console) -> tuple[int, PaddingFree]:
+    """The loaded model, before anything runs it: compiled (train.compile), whether its micro-batches can be
+    padding-free (padding_free.py), and its packed documents isolated from each other. Compiled first, so that the
+    isolation check proves the compiled path. Returns (how many layers were compiled, the padding-free choice)."""
     compiled = model_kernels.compile_layers(lm) if recipe.train.compile else 0
+    flat = padding_free.choose(recipe, lm, tokenizer.pad_token_id, device)
     if recipe.data.packing:
         check_packable(lm, tokenizer.pad_token_id)
-    if recipe.data.packing and recipe.data.packing_check:
-        err = check_packing_isolation(lm, len(tokenizer), kernel=setting(recipe.model.packed_attention))
-        console.print(f"packing isolation check passed (max logit difference {err:.1e})")
-    return compiled
+    if (recipe.data.packing or flat.on) and recipe.data.packing_check:
+        try:
+            err = check_packing_isolation(lm, len(tokenizer), kernel=setting(recipe.model.packed_attention))
+        except UserError as leak:
+            if recipe.data.packing or recipe.data.padding_free is True:
+                raise
+            warn(console, f"padding-free micro-batches off: {leak}")  # auto: padded rows keep samples apart
+            return compiled, PaddingFree(False, "auto: the isolation check failed")
+        what = "packing" if recipe.data.packing else "padding-free"
+        console.print(f"{what} isolation check passed (max logit difference {err:.1e})")
+    return compiled, flat
 
 
 def _check_sharded_isolation(recipe: Recipe, parts: Parts, context: ContextGroup, device: torch.device,
@@ -204,7 +219,7 @@ def _check_sharded_isolation(recipe: Recipe, parts: Parts, context: ContextGroup
                   f"difference {err:.1e})")
 
 
-def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPlan, compiled: int,
+def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPlan, compiled: int, flat: PaddingFree,
                   console: Console) -> tuple[int, dict[str, Any]]:
     """Print what runs (parameters, loss, attention and its packed kernel, device, steps); returns the number of
     parameters and the record of what runs (versions.json "run": the loss, the attention, the packed kernel and
@@ -214,10 +229,13 @@ def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPla
     attn = getattr(lm.config, "_attn_implementation", "?")
     loss = describe_impl(parts.impl, device)  # says so where Liger runs in Triton's interpreter (a testing mode)
     packed, record = "", {"loss": loss, "attention": attn, "packed_kernel": None, "packed_kernel_why": None}
-    if recipe.data.packing and is_ours(lm):
+    if (recipe.data.packing or flat.on) and is_ours(lm):
         kernel, why = packed_attention(lm, device, setting(recipe.model.packed_attention))
-        packed = f"; packed rows: {kernel} ({why})"
+        packed = f"; {'packed' if recipe.data.packing else 'padding-free'} rows: {kernel} ({why})"
         record |= {"packed_kernel": kernel, "packed_kernel_why": why}
+    if not recipe.data.packing:
+        record["padding_free"] = flat.on
+        packed += "" if flat.on else f"; padded micro-batches ({flat.why})"
     liger_note = model_kernels.liger_auto_note(lm, device, recipe.model.liger_kernels)
     liger = f"; liger kernels: {liger_note}" if liger_note else ""
     record["liger_kernels"] = model_kernels.liger_summary(lm) if model_kernels.liger_modules(lm) else None

@@ -28,15 +28,17 @@ from finetune.train.parallel import gradient_sync
 
 
 def step_micro_batches(objective: Objective, step_rows: list[dict], recipe: Recipe, pad_id: int, world_size: int,
-                       rank: int, device: torch.device, context: ContextGroup | None = None) -> list[MicroBatch]:
+                       rank: int, device: torch.device, context: ContextGroup | None = None,
+                       flat: bool = False) -> list[MicroBatch]:
     """Rank `rank`'s micro-batches of one step's rows, collated and on `device`: the trainer's and `finetune
     verify`'s one way to cut a step. Each must carry the sections the objective declares (Objective.needs),
     checked here, before any count or forward, so a mismatch is one clear error rather than one deep in a loss.
     `context`: this rank's context-parallel group; the rows are then dealt to its data-parallel index and each
-    micro-batch split across the group (finetune/context_parallel/shard.py)."""
+    micro-batch split across the group (finetune/context_parallel/shard.py). `flat`: padding-free micro-batches
+    (the run's choice, train/padding_free.py)."""
     dp_rank, dp_size = data_parallel(rank, world_size, context)
     dealt = rank_micro_batches(step_rows, recipe.train.micro_batch_size, dp_size, dp_rank, recipe.data.group_by_length)
-    micro = [collate(rows, recipe.data, pad_id).to(device) if context is None else
+    micro = [collate(rows, recipe.data, pad_id, flat).to(device) if context is None else
              shard_batch(collate(rows, recipe.data, pad_id), context, device) for rows in dealt]
     for batch in micro:
         batch.check_needs(objective.needs, objective.name)
