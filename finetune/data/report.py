@@ -198,6 +198,10 @@ def _print_packing(console: Any, recipe: Recipe, p: Prepared) -> None:
     console.print(table)
     console.print("* this recipe's mode (data.packing). efficiency: real tokens / slots (packed: rows x "
                   "max_seq_len; padded: tokens computed with padding)", markup=False, highlight=False)
+    if not packing and recipe.data.padding_free is not False and recipe.train.objective == "sft":
+        console.print("data.padding_free: where the model keeps documents apart (decided when training starts), each "
+                      "micro-batch's samples are laid end to end and its padding is not computed", markup=False,
+                      highlight=False)
     tokens_in, kept, truncated, dropped = token_accounting(p.train_stats, pack if packing else None)
     verdict = "balanced" if tokens_in == kept + truncated + dropped else "MISMATCH (a bug: please report it)"
     where = "packed" if packing and pack else "kept"
