@@ -3,7 +3,7 @@ loop on the same model, micro-batches and attention. Issue 48's accounting.
 
     .venv/bin/python benchmarks/step_accounting.py                   # packed rows (~2 minutes on a 2-core CPU)
     .venv/bin/python benchmarks/step_accounting.py --padded          # packing off (padding-free where it applies)
-    PYTHONPATH=/tmp/old .venv/bin/python benchmarks/step_accounting.py   # an older checkout (git worktree add)
+    .venv/bin/python benchmarks/step_accounting.py --tree /tmp/old   # an older checkout (git worktree add)
 
 The run is benchmarks/sft_vs_trl.py's: the 5.3M Llama (2 layers x 448), 4,000 lognormal chat rows, max_seq_len
 1024, micro-batch 4, float32, one thread. `setup` builds the real Run and `train_loop` takes --steps real steps;
@@ -194,7 +194,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--padded", action="store_true", help="packing off")
     parser.add_argument("--work", default=None)
+    parser.add_argument("--tree", default=None, help="measure the finetune of this checkout (a git worktree)")
     args = parser.parse_args()
+    if args.tree:
+        sys.path.insert(0, args.tree)  # before packing.py's ROOT: finetune is imported below, from here
     sft_vs_trl.configure(2, 448)
     work = Path(args.work or tempfile.mkdtemp(prefix="step-accounting-"))
     work.mkdir(parents=True, exist_ok=True)
