@@ -325,6 +325,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     console.print(f"{verdict}: max relative gradient difference {result.configured_max:.2e} "
                   f"(tolerance {result.tolerance:.0e}); the naive mean-of-means would be off by "
                   f"{result.naive_max:.2e}")
+    if result.router_aux is not None:
+        configured, reference = result.router_aux
+        console.print(f"router load-balancing loss, left out of the gradients above (it is per forward, so no split "
+                      f"of a step equals one batch): configured {configured:.6f} (each micro-batch's weighted by its "
+                      f"target tokens), the reference {reference:.6f}, difference {configured - reference:+.2e}")
     return 0 if result.passed else 1
 
 

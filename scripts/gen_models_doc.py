@@ -55,6 +55,52 @@ Every decoder-only causal LM architecture that transformers {version} can build 
 |---|---|---|---|---|---|---|
 """
 
+ROUTER = """
+## The router's load-balancing loss
+
+With `output_router_logits: true` in its config (`model.config` for a random init, `model.config_overrides` for a
+pretrained model), a mixture-of-experts model's own forward adds `router_aux_loss_coef` x its routers'
+load-balancing loss (Switch Transformer's: the number of experts x the sum over experts of the fraction of top-k
+assignments times the mean router probability, over every MoE layer's tokens) to its mean cross-entropy. finetune
+adds the same term, computed by the model's own `load_balancing_loss_func` from the router logits of the same
+forward, for {supported}. For each, tests/model/test_router_aux_loss.py checks that one micro-batch's loss and
+every gradient equal the model's own `model(..., labels=..., output_router_logits=True)` (float32, 1e-5). Another
+architecture with `output_router_logits: true` is refused when it loads (JetMoE names its coefficient
+`aux_loss_coef`), and so is an objective other than `sft`: DPO, ORPO, GRPO and distillation do not add it.
+DBRX's coefficient is `ffn_config.moe_loss_weight`. qwen3_vl_moe (`text_config.output_router_logits`) stays refused.
+
+**One optimizer step's value.** transformers computes the term per forward, and it is a product of two means over
+the forward's tokens, not a sum over them: no split of a step into micro-batches and ranks gives one batch's value.
+finetune's rule: micro-batch m (on rank r) adds `coef x aux_m x n_m` to its summed loss, `n_m` its target tokens, so
+that after the loss contract's division by the step's target tokens `N_step` (every micro-batch, every rank)
+
+`L_step = sum of token cross-entropies / N_step + coef x sum over m, r of (n_m / N_step) x aux_m`
+
+the whole step's cross-entropy plus the coefficient times the target-token-weighted mean of the micro-batches'
+load-balancing losses, times the world size in the backward like the cross-entropy (DDP and FSDP average gradients).
+With one micro-batch on one rank that is exactly the model's own loss; with more it is their weighted mean, whose
+scale does not grow with the accumulation steps or the ranks. That mean is logged as `router_aux_loss` (without the
+coefficient) in each step's line of metrics.jsonl, and `loss` includes the term. Under context parallelism each
+rank's share of a row is a forward of its own: its value is over its positions, weighted by its targets.
+
+**Padding.** Padded rows pass their attention mask, and the model leaves padding out. Packed rows carry no mask (one
+would turn off the documents' isolation), so every position counts, as transformers counts them without a mask: the
+padding at the end of a packed row shorter than the micro-batch's longest is included (there is none with
+`micro_batch_size: 1`, nor with `data.padding_free`, whose one row is unpadded). A filler micro-batch has no
+targets and adds 0.
+
+**Eval and verify.** `eval_loss` is the cross-entropy alone, the same number whatever the eval micro-batch size and
+packing, with `eval_router_aux_loss` beside it. `finetune verify` compares the gradients with the router loss left
+out (the cross-entropy is what accumulation keeps exact) and prints the router loss of the configured micro-batches
+and of the reference: equal with one micro-batch a step, not with more.
+
+**Axolotl.** Axolotl trains with transformers' Trainer, where each micro-batch backpropagates the cross-entropy over
+the step's targets plus `coef` x its own load-balancing loss, undivided, times the number of processes
+(`average_tokens_across_devices`): a step adds the coefficient times the sum of its micro-batches' values over every
+rank, `gradient_accumulation_steps` x N times finetune's mean on N GPUs. `finetune convert axolotl` says so: a note,
+or, with gradient accumulation, an approximation.
+"""
+
 OUT_OF_SCOPE = """
 ## Out of scope
 
@@ -86,10 +132,18 @@ def render_doc(rows: list) -> str:
 
     text = INTRO.format(version=transformers.__version__, summary=model_matrix.summary(rows))
     text += "".join(model_matrix.table_row(row) + "\n" for row in rows)
+    text += router_section()
     text += OUT_OF_SCOPE + "".join(f"| `{mt}` | {why} |\n" for mt, why in sorted(model_matrix.OUT_OF_SCOPE.items()))
     text += VISION.format(version=transformers.__version__)
     text += "".join(f"| `{mt}` | {VLMS[mt]} | {support(mt)} |\n" for mt in sorted(VLMS))
     return text
+
+
+def router_section() -> str:
+    """The section on the router's load-balancing loss, with the architectures it is added for."""
+    from finetune.model.router_loss import SUPPORTED
+
+    return ROUTER.format(supported=", ".join(f"`{mt}`" for mt in SUPPORTED))
 
 
 def render_readme(readme: str, rows: list) -> str:

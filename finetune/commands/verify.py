@@ -10,6 +10,12 @@ It takes the rows of the recipe's first optimizer step and computes the gradient
   - naive: the mean loss of each micro-batch divided by the number of micro-batches (what many trainers do).
 The configured gradient must equal the reference up to float summation order; the naive one usually does not,
 which shows the check has power on this data.
+
+A mixture-of-experts model's router load-balancing loss (output_router_logits) is computed per forward, a product of
+two means over the forward's tokens: no split of a step equals one batch there, so the three passes leave it out
+(CausalLMWithLoss.router_loss_off: the gradient checked is the cross-entropy's, which the contract keeps exact) and
+verify reports its value both ways instead: the configured micro-batches' values weighted by their target tokens (what
+the trainer adds and logs), and the reference's.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import torch
 from finetune import dist
 from finetune.batch import MicroBatch
 from finetune.data import collate
+from finetune.model.router_loss import METRIC as ROUTER_METRIC
+from finetune.model.with_loss import router_loss_off
 from finetune.objectives import Objective
 from finetune.progress import Phase
 from finetune.recipe import Recipe
@@ -45,6 +53,10 @@ class VerifyResult:
     targets: int
     unit: str = "tokens"
     """What `targets` counts: target tokens (SFT), pairs (DPO), chosen tokens (ORPO)."""
+    router_aux: tuple[float, float] | None = None
+    """The router's load-balancing loss (output_router_logits) as configured (each micro-batch's value weighted by
+    its share of the step's target tokens) and by the reference's batches; None without one. Not in the check: the
+    gradients compared leave it out (the module docstring says why)."""
 
     @property
     def configured_max(self) -> float:
@@ -84,13 +96,17 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
     configured = [batch for rank in ranks for batch in rank]
     totals = step_counts(objective, configured, dist.World(), device)[0]
 
-    with Phase(f"verify: the first step's gradient three ways ({len(step_rows)} rows)", 3, "passes") as phase:
-        ref = _gradients(lm, lambda: _backward(net, objective, reference, device, naive=False))
+    routed = net.router is not None
+    ref_metrics: dict[str, float] = {}
+    sums: list[torch.Tensor] = []
+    with (router_loss_off(net),
+          Phase(f"verify: the first step's gradient three ways ({len(step_rows)} rows)", 3, "passes") as phase):
+        ref = _gradients(lm, lambda: ref_metrics.update(_backward(net, objective, reference, device, naive=False)))
         phase.advance()
         # The trainer's own step, rank by rank: each backpropagates its micro-batches over the step's counts (one
         # process: no DDP average to undo), so the ranks' gradients add up as DDP's all-reduce would.
-        got = _gradients(lm, lambda: [forward_backward(net, objective, rank, totals, dist.World(), device)
-                                      for rank in ranks])
+        got = _gradients(lm, lambda: sums.extend(forward_backward(net, objective, rank, totals, dist.World(), device)
+                                                 for rank in ranks))
         phase.advance()
         naive = _gradients(lm, lambda: _backward(net, objective, configured, device, naive=True))
         phase.advance()
@@ -103,8 +119,13 @@ def verify(recipe: Recipe, world_size: int = 1, reference_micro_batch: int | Non
         key = _group_of(name)
         groups[key] = (max(groups[key][0], c), max(groups[key][1], n))
     dtype = next(lm.parameters()).dtype
+    router = None
+    if routed:  # forward_backward's sums: the terms, then the metrics in the objective's order
+        at = len(objective.units) + list(objective.metrics).index(ROUTER_METRIC)
+        tokens = max(totals["tokens"], 1)
+        router = (float(sum(float(s[at]) for s in sums)) / tokens, ref_metrics[ROUTER_METRIC] / tokens)
     return VerifyResult(dict(groups), TOLERANCE.get(dtype, 1e-5), len(step_rows), len(configured),
-                        totals[objective.units[0]], objective.units[0])
+                        totals[objective.units[0]], objective.units[0], router)
 
 
 def _gradients(lm: torch.nn.Module, backward: object) -> dict[str, torch.Tensor]:
@@ -115,14 +136,20 @@ def _gradients(lm: torch.nn.Module, backward: object) -> dict[str, torch.Tensor]
 
 
 def _backward(net: torch.nn.Module, objective: Objective, batches: list[MicroBatch], device: torch.device,
-              naive: bool) -> None:
+              naive: bool) -> dict[str, float]:
     """verify's own passes: the one-batch reference (each batch over the counts of all of them) and the naive
-    scheme (each micro-batch's own mean, divided by the number of micro-batches: what many trainers do)."""
+    scheme (each micro-batch's own mean, divided by the number of micro-batches: what many trainers do). Returns
+    the objective's metrics summed over the batches."""
     totals = {u: sum(objective.counts(b)[u] for b in batches) for u in objective.units}
+    metrics: dict[str, float] = defaultdict(float)
     for batch in batches:
-        terms = objective.forward(net, batch, device).terms
+        result = objective.forward(net, batch, device)
+        terms = result.terms
         counts = {u: objective.counts(batch)[u] * len(batches) for u in terms} if naive else totals
         sum(terms[u] / max(counts[u], 1) for u in objective.units).backward()
+        for name, value in result.metrics.items():
+            metrics[name] += float(value)
+    return dict(metrics)
 
 
 def _group_of(name: str) -> str:

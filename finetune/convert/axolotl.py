@@ -25,6 +25,7 @@ from finetune.convert.rules_model import (
     attention_rules,
     model_rules,
     precision_rules,
+    router_loss_rules,
     unfrozen_rules,
 )
 from finetune.convert.rules_tokens import chat_template_rules, token_rules
@@ -109,6 +110,7 @@ def apply_rules(c: Conversion, base: Path) -> None:
     unfrozen_rules(c)
     vision_rules(c)
     batch_rules(c)
+    router_loss_rules(c)
     lr_rules(c)
     optimizer_rules(c)
     distill_scale(c)

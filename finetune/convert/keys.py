@@ -71,7 +71,9 @@ MAPPED: dict[str, str] = {
                            "matched from the start of the name, as Axolotl's re.match; a pattern with a row range "
                            "[start:end] refused)",
     "model_config": "model.config_overrides (each key checked against the model's config when it loads; "
-                    "output_router_logits: true refused: the MoE router's auxiliary loss is not computed here)",
+                    "output_router_logits: true adds the MoE router's load-balancing loss, with SFT only, weighed "
+                    "in a step as docs/models.md says: approximated with gradient_accumulation_steps > 1, where "
+                    "Axolotl's weighs that many times more)",
     "overrides_of_model_config": "as model_config (its other name)",
     "dataset_exact_deduplication": "data.deduplicate: exact (datasets together, before val_set_size's split; "
                                    "test_datasets on their own). Axolotl compares the tokenized rows, finetune "

@@ -49,12 +49,38 @@ def _config_overrides(c: Conversion) -> None:
     if len(given) == 2 and given["model_config"] != given["overrides_of_model_config"]:
         c.refuse("overrides_of_model_config", "model_config is its other name, set to something else: keep one")
         return
-    for key, overrides in given.items():
-        if overrides.get("output_router_logits"):
-            c.refuse(key, "output_router_logits: true adds the MoE router's load-balancing loss, which finetune does "
-                          "not compute (its loss is the fused cross-entropy); remove it, or set it false")
-            return
+    for overrides in given.values():
         c.put("model.config_overrides", dict(overrides))
+
+
+def router_loss_rules(c: Conversion) -> None:
+    """model_config: {output_router_logits: true}: the MoE router's load-balancing loss, added by finetune as the
+    model's own forward adds it, for SFT only. Its weight in a step differs from Axolotl's, which trains with
+    transformers' Trainer: there each micro-batch backpropagates the cross-entropy over the step's targets plus
+    router_aux_loss_coef x its own load-balancing loss, undivided, times the number of processes
+    (average_tokens_across_devices), so a step adds the coefficient times the SUM of its micro-batches' values over
+    every rank; finetune adds their mean, weighted by target tokens (docs/models.md). After the objective and the
+    batch rules (it reads what they wrote)."""
+    if not (c.peek("model.config_overrides") or {}).get("output_router_logits"):
+        return
+    key = "model_config" if c.has("model_config") else "overrides_of_model_config"
+    objective = c.peek("train.objective", "sft")
+    if objective != "sft":
+        c.refuse(key, f"output_router_logits: true with train.objective {objective}: finetune adds the MoE router's "
+                      "load-balancing loss to supervised fine-tuning only; remove it, or set it false")
+        return
+    steps = c.peek("train.gradient_accumulation_steps", 1)
+    if steps > 1:
+        c.approximate(key, f"output_router_logits: true: a step of Axolotl (transformers' Trainer) adds "
+                           f"router_aux_loss_coef x the sum of its {steps} micro-batches' load-balancing losses, "
+                           "finetune x their mean weighted by target tokens (docs/models.md): the router term weighs "
+                           f"{steps} times less here (model.config_overrides.router_aux_loss_coef: {steps} x the "
+                           "model's weighs it as Axolotl does), and N times less again on N GPUs")
+    else:
+        c.note(f"{key}: output_router_logits: true: the MoE router's load-balancing loss is added as the model's own "
+               "forward adds it; on N GPUs a step of Axolotl (transformers' Trainer) adds router_aux_loss_coef x the "
+               "sum of the ranks' values, finetune x their mean weighted by target tokens, N times less "
+               "(docs/models.md)")
 
 
 def _model_class(c: Conversion, key: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from finetune.model import router_loss
 from finetune.model.vision import family as vision_family
 
 
@@ -95,11 +96,9 @@ def loss_refusal(config: Any) -> str | None:
     if model_type in _NOT_SUPPORTED:
         return (f"model_type {model_type!r} is not supported: {_NOT_SUPPORTED[model_type]}. See docs/models.md "
                 "for the architectures that are")
-    if getattr(config, "output_router_logits", False):
-        return ("model.config.output_router_logits is true: the model would add its router load-balancing loss "
-                "(router_aux_loss_coef x the auxiliary loss) to the cross-entropy, which the fused loss does not "
-                "compute. Set model.config.output_router_logits: false (the router is still trained through the "
-                "cross-entropy)")
+    router = router_loss.refusal(config)  # the supported ones get their load-balancing loss added (router_loss.py)
+    if router:
+        return router
     if model_type == "bamba" and getattr(config, "z_loss_coefficient", 0):
         return ("model.config.z_loss_coefficient > 0: bamba adds mean(logsumexp(logits)^2) over every position, "
                 "padding and unlabelled ones included, to its loss. Set it to 0 (loss.z_loss is the z-loss over "

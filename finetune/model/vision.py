@@ -209,11 +209,12 @@ def refusal(config: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED:
         # A MoE language model (qwen3_vl_moe) adds its router's load-balancing loss to the cross-entropy when asked;
-        # the fused loss does not compute it (architectures.loss_refusal reads the top-level config only).
+        # the fused loss adds it for text models only (model/router_loss.py: a VLM's forward reads its text_config's
+        # settings, not checked here), and architectures.loss_refusal reads the top-level config only.
         if getattr(getattr(config, "text_config", None), "output_router_logits", False):
             return (f"model.config.text_config.output_router_logits is true: {model_type} would add its router "
-                    "load-balancing loss to the cross-entropy, which the fused loss does not compute. Set it to false "
-                    "(the router is still trained through the cross-entropy)")
+                    "load-balancing loss to the cross-entropy, which the fused loss adds for text models only "
+                    "(docs/models.md). Set it to false (the router is still trained through the cross-entropy)")
         return None
     if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return None

@@ -83,6 +83,10 @@ class Objective(Protocol):
     needs: tuple[str, ...]
     """The typed sections of MicroBatch its micro-batches must carry (e.g. ("pairs",)): checked on every micro-batch
     of a step before its counts (MicroBatch.check_needs, from train.step.step_micro_batches)."""
+    adds_router_loss: bool
+    """Whether its loss adds a mixture-of-experts router's load-balancing loss where the model's own forward would
+    (output_router_logits; finetune/model/router_loss.py): SFT's does. Optional (False when absent): a model that asks
+    for it is refused for an objective that does not (train.parts.load_parts)."""
 
     def samples(self, recipe: Recipe, tokenizer: Any, world: dist.World, say: Callable[[str], Any]) -> Prepared:
         """The samples its rows are made of (the datasets', through the data cache; none for GRPO, whose plan makes

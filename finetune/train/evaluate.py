@@ -1,7 +1,9 @@
 """The token-weighted eval loss: `finetune eval` uses it directly, the trainer for its eval lines.
 
 Both give the same number: the sum of every eval target token's loss over the count of eval target tokens,
-whatever the micro-batch size, the number of ranks and whether packing is on.
+whatever the micro-batch size, the number of ranks and whether packing is on. So a mixture-of-experts model's router
+load-balancing loss (output_router_logits), a per-forward value that depends on how the rows are cut, stays out of
+it: the eval loss is the cross-entropy, and the router loss is reported beside it (eval_router_aux_loss).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from finetune.context_parallel.shard import ContextGroup, shard_batch
 from finetune.data import collate, eval_rows, rank_micro_batches
 from finetune.errors import UserError
 from finetune.model.isolation import check_packable
+from finetune.model.with_loss import router_loss_off
 from finetune.objectives import Objective
 from finetune.recipe import Recipe
 from finetune.train.parts import load_parts
@@ -55,7 +58,7 @@ def evaluate_loss(objective: Objective, net: torch.nn.Module, samples: list[dict
     sums_on_device = torch.zeros(len(units) + len(metrics), device=device, dtype=torch.float64)
     counted = dict.fromkeys(units, 0)
     net.eval()
-    with torch.no_grad():
+    with torch.no_grad(), router_loss_off(net):
         for rows in micro_batches:
             # Copied from pinned memory without blocking on CUDA (MicroBatch.to): the host collates the next
             # micro-batch while the device runs this one.

@@ -18,9 +18,11 @@ import torch
 
 from finetune import dist
 from finetune.data import DataStats, StepPlan
+from finetune.errors import UserError
 from finetune.loss.fused import resolve_impl
 from finetune.model import hub
 from finetune.model.loading import load_model
+from finetune.model.router_loss import router_loss
 from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
 from finetune.objectives import Objective, Planning, Preparation, objective_for
@@ -71,6 +73,7 @@ def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Cal
     lm = lm.to(device)
     if check_model is not None:
         check_model(lm, tokenizer)
+    check_router_loss(lm, objective)
     impl = resolve_impl(recipe.loss.impl, device)
     chosen = {name: samples for name, samples in (("train", prepared.train), ("eval", prepared.evals))
               if name in splits}
@@ -78,6 +81,15 @@ def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Cal
     net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl, recipe.model.packed_attention)
     return Parts(recipe, device, tokenizer, prepared.train, prepared.evals, prepared.train_stats,
                  prepared.samples_key, lm, impl, objective, net, prepared.images_key)
+
+
+def check_router_loss(lm: torch.nn.Module, objective: Objective) -> None:
+    """Refuse a model that adds its router's load-balancing loss (output_router_logits) under an objective whose loss
+    does not add it (only SFT's does): it would train on another loss than the model's own."""
+    if router_loss(lm) is not None and not getattr(objective, "adds_router_loss", False):
+        raise UserError(f"model.config.output_router_logits is true, and train.objective {objective.name} does not add "
+                        "the router's load-balancing loss to its loss (sft does; docs/models.md). Set "
+                        "output_router_logits: false (model.config, or model.config_overrides for a pretrained model)")
 
 
 def plan_for(recipe: Recipe, parts: Parts, world: dist.World, world_size: int | None = None) -> StepPlan | RolloutPlan:

@@ -280,8 +280,7 @@ def test_migration_doc_is_current():
 
 def test_deduplication_and_model_config_overrides_convert(tmp_path):
     """dataset_exact_deduplication -> data.deduplicate: exact (approximated where Axolotl's preference path also drops
-    eval rows equal to training rows); model_config (overrides_of_model_config) -> model.config_overrides, but the MoE
-    router's auxiliary loss (output_router_logits: true), which finetune does not compute."""
+    eval rows equal to training rows); model_config (overrides_of_model_config) -> model.config_overrides."""
     text = MINIMAL + "dataset_exact_deduplication: true\nmodel_config:\n  attention_dropout: 0.1\n"
     recipe = yaml.safe_load(_convert(tmp_path, text).text)
     assert recipe["data"]["deduplicate"] == "exact"
@@ -292,8 +291,6 @@ def test_deduplication_and_model_config_overrides_convert(tmp_path):
            "true\ntest_datasets:\n  - {path: eval.jsonl, type: chat_template.default}\n")
     assert "dataset_exact_deduplication: only approximately: eval rows equal to training rows" in _error(tmp_path, dpo)
     assert yaml.safe_load(_convert(tmp_path, dpo, allow_approx=True).text)["data"]["deduplicate"] == "exact"
-    assert "model_config: output_router_logits: true adds the MoE router's load-balancing loss" in \
-        _error(tmp_path, MINIMAL + "model_config: {output_router_logits: true}\n")
     assert "overrides_of_model_config: model_config is its other name" in \
         _error(tmp_path, MINIMAL + "model_config: {a: 1}\noverrides_of_model_config: {a: 2}\n")
 
@@ -318,3 +315,23 @@ def test_lora_target_parameters_carry_over_to_the_fused_experts(tmp_path):
     recipe = yaml.safe_load(text)
     assert recipe["adapter"]["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     validate(recipe)
+
+
+def test_the_moe_router_loss_converts_with_its_weight_said(tmp_path):
+    """model_config: {output_router_logits: true} -> model.config_overrides (finetune adds the router's load-balancing
+    loss): with one micro-batch a step a note (Axolotl's weighs it N times on N GPUs); with gradient accumulation an
+    approximation (Axolotl's sums the micro-batches' values, finetune takes their mean); refused with rl."""
+    moe = MINIMAL + "model_config: {output_router_logits: true, router_aux_loss_coef: 0.02}\n"
+    converted = _convert(tmp_path, moe)
+    assert yaml.safe_load(converted.text)["model"]["config_overrides"] == {"output_router_logits": True,
+                                                                          "router_aux_loss_coef": 0.02}
+    assert any(n.startswith("model_config: output_router_logits: true: the MoE router's load-balancing loss is added")
+               and n.endswith("N times less (docs/models.md)") for n in converted.conversion.notes)
+    accumulated = moe + "gradient_accumulation_steps: 4\n"
+    assert "model_config: only approximately: output_router_logits: true: a step of Axolotl (transformers' Trainer) " \
+           "adds router_aux_loss_coef x the sum of its 4 micro-batches'" in _error(tmp_path, accumulated)
+    approximations = _convert(tmp_path, accumulated, allow_approx=True).conversion.approximations
+    assert len(approximations) == 1 and "router_aux_loss_coef: 4 x the model's" in approximations[0]
+    dpo = moe.replace("type: alpaca", "type: chat_template.default") + "rl: dpo\n"
+    assert "model_config: output_router_logits: true with train.objective dpo: finetune adds the MoE router's " \
+           "load-balancing loss to supervised fine-tuning only" in _error(tmp_path, dpo)

@@ -101,11 +101,12 @@ def test_fused_loss_honours_logit_scaling_in_both_directions(model_type, key):
     assert abs(plain - own) > 1e-3 * abs(own)  # the check has power: ignoring the scale is visibly wrong
 
 
-def test_output_router_logits_is_refused_at_load():
-    # The model's own loss would add router_aux_loss_coef x the load-balancing loss, which the fused loss never
-    # computes: refused with the key to set, instead of training on another objective.
+def test_losses_the_fused_loss_does_not_add_are_refused_at_load():
+    # The model's own loss would add router_aux_loss_coef x the load-balancing loss, which the fused loss adds only
+    # for the architectures checked against their own loss (tests/model/test_router_aux_loss.py; JetMoE names its
+    # coefficient otherwise): refused with the key to set, instead of training on another objective.
     with pytest.raises(UserError, match=r"output_router_logits: false"):
-        _tiny("mixtral", output_router_logits=True)
+        _tiny("jetmoe", output_router_logits=True)
     with pytest.raises(UserError, match=r"z_loss_coefficient"):
         _tiny("bamba", z_loss_coefficient=0.1)
 
