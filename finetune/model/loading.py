@@ -37,7 +37,7 @@ import torch
 
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
-from finetune.model import architectures, config_overrides, files, hub, kernels, vision, vocab
+from finetune.model import architectures, config_overrides, experts, files, hub, kernels, vision, vocab
 from finetune.model.tokenizer import gguf_location
 from finetune.progress import Phase
 from finetune.recipe import AdapterConfig, ModelConfig
@@ -132,7 +132,11 @@ def _common_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     # auto: transformers' own default first (sdpa where the architecture supports it, else eager), upgraded to
     # sdpa per packed document by _document_attention once the model exists.
     attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
-    return {"attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
+    common = {"attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.experts_implementation != "auto":  # auto: transformers' own choice (grouped_mm where supported)
+        experts.check_setting(cfg, _auto_class(cfg))
+        common["experts_implementation"] = cfg.experts_implementation
+    return common
 
 
 def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:

@@ -23,6 +23,7 @@ from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import MetricsLogger, WeightSamples, open_sinks
 from finetune.model import kernels as model_kernels
 from finetune.model.digest import config_digest, frozen_digest
+from finetune.model.experts import experts_implementation
 from finetune.model.isolation import (
     check_packable,
     check_packing_isolation,
@@ -239,6 +240,9 @@ def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPla
     liger_note = model_kernels.liger_auto_note(lm, device, recipe.model.liger_kernels)
     liger = f"; liger kernels: {liger_note}" if liger_note else ""
     record["liger_kernels"] = model_kernels.liger_summary(lm) if model_kernels.liger_modules(lm) else None
+    if (experts := experts_implementation(lm)) is not None:
+        record["experts_implementation"] = experts
+        packed += f"; experts: {experts}"
     compiled_note = f"; compiled: {compiled} decoder layers" if compiled else ""
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {loss}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
