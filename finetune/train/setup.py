@@ -240,13 +240,14 @@ def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPla
     liger_note = model_kernels.liger_auto_note(lm, device, recipe.model.liger_kernels)
     liger = f"; liger kernels: {liger_note}" if liger_note else ""
     record["liger_kernels"] = model_kernels.liger_summary(lm) if model_kernels.liger_modules(lm) else None
-    if (experts := experts_implementation(lm)) is not None:
+    experts = experts_implementation(lm)
+    if experts is not None:
         record["experts_implementation"] = experts
-        packed += f"; experts: {experts}"
+    experts_note = f"; experts: {experts}" if experts else ""
     compiled_note = f"; compiled: {compiled} decoder layers" if compiled else ""
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {loss}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
-                  f"{plan.global_batch} rows{packed}{liger}{compiled_note}")
+                  f"{plan.global_batch} rows{packed}{experts_note}{liger}{compiled_note}")
     return total, record
 
 
