@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -74,8 +75,6 @@ def main() -> int:
     configure(args.layers, args.hidden)
     work = Path(args.work or tempfile.mkdtemp(prefix="sft-vs-trl-"))
     work.mkdir(parents=True, exist_ok=True)
-    import os
-
     os.environ["FINETUNE_CACHE_DIR"] = str(work / "cache")
     runs = [r for r in RUNS if args.only is None or r.lower().startswith(args.only)]
     trl = None

@@ -27,6 +27,7 @@ Reported: the median over steps (the first --warmup left out) of each part, in m
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -201,8 +202,6 @@ def main() -> int:
     sft_vs_trl.configure(2, 448)
     work = Path(args.work or tempfile.mkdtemp(prefix="step-accounting-"))
     work.mkdir(parents=True, exist_ok=True)
-    import os
-
     os.environ["FINETUNE_CACHE_DIR"] = str(work / "cache")
     data = packing.synthesize_lognormal(work / "rows.jsonl", sft_vs_trl.ROWS, cap=sft_vs_trl.MAX_LEN)
     recipe = packing.write_recipe(work, "sft", data, not args.padded, args.steps)
