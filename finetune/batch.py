@@ -1,10 +1,10 @@
 """The micro-batch: what the collate functions make, the loop counts and moves, and the objectives and the model read.
 
 One type with typed fields instead of a dict of string keys. The collate step (finetune/data/collate.py) fills the
-tensors and the host counts; an objective's extra inputs ride in their own typed section (`pairs` for DPO and
-ORPO, `rollouts` for GRPO), and an objective names the sections it needs (Objective.needs): a batch without them
-is refused with one clear message where the step's micro-batches are made (MicroBatch.check_needs, called by
-train/step.py's step_micro_batches), before any count or forward, rather than an error deep in a loss. The images
+tensors and the host counts; an objective's extra inputs ride in their own typed section (`pairs` for DPO, ORPO
+and reward models, `rollouts` for GRPO), and an objective names the sections it needs (Objective.needs): a batch
+without them is refused with one clear message where the step's micro-batches are made (MicroBatch.check_needs,
+called by train/step.py's step_micro_batches), before any count or forward, rather than an error deep in a loss. The images
 of rows that have them ride in `vision` (pixel values and the model's other image inputs), for the model call.
 
 `MicroBatch.to(device)` is the one move to the device. What the model call needs is found on the CPU first,
@@ -148,16 +148,19 @@ class Documents:
 class PairFields:
     """A preference micro-batch's pairs: each position's document (doc_index [b, L], -1 for padding; pair i's chosen
     document is 2i, its rejected 2i+1), how many pairs, the target tokens of the chosen documents (after the shift),
-    and the reference's log-probabilities [pairs, 2] (float64; zeros until they are computed)."""
+    the reference's log-probabilities [pairs, 2] (float64; zeros until they are computed) and each pair's margin
+    [pairs] (float64, the rows' `margin` field, 0 where a row has none; None: no pair carries one)."""
 
     doc_index: torch.Tensor
     count: int
     chosen_tokens: int
     ref_logps: torch.Tensor
+    margins: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> PairFields:
         return dataclasses.replace(self, doc_index=to_device(self.doc_index, device),
-                                   ref_logps=to_device(self.ref_logps, device))
+                                   ref_logps=to_device(self.ref_logps, device),
+                                   margins=None if self.margins is None else to_device(self.margins, device))
 
 
 @dataclass(eq=False)

@@ -137,7 +137,7 @@ def split_pair(sample: dict) -> list[dict]:
 
 def pair_fields(rows: Sequence[dict], labels: torch.Tensor, packed: bool, filler: bool) -> PairFields:
     """The pairs of a preference micro-batch: each position's document, how many pairs, the chosen documents'
-    target tokens and the reference's log-probabilities (zeros until they are computed)."""
+    target tokens, the reference's log-probabilities (zeros until they are computed) and the pairs' margins."""
     doc_index = torch.full(labels.shape, -1, dtype=torch.long)
     lengths = [r["doc_lengths"] for r in rows] if packed else [[len(r["input_ids"])] for r in rows]
     doc = 0
@@ -152,7 +152,9 @@ def pair_fields(rows: Sequence[dict], labels: torch.Tensor, packed: bool, filler
     scored[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position t scores label t + 1
     chosen = scored & (doc_index >= 0) & (doc_index % 2 == 0)
     ref_logps = torch.tensor([ref if ref is not None else (0.0, 0.0) for ref in refs], dtype=torch.float64)
-    return PairFields(doc_index, doc // 2, int(chosen.sum()), ref_logps.reshape(-1, 2))
+    given = not filler and any("margin" in pair for pair in pairs)  # a reward model's margins (the data's field)
+    margins = torch.tensor([pair.get("margin", 0.0) for pair in pairs], dtype=torch.float64) if given else None
+    return PairFields(doc_index, doc // 2, int(chosen.sum()), ref_logps.reshape(-1, 2), margins)
 
 
 def rollout_fields(rows: Sequence[dict], labels: torch.Tensor, filler: bool) -> RolloutFields:

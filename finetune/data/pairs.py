@@ -23,6 +23,7 @@ then appends the tokenizer's eos when the rendering does not end with it, as TRL
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,8 @@ class PairExample:
     rejected: Messages
     tools: tuple[dict[str, Any], ...] | None = None
     """The row's `tools` (function schemas), passed to the chat template for both sides."""
+    margin: float | None = None
+    """The row's `margin` (TRL's field): by how much a reward model's chosen score should exceed the rejected one's."""
 
     def side(self, completion: Messages) -> Example:
         """One side as a chat example whose scored turns are the completion's assistant turns."""
@@ -87,7 +90,30 @@ def to_pair(row: RawRow, fields: PairFields = PairFields()) -> PairExample:
             raise BadRow(f"{row.origin}: '{name}' must start with an assistant message")
     if chosen == rejected:
         raise BadRow(f"{row.origin}: {f.chosen!r} and {f.rejected!r} are the same; a pair must differ")
-    return PairExample(row.origin, prompt, chosen, rejected, row_tools(row.origin, data))
+    prompt = _with_system(row.origin, data, f.messages.system, prompt)
+    return PairExample(row.origin, prompt, chosen, rejected, row_tools(row.origin, data), _margin(row.origin, data))
+
+
+def _with_system(origin: str, data: dict[str, Any], field: str | None, prompt: Messages) -> Messages:
+    """The prompt with the row's `field` (datasets[].system_field) as a leading system message, when the field holds
+    text and the prompt has no system message (Axolotl's bradley_terry rows: system, input, chosen, rejected)."""
+    system = data.get(field) if field else None
+    if system is None or (prompt and prompt[0]["role"] == "system"):
+        return prompt
+    if not isinstance(system, str):
+        raise BadRow(f"{origin}: field {field!r} (the system message) must be a string")
+    return (({"role": "system", "content": system},) if system else ()) + prompt
+
+
+def _margin(origin: str, data: dict[str, Any]) -> float | None:
+    """The row's `margin`: a finite number, or null/absent (None)."""
+    value = data.get("margin")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRow(f"{origin}: 'margin' must be a finite number (a reward model's margin for the pair), got "
+                     f"{value!r}")
+    return float(value)
 
 
 def _messages(origin: str, key: str, value: Any, default_role: str, fields: MessageFields) -> Messages:

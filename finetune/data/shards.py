@@ -78,7 +78,7 @@ def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig
         if isinstance(example, PairExample):
             sample = _fitted_pair(example.origin, *sides, data, stats)
             if sample is not None:
-                samples.append(sample)
+                samples.append(sample if example.margin is None else {**sample, "margin": example.margin})
             continue
         n = len(sample["input_ids"])
         stats.input_tokens += n
@@ -162,6 +162,8 @@ class Part:
     """How many examples the chunk held."""
     teacher: tuple[np.ndarray, np.ndarray] | None = None
     """A stored teacher's entries (data/teacher_logprobs.py) of every sample's trained tokens, in order: ids, values."""
+    margins: np.ndarray | None = None
+    """Each pair's margin (its row's `margin` field; NaN without one), for preference pairs."""
 
     @classmethod
     def of(cls, samples: list[dict], stats: DataStats, read: DataStats | None = None,
@@ -176,12 +178,13 @@ class Part:
         images = [(i, s["images"]) for i, s in enumerate(samples) if s.get("images")]
         teacher = tuple(np.concatenate([s[k] for s in samples]) for k in TEACHER_KEYS) \
             if samples and TEACHER_KEYS[0] in samples[0] else None
-        return cls(ids, labels, lengths, docs, stats, images, read, read_error, examples, teacher)
+        margins = None if docs is None else np.array([s.get("margin", np.nan) for s in samples], dtype=np.float64)
+        return cls(ids, labels, lengths, docs, stats, images, read, read_error, examples, teacher, margins)
 
     def deliver(self, out: Any) -> None:
         """Into a SplitWriter as arrays; into anything else (a list) as sample dicts."""
         if isinstance(out, SplitWriter):
-            out.extend(self.ids, self.labels, self.lengths, self.docs, self.images, self.teacher)
+            out.extend(self.ids, self.labels, self.lengths, self.docs, self.images, self.teacher, self.margins)
             return
         ends = np.cumsum(self.lengths).tolist()
         trained = 0
@@ -191,6 +194,8 @@ class Part:
             sample = {"input_ids": ids[start:end], "labels": labels[start:end]}
             if self.docs is not None:
                 sample["docs"] = self.docs[i].tolist()
+                if self.margins is not None and not np.isnan(self.margins[i]):
+                    sample["margin"] = float(self.margins[i])
             if i in images:
                 sample["images"] = images[i]
             if self.teacher is not None:

@@ -7,6 +7,7 @@ A split is four arrays (cache.py names the files `{split}.{name}.npy`):
                       tokenizer guarantees; otherwise int32, the labels themselves
     offsets   int64   n + 1 entries: sample i is ids[offsets[i]:offsets[i + 1]]
     docs      int64   [n, 2], preference pairs only: each pair's chosen and rejected lengths
+    margins   float64 [n], preference pairs only: each pair's `margin` field (a reward model's), NaN without one
     images    int64   [m, 9], vision-language samples only: one row per image (store_images.py); the files'
                       paths and the layout key are in meta.json
     teacher_ids       int32   [t, k], offline distillation only: a stored teacher's top-k (data/teacher_logprobs.py)
@@ -37,7 +38,7 @@ FLUSH_TOKENS = 1 << 20  # buffered tokens per split before they go to disk (a fe
 # A split whose token ids take more than this is memory-mapped; a smaller one is read into memory (a few MB of
 # arrays: no page faults, and its samples stay as they were read whatever later happens to the files).
 MMAP_MIN_BYTES = 64 << 20
-ARRAYS = ("ids", "labels", "offsets", "docs")
+ARRAYS = ("ids", "labels", "offsets", "docs", "margins")
 
 
 def _header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
@@ -85,6 +86,7 @@ class SplitWriter:
         self.offsets = ArrayFile(directory / f"{split}.offsets.npy", np.int64)
         self.offsets.write(np.zeros(1, dtype=np.int64))
         self.docs: ArrayFile | None = None
+        self.margins: ArrayFile | None = None  # opened with docs
         self.images = ImageRows()
         self.image_file: ArrayFile | None = None  # opened by the first image: text splits have no such file
         self.samples = self.tokens = 0
@@ -92,6 +94,7 @@ class SplitWriter:
         self._labels: list[int] = []
         self._lengths: list[int] = []
         self._docs: list[list[int]] = []
+        self._margins: list[float] = []
         self.teacher = TeacherColumns(directory, split)
 
     def __len__(self) -> int:
@@ -110,16 +113,18 @@ class SplitWriter:
         self._lengths.append(len(ids))
         if "docs" in sample:
             self._docs.append(list(sample["docs"]))
+            self._margins.append(sample.get("margin", np.nan))
         if TEACHER_KEYS[0] in sample:
             self.teacher.add(len(self), sample[TEACHER_KEYS[0]], sample[TEACHER_KEYS[1]])
         if len(self._ids) >= FLUSH_TOKENS:
             self.flush()
 
     def extend(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs: np.ndarray | None,
-               images: Sequence[tuple[int, dict]] = (), teacher: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+               images: Sequence[tuple[int, dict]] = (), teacher: tuple[np.ndarray, np.ndarray] | None = None,
+               margins: np.ndarray | None = None) -> None:
         """Add many samples at once, as arrays (a worker's share): tokens, labels, lengths, pair lengths, the
-        image entries of those that have images (their index among these samples, the entry), and a stored
-        teacher's entries at their trained tokens."""
+        image entries of those that have images (their index among these samples, the entry), a stored
+        teacher's entries at their trained tokens, and the pairs' margins (NaN: none)."""
         self.flush()
         if teacher is not None:
             self.teacher.add(len(self), *teacher)
@@ -127,12 +132,14 @@ class SplitWriter:
             self.images.add(len(self) + i, entry)
         if len(lengths):
             self._pair(docs is not None)
-            self._write(np.asarray(ids, np.int32), np.asarray(labels, np.int32), np.asarray(lengths, np.int64),
-                        None if docs is None else np.asarray(docs, np.int64).reshape(-1, 2))
+            pairs = None if docs is None else np.asarray(docs, np.int64).reshape(-1, 2)
+            self._write(np.asarray(ids, np.int32), np.asarray(labels, np.int32), np.asarray(lengths, np.int64), pairs,
+                        None if pairs is None else np.full(len(pairs), np.nan) if margins is None else margins)
 
     def _pair(self, is_pair: bool) -> None:
         if len(self) == 0 and is_pair and self.docs is None:
             self.docs = ArrayFile(self.directory / f"{self.split}.docs.npy", np.int64, width=2)
+            self.margins = ArrayFile(self.directory / f"{self.split}.margins.npy", np.float64)
         elif (self.docs is not None) != is_pair:
             raise ValueError(f"sample {len(self)}: preference pairs and single samples in one split")
 
@@ -140,10 +147,11 @@ class SplitWriter:
         if self._lengths:
             docs = np.array(self._docs, dtype=np.int64).reshape(-1, 2) if self.docs is not None else None
             self._write(np.array(self._ids, dtype=np.int32), np.array(self._labels, dtype=np.int32),
-                        np.array(self._lengths, dtype=np.int64), docs)
-            self._ids, self._labels, self._lengths, self._docs = [], [], [], []
+                        np.array(self._lengths, dtype=np.int64), docs, np.array(self._margins, dtype=np.float64))
+            self._ids, self._labels, self._lengths, self._docs, self._margins = [], [], [], [], []
 
-    def _write(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs: np.ndarray | None) -> None:
+    def _write(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs: np.ndarray | None,
+               margins: np.ndarray | None = None) -> None:
         trained = labels != IGNORE_INDEX
         if self.full is None and not np.array_equal(labels[trained], ids[trained]):
             self._switch_to_full_labels()
@@ -155,6 +163,7 @@ class SplitWriter:
         self.offsets.write(self.tokens + np.cumsum(lengths))
         if self.docs is not None and docs is not None:
             self.docs.write(docs)
+            self.margins.write(margins if margins is not None else np.full(len(docs), np.nan))
         if self.images.rows:
             if self.image_file is None:
                 self.image_file = ArrayFile(self.directory / f"{self.split}.images.npy", np.int64, width=COLUMNS)
@@ -179,7 +188,8 @@ class SplitWriter:
     def close(self) -> dict[str, Any]:
         """Finish the files; the split's sizes and label kind (for meta.json)."""
         self.flush()
-        files = [self.ids, self.offsets, *([self.docs] if self.docs else []), *filter(None, [self.image_file])]
+        files = [self.ids, self.offsets, *([self.docs, self.margins] if self.docs else []),
+                 *filter(None, [self.image_file])]
         for file in [*files, self.mask, *([self.full] if self.full else [])]:
             file.close()
         width = self.teacher.close()
@@ -237,7 +247,7 @@ class SampleRow(dict):
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)
-        if key not in ("input_ids", "labels", "docs", "images"):
+        if key not in ("input_ids", "labels", "docs", "margin", "images"):
             self._extras.setdefault(self._index, {})[key] = value
 
 
@@ -246,8 +256,10 @@ class Samples(Sequence):
 
     def __init__(self, ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, docs: np.ndarray | None,
                  mask: bool, images: np.ndarray | None = None, image_paths: Sequence[str] = (),
-                 image_layout: str = "", teacher: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 image_layout: str = "", teacher: tuple[np.ndarray, np.ndarray] | None = None,
+                 margins: np.ndarray | None = None) -> None:
         self.ids, self.labels, self.offsets, self.docs, self.mask = ids, labels, offsets, docs, mask
+        self.margins = margins  # a pair's margin (NaN: none), read as its sample's "margin"
         self.teacher = teacher
         self.teacher_offsets = _trained_offsets(labels, offsets, mask) if teacher is not None else None
         self.lengths = np.diff(offsets)
@@ -271,8 +283,9 @@ class Samples(Sequence):
         info = info or {}
         images = np.asarray(load("images")) if info.get("images") is not None else None  # a few ints per image
         teacher = tuple(load(k) for k in TEACHER_KEYS) if info.get("teacher_k") is not None else None
+        margins = np.asarray(load("margins")) if (directory / f"{split}.margins.npy").is_file() else None
         return cls(load("ids"), load("labels"), np.asarray(load("offsets")), docs, labels_kind == "mask", images,
-                   info.get("image_paths", ()), info.get("image_layout") or "", teacher)
+                   info.get("image_paths", ()), info.get("image_layout") or "", teacher, margins)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -293,6 +306,8 @@ class Samples(Sequence):
         row = SampleRow(input_ids=ids.tolist(), labels=labels.tolist())
         if self.docs is not None:
             row["docs"] = self.docs[i].tolist()
+            if self.margins is not None and not np.isnan(self.margins[i]):
+                row["margin"] = float(self.margins[i])
         if self.images is not None:
             first, end = np.searchsorted(self.images[:, 0], [i, i + 1])
             if end > first:

@@ -27,6 +27,7 @@ from finetune.batch import Documents
 from finetune.data.collate import collate_packed
 from finetune.errors import UserError
 from finetune.model.architectures import packing_refusal
+from finetune.model.score_head import is_score_model, score_layers
 from finetune.model.with_loss import takes_boundaries
 
 __all__ = ["attention_layers", "check_packable", "check_packing_isolation", "default_tolerance", "input_dtype",
@@ -131,6 +132,8 @@ def _packed_logits(model: torch.nn.Module, rows: list[dict], device: torch.devic
     # (works for PEFT wrappers too), the documents' boundaries found on the CPU (our attention's kernel for the
     # device: varlen_attn, flex_attention or sdpa per document), no attention_mask, no cache.
     batch = collate_packed(rows, pad_token_id=_PAD_ID)
+    if is_score_model(model):  # a reward model: its backbone's hidden states (its head scores one token a row)
+        model = score_layers(model)[0]
     documents = Documents.of(batch.position_ids, device).model_kwargs(kernel) if takes_boundaries(model) else {}
     out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device), use_cache=False,
                 **documents)

@@ -57,3 +57,13 @@ def orpo_log_odds(pi_c: torch.Tensor, pi_r: torch.Tensor, n_c: torch.Tensor, n_r
 def orpo_ratio_losses(log_odds: torch.Tensor) -> torch.Tensor:
     """ORPO's odds-ratio term of each pair, -log sigmoid(log odds ratio); the objective weighs it by orpo.beta."""
     return -F.logsigmoid(log_odds)
+
+
+def bradley_terry_losses(r_c: torch.Tensor, r_r: torch.Tensor, margin: torch.Tensor | None = None,
+                         center_coefficient: float = 0.0) -> torch.Tensor:
+    """A reward model's loss of each pair [P] from its scores r_c, r_r: -log sigmoid(r_c - r_r - margin) (the
+    Bradley-Terry model; margin 0 without one), plus center_coefficient x (r_c + r_r)^2 (reward centering, TRL's
+    center_rewards_coefficient, which TRL averages over the pairs as it averages the first term)."""
+    diff = r_c - r_r if margin is None else r_c - r_r - margin
+    losses = -F.logsigmoid(diff)
+    return losses + center_coefficient * (r_c + r_r).square() if center_coefficient else losses

@@ -6,6 +6,7 @@ from finetune.objectives.base import Objective
 from finetune.objectives.distill import Distill
 from finetune.objectives.grpo import GRPO
 from finetune.objectives.preference import DPO, ORPO
+from finetune.objectives.reward import Reward
 from finetune.objectives.sft import SFT
 from finetune.recipe import Recipe
 
@@ -17,6 +18,8 @@ def objective_for(recipe: Recipe) -> Objective:
         return DPO(recipe.dpo.beta, recipe.dpo.loss, recipe.dpo.label_smoothing)
     if name == "orpo":
         return ORPO(recipe.orpo.beta, recipe.orpo.nll)
+    if name == "reward":
+        return Reward(recipe.reward.center_coefficient)
     if name == "grpo":
         return GRPO(recipe.grpo)
     if name == "distill":

@@ -32,7 +32,7 @@ from finetune.errors import UserError, first_line
 if TYPE_CHECKING:  # annotations only
     from finetune.recipe.schema import Recipe
 
-BUILT_IN_REWARDS = ("exact_answer", "format_regex", "length")
+BUILT_IN_REWARDS = ("exact_answer", "format_regex", "length", "reward_model")
 """Reward functions shipped with finetune (finetune/rl/rewards.py): they need no consent."""
 
 CONSENT_KEY = "allow_code"

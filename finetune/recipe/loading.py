@@ -265,6 +265,10 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
 
     for section, key in _PATH_KEYS:
         fix(data.get(section), key)
+    rewards = data.get("grpo", {}).get("rewards") if isinstance(data.get("grpo"), dict) else None
+    for reward in rewards if isinstance(rewards, list) else []:  # the built-in reward_model's model
+        if isinstance(reward, dict) and reward.get("function") == "reward_model":
+            fix(reward.get("args"), "path")
     for name in DATASET_LISTS:
         if isinstance(data.get(name), list):
             for entry in data[name]:

@@ -1,4 +1,5 @@
-"""The recipe's `dpo:` and `orpo:` sections: preference optimization (train.objective: dpo | orpo; docs/preference.md)."""
+"""The recipe's `dpo:`, `orpo:` and `reward:` sections: preference optimization and reward models (train.objective:
+dpo | orpo | reward; docs/preference.md)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,14 @@ class ORPOConfig(Section):
     nll: Literal["completion", "sequence"] = "completion"
     """What the cross-entropy term covers. completion: the chosen completions' tokens. sequence: every token of
     the chosen side but its first, the prompt's too (TRL's ORPOTrainer); over the step's such tokens either way."""
+
+
+class RewardModelConfig(Section):
+    """A reward model (train.objective: reward): the model with a sequence classification head of one score, trained
+    on preference pairs with the Bradley-Terry loss, -log sigmoid(score_chosen - score_rejected - margin), where a
+    row's `margin` field, when it has one, is its pair's margin (TRL's layout; docs/preference.md, "Reward
+    models")."""
+
+    center_coefficient: float = Field(0.0, ge=0)
+    """Reward centering: adds center_coefficient x (score_chosen + score_rejected)^2 to each pair's loss, which keeps
+    the scores near 0 (TRL's and Axolotl's center_rewards_coefficient; 0.01 is usual). 0: off."""

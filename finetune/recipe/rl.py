@@ -43,8 +43,19 @@ class LengthArgs(Section):
     """Characters per point of penalty."""
 
 
+class RewardModelArgs(Section):
+    """The args of the built-in reward_model."""
+
+    path: str = Field(min_length=1)
+    """The reward model: a finished run of train.objective reward (or its final/), or a model directory of a
+    transformers sequence classifier with one label. A relative path is taken from the recipe's folder when it
+    exists there, else from the current directory."""
+    batch_size: int = Field(8, gt=0)
+    """Conversations scored per forward."""
+
+
 BUILT_IN_ARGS: dict[str, type[Section]] = {"exact_answer": ExactAnswerArgs, "format_regex": FormatRegexArgs,
-                                           "length": LengthArgs}
+                                           "length": LengthArgs, "reward_model": RewardModelArgs}
 """Each built-in reward's args, checked like recipe keys (recipe/validation.py); keys: code.BUILT_IN_REWARDS."""
 
 
@@ -52,17 +63,18 @@ class RewardConfig(Section):
     """One reward function and its weight in the total reward."""
 
     function: str
-    """A built-in (exact_answer, format_regex, length) or `module.path:function` from your code, called as
-    f(prompts, completions, **row_fields) -> list of floats (None: no opinion on that completion). Your code runs
-    only with your consent: --allow-code, or allow_code: true in the recipe you run (docs/rl.md, "Code in
-    recipes")."""
+    """A built-in (exact_answer, format_regex, length, reward_model: a trained reward model's score) or
+    `module.path:function` from your code, called as f(prompts, completions, **row_fields) -> list of floats (None:
+    no opinion on that completion). Your code runs only with your consent: --allow-code, or allow_code: true in the
+    recipe you run (docs/rl.md, "Code in recipes")."""
     weight: float = 1.0
     """Its weight in the total reward (weighted sum; a function's None counts as 0 unless every function says None,
     which leaves the completion unscored: advantage 0)."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the function. A built-in's are checked like recipe keys: exact_answer: field (the rows'
     answer field, default answer); format_regex: pattern (required, a regular expression); length: target (characters,
-    default 100), scale (default 100). A function of yours gets them as they are."""
+    default 100), scale (default 100); reward_model: path (required: a reward model run or model directory),
+    batch_size (default 8). A function of yours gets them as they are."""
     name: str | None = None
     """Its name in the metrics and in a replay file's `rewards` (default: the function's name)."""
 

@@ -17,6 +17,7 @@ from typing import Any
 from finetune.errors import Interrupted, UserError
 from finetune.recipe import Recipe, code
 from finetune.rl.deadline import call_limited
+from finetune.rl.reward_model import reward_model
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -73,7 +74,8 @@ def length(prompts: list, completions: list[str], target: int = 100, scale: floa
     return [-abs(len(_text(c)) - target) / scale for c in completions]
 
 
-BUILT_INS: dict[str, RewardFn] = {"exact_answer": exact_answer, "format_regex": format_regex, "length": length}
+BUILT_INS: dict[str, RewardFn] = {"exact_answer": exact_answer, "format_regex": format_regex, "length": length,
+                                  "reward_model": reward_model}
 
 
 @dataclass

@@ -135,7 +135,7 @@ def test_preference_recipes_are_checked(write_recipe):
     from finetune.errors import UserError
 
     for extra, message in ((["train.objective=dpo", "datasets.0.format=chat"], "use format: preference"),
-                           ([*PREF], "preference data needs train.objective: dpo or orpo"),
+                           ([*PREF], "preference data needs train.objective: dpo, orpo or reward"),
                            ([*PREF, "train.objective=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"],
                             "only for dpo.loss: sigmoid"),
                            ([*PREF, "train.objective=orpo", "loss.z_loss=0.1"], "loss.z_loss: not with")):
