@@ -14,7 +14,13 @@ _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def token_rules(c: Conversion) -> None:
-    """special_tokens -> tokenizer.special_tokens (+ added_special_tokens); tokens -> tokenizer.added_tokens."""
+    """special_tokens -> tokenizer.special_tokens (+ added_special_tokens); tokens -> tokenizer.added_tokens;
+    tokenizer_use_mistral_common -> tokenizer.backend: mistral_common."""
+    if c.get("tokenizer_use_mistral_common") is True and c.get("processor_type"):
+        c.refuse("tokenizer_use_mistral_common", "with processor_type: images through mistral-common's own image "
+                                                 "encoder are not supported (its text-only models are)")
+    elif c.get("tokenizer_use_mistral_common") is True:
+        c.put("tokenizer.backend", "mistral_common")
     special = c.mapping("special_tokens") or {}
     for name, value in special.items():
         if name in _SPECIAL and value is not None:

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from finetune.chat.mistral import MistralRowError, is_mistral_common, mistral_chat
 from finetune.chat.spans import (
     REASONING_FIELDS,
     ChatLayout,
@@ -73,6 +74,8 @@ def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[
         if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
             ids = [*ids, tokenizer.eos_token_id]
         labels = list(ids)
+    elif is_mistral_common(tokenizer):
+        ids, labels = _tokenize_mistral(example, tokenizer, notes if notes is not None else Counter())
     else:
         ids, labels, images = _tokenize_chat(example, tokenizer, template_kwargs,
                                              notes if notes is not None else Counter(), rendered, facts)
@@ -205,6 +208,31 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
         images = finish(example.origin, ids, labels, encoded["offset_mapping"], example.images, placed, vision)
     _take_notes(notes, facts.specials, messages, layout, example.train_on_inputs)
     return ids, labels, images
+
+
+def _tokenize_mistral(example: Example, tokenizer: Any, notes: Counter[str]) -> tuple[list[int], list[int]]:
+    """A chat example encoded by mistral-common (tokenizer.backend: mistral_common; chat/mistral.py), which locates
+    assistant turns only: a row that marks another role's turn to train (or, with train_on_inputs, to leave out) is a
+    bad row."""
+    if example.images:
+        raise UserError(f"{example.origin}: images with tokenizer.backend: mistral_common are not supported; use "
+                        "the model's transformers processor (tokenizer.backend: hf)")
+    messages = list(example.messages)
+    trained = example.trained or tuple(m["role"] == "assistant" for m in messages)
+    wanted = [i for i, t in enumerate(trained) if t != example.train_on_inputs]
+    other = next((i for i in wanted if messages[i]["role"] != "assistant"), None)
+    if other is not None:
+        marked = "left out of training" if example.train_on_inputs else "trained"
+        raise BadRow(f"{example.origin}: message {other} ({messages[other]['role']}) is to be {marked}; with "
+                     "tokenizer.backend: mistral_common only assistant turns can be located")
+    try:
+        chat = mistral_chat(tokenizer, example.origin, messages, example.tools)
+    except MistralRowError as e:
+        raise BadRow(str(e)) from None
+    unrendered = sum(i in chat.unrendered for i in wanted)
+    if unrendered:
+        notes[NOTE_UNRENDERED] += unrendered
+    return chat.ids, _labels(chat.ids, [chat.turns[i] for i in wanted if i in chat.turns], example.train_on_inputs)
 
 
 def _labels(ids: list[int], spans: Sequence[tuple[int, int]], train_on_inputs: bool) -> list[int]:

@@ -64,8 +64,9 @@ def gguf_location(cfg: ModelConfig) -> tuple[str | None, str | None]:
     return path, None
 
 
-def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
-    """The tokenizer (from tokenizer.path, else model.path), with a pad token and the recipe's chat template."""
+def load_tokenizer(tok: TokenizerConfig, model: ModelConfig, generation: bool = False) -> Any:
+    """The tokenizer (from tokenizer.path, else model.path), with a pad token and the recipe's chat template.
+    `generation`: for prompts that end before the assistant's turn (mistral-common validates them otherwise)."""
     from transformers import AutoTokenizer
 
     path, gguf = (resolve_path(tok.path, "tokenizer.path"), None) if tok.path else gguf_location(model)
@@ -75,7 +76,12 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
     if hub.local_files_only(path, "tokenizer.path" if tok.path else "model.path"):
         kwargs["local_files_only"] = True  # the hub is out of reach and the cache has it: no minute of retries
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        if tok.backend == "mistral_common":
+            tokenizer = _mistral_common(path, kwargs, "test" if generation else "finetuning")
+        else:  # a directory that also holds tekken.json stays on tokenizer.json: the recipe chooses, not the files
+            tokenizer = AutoTokenizer.from_pretrained(path, mistral_format=False, **kwargs)
+    except UserError:
+        raise
     except Exception as e:  # OSError offline / missing files, ValueError for unknown formats
         raise UserError(f"tokenizer {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
                         "  Point tokenizer.path (or model.path) at a local tokenizer directory.") from None
@@ -89,3 +95,16 @@ def load_tokenizer(tok: TokenizerConfig, model: ModelConfig) -> Any:
         raise UserError(f"tokenizer {path!r} has neither a pad nor an eos token; it cannot batch sequences")
     vision.attach_layout(tokenizer, model)  # a vision-language model's image processor and token layout
     return tokenizer
+
+
+def _mistral_common(path: str | None, kwargs: dict[str, Any], mode: str) -> Any:
+    """transformers' MistralCommonBackend over the directory's tekken.json or tokenizer.model.vN, validating
+    conversations as mistral-common does in `mode`: finetuning (they end with an assistant message), or test."""
+    try:
+        import mistral_common  # noqa: F401  (transformers imports it lazily, and fails late without it)
+        from transformers.tokenization_mistral_common import MistralCommonBackend
+    except ImportError:
+        raise UserError("tokenizer.backend: mistral_common needs the mistral-common package: "
+                        "pip install 'finetune[mistral]'") from None
+    kwargs = {k: v for k, v in kwargs.items() if k == "local_files_only"}
+    return MistralCommonBackend.from_pretrained(path, mode=mode, **kwargs)
