@@ -13,6 +13,7 @@ off through huggingface_hub's own switch, which transformers reads too (log_frie
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -30,11 +31,34 @@ def on_terminal(stream: TextIO | None = None) -> bool:
     return hasattr(stream, "isatty") and stream.isatty()
 
 
+class _Without(logging.Filter):
+    """Drops a logger's records whose message contains all of one of `patterns`' parts."""
+
+    def __init__(self, *patterns: tuple[str, ...]) -> None:
+        super().__init__()
+        self.patterns = patterns
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(all(part in message for part in parts) for parts in self.patterns)
+
+
+def _quiet_torchao_import() -> None:
+    """transformers imports torchao whenever it is installed (the qat extra: its quantizer module does, with
+    transformers' modeling code), and that import logs a warning for each of torchao's CUDA extensions a CPU (or
+    another torch's) build cannot load, and torch one for each enum torchao registers with pytree: four lines on
+    every run, about nothing finetune uses (its QAT is torch code). Those two messages are dropped, nothing else."""
+    logging.getLogger("torchao").addFilter(_Without(("Failed to load", "torchao", ".so")))
+    logging.getLogger("torch.utils._pytree").addFilter(_Without(("is an Enum subclass", "register_constant()")))
+
+
 def log_friendly_libraries() -> None:
     """Off a terminal, turn off the libraries' progress bars: huggingface_hub's and transformers' through their
     documented switch (HF_HUB_DISABLE_PROGRESS_BARS, or their disable functions once they are imported), every other
     tqdm bar (transformers' GGUF conversion uses tqdm directly) through tqdm's own TQDM_DISABLE, read when tqdm is
-    imported. Our phases say the progress in lines instead. A value the user set is left as it is."""
+    imported. Our phases say the progress in lines instead. A value the user set is left as it is. On a terminal
+    too: torchao's import noise (_quiet_torchao_import)."""
+    _quiet_torchao_import()
     if on_terminal():
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
