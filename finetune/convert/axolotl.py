@@ -25,6 +25,7 @@ from finetune.convert.rules_model import (
     attention_rules,
     model_rules,
     precision_rules,
+    qat_rules,
     router_loss_rules,
     unfrozen_rules,
 )
@@ -111,6 +112,7 @@ def apply_rules(c: Conversion, base: Path) -> None:
     vision_rules(c)
     batch_rules(c)
     router_loss_rules(c)
+    qat_rules(c)
     lr_rules(c)
     optimizer_rules(c)
     distill_scale(c)

@@ -28,7 +28,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
                      "train_on_eot", "field", "field_chosen", "field_rejected", "chat_template", "chat_template_jinja",
                      "message_field_training", "field_thinking", "template_thinking_key"), (str,)),
     "split": (str, int), "name": (str, int), "type": (str, dict), "message_property_mappings": (dict,),
-    "roles": (dict,), "roles_to_train": (list,),
+    "roles": (dict,), "roles_to_train": (list,), "data_files": (str, list),
 }
 
 
@@ -77,6 +77,9 @@ def _entry(c: Conversion, where: str, entry: dict[str, Any]) -> tuple[dict[str, 
     for name, ours in (("split", "split"), ("name", "name")):
         if entry.get(name) is not None:
             out[ours] = str(entry[name])
+    files = entry.get("data_files")
+    if files:
+        out["data_files"] = [str(f) for f in ([files] if isinstance(files, str) else files)]
     kind = entry.get("type")
     kd = kind in KD_TYPES
     if not kd:
@@ -110,9 +113,12 @@ def _entry(c: Conversion, where: str, entry: dict[str, Any]) -> tuple[dict[str, 
         return _preference(c, where, entry, out), template
     if kind == "completion":
         return _completion(c, where, entry, out), None
+    if kind == "bradley_terry.chat_template" and c.peek("train.objective") == "reward":
+        return _bradley_terry(out), template
     why = "a preference type: needs rl (dpo, ipo, orpo)" if kind.startswith("chat_template.") else "not supported"
     c.refuse(f"{where}.type", f"{kind}: {why}; finetune converts alpaca[:instruct|chat|chatml|phi], chat_template, "
-                              "chat_template.default (with rl) and completion")
+                              "chat_template.default (with rl), bradley_terry.chat_template (with reward_model) and "
+                              "completion")
     return None, None
 
 
@@ -156,6 +162,8 @@ def _chat(c: Conversion, where: str, entry: dict, out: dict) -> dict:
         out["messages_field"] = str(entry["field_messages"])
     _message_fields(c, where, entry, out, aliases=_DEFAULT_ALIASES)
     out["system_field"] = "system"  # Axolotl prepends a row's `system` when the conversation has no system turn
+    if entry.get("drop_system_message") is True:
+        out["drop_system_message"] = True
     roles = entry.get("roles_to_train")
     if roles is not None:
         if not isinstance(roles, list) or not roles or any(r not in _ROLES for r in roles):
@@ -189,6 +197,12 @@ def _preference(c: Conversion, where: str, entry: dict, out: dict) -> dict:
     c.note(f"{where}: a chosen or rejected list is read as the completion's messages (Axolotl keeps only the last); "
            "a list holding more than assistant turns is a bad row here, not silently cut")
     return out
+
+
+def _bradley_terry(out: dict) -> dict:
+    """Axolotl's reward-model pairs: a row's `system` (when not empty), its `input` as the user turn, and its `chosen`
+    and `rejected` answers."""
+    return {**out, "format": "preference", "prompt_field": "input", "system_field": "system"}
 
 
 def _message_fields(c: Conversion, where: str, entry: dict, out: dict, aliases: dict[str, str]) -> None:

@@ -37,6 +37,8 @@ def _unless(what: str) -> str:
 MAPPED: dict[str, str] = {
     "base_model": "model.path",
     "tokenizer_config": "tokenizer.path",
+    "tokenizer_use_mistral_common": "tokenizer.backend: mistral_common (Mistral's own library encodes each "
+                                    "conversation; assistant turns trained exactly as Axolotl's MistralStrategy)",
     "output_dir": "output_dir",
     "seed": "seed (Axolotl's default 42 written when unset)",
     "sequence_len": "data.max_seq_len (512 when unset; null with processor_type: Axolotl's multimodal collator "
@@ -110,6 +112,13 @@ MAPPED: dict[str, str] = {
     "load_in_8bit": "refused (no 8-bit base); with --allow-approx: LoRA on the unquantized base",
     "lora_r": "adapter.r (8, PEFT's default, when unset)",
     "lora_alpha": "adapter.alpha (8, PEFT's default, when unset)",
+    "peft_use_rslora": "adapter.use_rslora (scale alpha / sqrt(r))",
+    "early_stopping_patience": "eval.early_stopping_patience (approximated: final/ is the stopping step's weights, "
+                               "not the best eval's)",
+    "reward_model": "train.objective: reward (a sequence-classification head, the Bradley-Terry loss)",
+    "num_labels": "1 with reward_model (one score); other counts refused",
+    "center_rewards_coefficient": "reward.center_coefficient",
+    "qat": "qat (each key as is; weight_dtype int8 and group_size 32 when unset, Axolotl's defaults)",
     "lora_dropout": "adapter.dropout",
     "lora_target_modules": "adapter.target_modules (a list of names, or a regular expression); with processor_type "
                            "a list becomes the expression PEFT matches (the vision modules too)",
@@ -298,8 +307,6 @@ APPROXIMATED: dict[str, str] = {
 }
 
 REFUSED: dict[str, str] = {
-    **_each("reward_model num_labels center_rewards_coefficient",
-            "reward-model training is not supported (finetune trains causal LMs)"),
     "process_reward_model": "process reward models are not supported",
     "reinit_weights": "random weights come from model.config, not from a model.path: write the model's config "
                       "(its config.json) under model.config with model.init: random, and no model.path",
@@ -310,7 +317,6 @@ REFUSED: dict[str, str] = {
     **_each("dataset_shard_num dataset_shard_idx", "training on one shard of the data is not supported; cut the "
                                                    "data file instead"),
     "gptq": "GPTQ-quantized base models are not supported; use the unquantized model (qlora for 4-bit)",
-    "qat": "quantization-aware training is not supported",
     **_each("fp8 fp8_enable_fsdp_float8_all_gather", "FP8 training is not supported"),
     **_each("gemma4_fp8_nonexpert gemma4_nf4_nonexpert nonexpert_quantization dsv4_fp8_nonexpert_mode "
             "dsv4_fp8_lora_kernel", "quantizing the non-expert weights is not supported"),
@@ -331,7 +337,6 @@ REFUSED: dict[str, str] = {
     **_each("embedding_lr embedding_lr_scale", "a separate embedding learning rate is not supported"),
     "loraplus_lr_ratio": "LoRA+ (separate learning rates for A and B) is not supported",
     **_each("optim_args optim_target_modules", "optimizer arguments and GaLore targets are not supported"),
-    "early_stopping_patience": "early stopping is not supported; set train.max_steps or epochs",
     "load_best_model_at_end": "finetune's final model is the last step's; keeping the best checkpoint is not "
                               "supported",
     "neftune_noise_alpha": "NEFTune embedding noise is not supported",
@@ -348,7 +353,6 @@ REFUSED: dict[str, str] = {
     **_each("revision_of_model model_revision", "a hub revision is not supported: download it "
                                                 "(huggingface-cli download MODEL --revision REV) and use the directory"),
     "base_model_config": "a separate model config is not supported; use a model directory with its config.json",
-    "tokenizer_use_mistral_common": "mistral-common tokenizers are not supported; use the model's HF tokenizer",
     "added_tokens_overrides": "renaming reserved tokens is not supported; add new tokens with `tokens`",
     "fix_untrained_tokens": "editing embedding rows before training is not supported",
     "shrink_embeddings": "shrinking the embedding below its rows is not supported",
@@ -356,7 +360,6 @@ REFUSED: dict[str, str] = {
     "lora_fan_in_fan_out": "Conv1D (fan-in/fan-out) LoRA layers are not supported",
     **_each("lora_rank_pattern lora_alpha_pattern", "per-module LoRA ranks or alphas are not supported"),
     **_each("peft_use_dora", "DoRA is not supported"),
-    "peft_use_rslora": "rank-stabilized LoRA (alpha / sqrt(r)) is not supported",
     "peft_init_lora_weights": "other LoRA initializations than PEFT's default are not supported",
     **_each("peft_layers_to_transform peft_layers_pattern peft_layer_replication",
             "LoRA on some layers only, or replicated layers, is not supported"),
@@ -374,6 +377,8 @@ REFUSED: dict[str, str] = {
 
 DATASET_MAPPED: dict[str, str] = {
     "path": "path",
+    "drop_system_message": "drop_system_message (chat_template datasets)",
+    "data_files": "data_files (a list: files of the hub dataset)",
     "split": "split",
     "name": "name",
     "type": "format (alpaca[:style]: alpaca with prompt_template; chat_template: chat; completion; "
@@ -407,7 +412,6 @@ DATASET_DROPPED: dict[str, str] = {
 }
 
 DATASET_REFUSED: dict[str, str] = {
-    "data_files": "files inside a hub dataset are not supported; download them and give the file as path",
     "revision": "a dataset revision is not supported; download it and give the file as path",
     "trust_remote_code": "datasets with loading code are not supported",
     **_each("shards shards_idx", "training on one shard of a dataset is not supported; cut the file instead"),
@@ -417,7 +421,6 @@ DATASET_REFUSED: dict[str, str] = {
     "field_tools": "tool definitions passed to the chat template are not supported",
     "message_field_training_detail": "training parts of a message is not supported (per-message train flags are)",
     "split_thinking": "splitting the reasoning out of the content is not supported; give reasoning_content",
-    "drop_system_message": "dropping the system turn is not supported; remove it from the data",
 }
 
 # Axolotl's chat template names -> the template finetune ships that renders training conversations the same

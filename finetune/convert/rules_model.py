@@ -87,6 +87,8 @@ def _model_class(c: Conversion, key: str) -> None:
     name = c.text(key)
     if name is None or name == "AutoModelForCausalLM" or name.endswith("ForCausalLM"):
         return
+    if name.endswith("SequenceClassification") and c.get("reward_model") is True:
+        return  # a reward model loads as one (train.objective: reward)
     if name.endswith(("SequenceClassification", "TokenClassification")):
         c.refuse(key, f"{name}: reward and classification models are not supported (finetune trains causal LMs)")
     elif name.endswith(("ConditionalGeneration", "ImageTextToText", "Vision2Seq")) and not is_vision(c):
@@ -160,6 +162,8 @@ def adapter_rules(c: Conversion) -> None:
     c.carry("lora_alpha", "adapter.alpha", int(alpha) if alpha == int(alpha) else alpha, "PEFT's default alpha")
     if c.number("lora_dropout", 0.0):
         c.put("adapter.dropout", c.number("lora_dropout"))
+    if c.get("peft_use_rslora") is True:
+        c.put("adapter.use_rslora", True)
     _targets(c)
     if c.has("lora_modules_to_save"):
         c.put("adapter.modules_to_save", c.texts("lora_modules_to_save"))
@@ -227,3 +231,28 @@ def unfrozen_rules(c: Conversion) -> None:
             continue
         out.append(re.sub(r"\.(?!\+)", r"\\.", pattern))
     c.put("train.trainable_parameters", out)
+
+
+_QAT_DTYPES = {"weight_dtype": ("int4", "int8", "nvfp4", "mxfp4"), "activation_dtype": ("int8", "nvfp4", "mxfp4")}
+
+
+def qat_rules(c: Conversion) -> None:
+    """qat: -> the qat: section, key for key (Axolotl's weight_dtype defaults to int8, its group_size to 32, its
+    fake_quant_after_n_steps null to 0); finetune checks the combination as for any recipe (recipe/qat.py)."""
+    qat = c.mapping("qat")
+    if not qat:
+        return
+    for key, value in qat.items():
+        if value is None:
+            continue
+        if key in _QAT_DTYPES and value not in _QAT_DTYPES[key]:
+            c.refuse(f"qat.{key}", f"{value!r}: finetune's QAT takes {', '.join(_QAT_DTYPES[key])}")
+        elif key in _QAT_DTYPES or key in ("group_size", "quantize_embedding", "fake_quant_after_n_steps"):
+            c.put(f"qat.{key}", value)
+        else:
+            c.refuse(f"qat.{key}", "not an Axolotl qat key (activation_dtype, weight_dtype, group_size, "
+                                   "quantize_embedding, fake_quant_after_n_steps)")
+    if qat.get("weight_dtype") is None:
+        c.put("qat.weight_dtype", "int8")
+    if qat.get("group_size") is None and c.peek("qat.weight_dtype") in ("int4", "int8"):
+        c.put("qat.group_size", 32)

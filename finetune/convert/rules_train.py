@@ -119,6 +119,11 @@ def objective_rules(c: Conversion) -> None:
     """rl, rl_beta, dpo_beta, orpo_alpha, dpo_label_smoothing, dpo_loss_type."""
     rl = c.text("rl")
     beta = c.number("rl_beta", c.number("dpo_beta"))
+    if c.get("reward_model") is True:
+        _reward_model(c, rl)
+    for key in ("num_labels", "center_rewards_coefficient"):
+        if c.get("reward_model") is not True and c.has(key):
+            c.drop(key, "read only with reward_model (other classification models are refused by model_type)")
     if rl != "grpo" and c.has("trl"):
         c.refuse("trl", "TRL trainer options are read with rl: grpo only (finetune's dpo: and orpo: sections)")
     if rl is None:
@@ -140,6 +145,18 @@ def objective_rules(c: Conversion) -> None:
         grpo_rules(c, c.mapping("trl") or {})
     else:
         c.refuse("rl", f"{rl}: finetune trains SFT, DPO (rl: dpo, ipo), ORPO and GRPO; not {rl}")
+
+
+def _reward_model(c: Conversion, rl: str | None) -> None:
+    """reward_model: true -> train.objective: reward (its one-score head: num_labels 1)."""
+    if rl is not None:
+        c.refuse("reward_model", f"with rl: {rl}: a reward model trains by itself (its Bradley-Terry loss)")
+    c.put("train.objective", "reward")
+    labels = c.get("num_labels", 1)
+    if labels != 1:
+        c.refuse("num_labels", f"{labels!r}: a reward model has one score (num_labels: 1)")
+    if c.number("center_rewards_coefficient"):
+        c.put("reward.center_coefficient", c.number("center_rewards_coefficient"))
 
 
 # trl: key -> grpo: key, for the values that carry over as they are.

@@ -29,7 +29,7 @@ _KNOWN_PLUGINS = {
 
 def cadence_rules(c: Conversion, has_eval_data: bool) -> None:
     """saves_per_epoch, save_steps, save_strategy, save_total_limit, evals_per_epoch, eval_steps, eval_strategy,
-    eval_batch_size."""
+    eval_batch_size, early_stopping_patience."""
     epochs = c.number("num_epochs", 1.0) or 1.0
     save_steps = c.get("save_steps") or None  # 0 is unset, as in Axolotl
     n = c.integer("saves_per_epoch")  # 0 or unset: none
@@ -50,6 +50,10 @@ def cadence_rules(c: Conversion, has_eval_data: bool) -> None:
     if c.has("eval_batch_size"):
         c.put("eval.micro_batch_size", c.integer("eval_batch_size", minimum=1))
     _eval_cadence(c, has_eval_data, epochs)
+    if c.integer("early_stopping_patience"):
+        c.put("eval.early_stopping_patience", c.integer("early_stopping_patience", minimum=1))
+        c.approximate("early_stopping_patience", "final/ holds the weights of the step the run stopped at; Axolotl "
+                                                 "(load_best_model_at_end) loads its best-eval checkpoint back")
 
 
 def _eval_cadence(c: Conversion, has_eval_data: bool, epochs: float) -> None:

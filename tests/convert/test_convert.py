@@ -335,3 +335,53 @@ def test_the_moe_router_loss_converts_with_its_weight_said(tmp_path):
     dpo = moe.replace("type: alpaca", "type: chat_template.default") + "rl: dpo\n"
     assert "model_config: output_router_logits: true with train.objective dpo: finetune adds the MoE router's " \
            "load-balancing loss to supervised fine-tuning only" in _error(tmp_path, dpo)
+
+
+def test_mistral_common_tokenizers_convert_text_only(tmp_path):
+    """tokenizer_use_mistral_common -> tokenizer.backend: mistral_common; with processor_type (images through
+    mistral-common's encoder, which finetune does not do) it is refused with the reason."""
+    chat = MINIMAL.replace("type: alpaca", "type: chat_template") + "tokenizer_use_mistral_common: true\n"
+    recipe = yaml.safe_load(_convert(tmp_path, chat).text)
+    assert recipe["tokenizer"] == {"backend": "mistral_common"}
+    validate(recipe)
+    off = yaml.safe_load(_convert(tmp_path, chat.replace("true", "false")).text)
+    assert "backend" not in off.get("tokenizer", {})
+    assert "tokenizer_use_mistral_common: with processor_type: images through mistral-common" in \
+        _error(tmp_path, chat + "processor_type: AutoProcessor\n", allow_approx=True)
+
+
+def test_rslora_converts(tmp_path):
+    recipe = yaml.safe_load(_convert(tmp_path, MINIMAL + "adapter: lora\nlora_target_linear: true\npeft_use_rslora: true\n").text)
+    assert recipe["adapter"]["use_rslora"] is True
+
+
+def test_drop_system_message_converts(tmp_path):
+    text = MINIMAL.replace("type: alpaca}", "type: chat_template, drop_system_message: true}")
+    recipe = yaml.safe_load(_convert(tmp_path, text).text)
+    assert recipe["datasets"][0]["drop_system_message"] is True
+
+
+def test_data_files_convert(tmp_path):
+    text = MINIMAL.replace("path: data.jsonl", "path: org/corpus, data_files: a/b.json")
+    assert yaml.safe_load(_convert(tmp_path, text).text)["datasets"][0]["data_files"] == ["a/b.json"]
+
+
+def test_reward_models_convert(tmp_path):
+    """reward_model: true (num_labels 1, AutoModelForSequenceClassification) -> train.objective: reward; Axolotl's
+    bradley_terry.chat_template rows (system, input, chosen, rejected) -> a preference dataset reading them."""
+    text = ("base_model: org/model\nmodel_type: AutoModelForSequenceClassification\nnum_labels: 1\nreward_model: true\n"
+            "center_rewards_coefficient: 0.01\ndatasets:\n  - {path: pairs.jsonl, type: bradley_terry.chat_template}\n")
+    recipe = yaml.safe_load(_convert(tmp_path, text).text)
+    assert recipe["train"]["objective"] == "reward" and recipe["reward"] == {"center_coefficient": 0.01}
+    assert recipe["datasets"][0] == {"path": "pairs.jsonl", "format": "preference", "prompt_field": "input",
+                                     "system_field": "system"}
+    assert "num_labels: 2: a reward model has one score" in _error(tmp_path, text.replace("num_labels: 1",
+                                                                                         "num_labels: 2"))
+    assert "with rl: dpo: a reward model trains by itself" in _error(tmp_path, text + "rl: dpo\n")
+
+
+def test_early_stopping_converts_with_allow_approx(tmp_path):
+    text = MINIMAL + "val_set_size: 0.1\neval_steps: 10\nearly_stopping_patience: 3\n"
+    assert "early_stopping_patience: only approximately: final/ holds the weights" in _error(tmp_path, text)
+    recipe = yaml.safe_load(_convert(tmp_path, text, allow_approx=True).text)
+    assert recipe["eval"]["early_stopping_patience"] == 3 and recipe["eval"]["every_steps"] == 10
