@@ -35,6 +35,8 @@ PINNED: dict[str, str] = {
     "liger-kernel": "0.8.5",
     "bitsandbytes": "0.50.2",
     "flash-attn": "2.8.3.post2",
+    "mistral-common": "1.13.1",
+    "torchao": "0.18.0",
 }
 
 # torch is a range, not a pin: CPU, CUDA 12.x and CUDA 13.x builds of one release differ only in the
@@ -60,6 +62,8 @@ FEATURE_PACKAGES: dict[str, str] = {
     "mlflow": "mlflow",
     "tensorboard": "tensorboard",
     "gguf": "gguf",
+    "mistral_common": "mistral-common",
+    "qat": "torchao",
 }
 
 # pyproject extra that provides each optional package, for the friendlier "pip install 'finetune[x]'".
@@ -71,6 +75,8 @@ EXTRAS: dict[str, str] = {
     "mlflow": "tracking",
     "tensorboard": "tracking",
     "gguf": "gguf",
+    "mistral-common": "mistral",
+    "torchao": "qat",
 }
 
 # Lower bounds of the unpinned optional packages (trackers only log; any recent release works).
@@ -90,6 +96,8 @@ SNAPSHOT_PACKAGES: tuple[str, ...] = (
     "liger-kernel",
     "bitsandbytes",
     "flash-attn",
+    "mistral-common",
+    "torchao",
     "tokenizers",
     "datasets",
     "safetensors",

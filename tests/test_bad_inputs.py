@@ -163,6 +163,10 @@ SHARED_CODE = (f"extends: {QUICKSTART_YAML}\nallow_code: true\ngrpo:\n  rewards:
 ROLLOUT = {"group": 0, "prompt_ids": [5, 6], "completion_ids": [7, 2], "reward": 1.0}
 ROLLOUT_1 = {**ROLLOUT, "group": 1, "reward": 0.0}
 
+# A reward model (train.objective: reward) on preference pairs.
+REWARD_MODEL = {"datasets": [{"path": "train.jsonl", "format": "preference"}], "train": {"objective": "reward"}}
+PAIR_ROW = {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5", "margin": 1.0}
+
 # The quickstart, shrunk: every case starts from this (deep-merged with the case's patch; lists replaced).
 DISTILL_OFFLINE = {"train": {"objective": "distill"}, "distill": {"teacher_logprobs": "teacher"}}
 
@@ -228,6 +232,9 @@ CASES = [
     Case("misspelt_dataset_key", "misspelt key in a datasets entry (`fromat`)", "recipe",
          ("datasets.0.fromat: unknown key; did you mean 'format'?",),
          patch={"datasets": [{"path": "train.jsonl", "fromat": "chat"}]}),
+    Case("mistral_common_with_template", "tokenizer.backend mistral_common with a Jinja chat template", "recipe",
+         ("tokenizer.chat_template: not with tokenizer.backend: mistral_common, which encodes conversations itself",),
+         patch={"tokenizer": {"backend": "mistral_common", "chat_template": "chatml"}}),
     Case("wrong_type", "a string where an integer goes", "recipe",
          ('train.micro_batch_size: got "four"; input should be a valid integer',),
          patch={"train": {"micro_batch_size": "four"}}),
@@ -548,6 +555,15 @@ CASES = [
          "recipe", ("model.config_overrides: only with init: pretrained; with init: random, model.config is the whole "
                     "config: write the keys there",),
          patch={"model": {"config_overrides": {"attention_dropout": 0.1}}}),
+    Case("qat_fp4_in_float32", "`qat.weight_dtype: nvfp4` with float32 weights and no FP4 activations", "recipe",
+         ("qat.activation_dtype: weight_dtype nvfp4 needs activation_dtype nvfp4, got null: torchao trains nvfp4 "
+          "activations and weights together", "model.dtype: qat.weight_dtype nvfp4 computes in bfloat16"),
+         patch={"qat": {"weight_dtype": "nvfp4"}}),
+    Case("qat_group_size", "`qat.group_size` that does not divide the model's layers' input features", "model",
+         ("qat.group_size: 48 does not divide the input features of 14 linear layer(s), e.g. "
+          "layers.0.self_attn.q_proj (32); the layers' input sizes are 32, 64: use a group size that divides each, "
+          "e.g. 32",),
+         patch={"qat": {"weight_dtype": "int4", "group_size": 48}}),
     Case("deduplicate_with_grpo", "`data.deduplicate: exact` with train.objective grpo", "recipe",
          ("data.deduplicate: not with train.objective grpo (its prompt datasets are read as they are); remove "
           "duplicate prompts from the data",),
@@ -608,6 +624,22 @@ CASES = [
     Case("reward_args_misspelt", "a built-in reward's misspelt argument (`length` with `targt`)", "recipe",
          ("grpo.rewards.0.args.targt: unknown key; did you mean 'target'?",),
          patch=deep_merge(GRPO_PROMPTS, {"grpo": {"rewards": [{"function": "length", "args": {"targt": 3}}]}})),
+    Case("reward_model_path_missing", "the built-in `reward_model` reward naming a model that is not there",
+         "recipe", ("grpo.rewards.0.args.path: {d}/no-such-run does not exist (a reward model run or model directory",),
+         patch=deep_merge(GRPO_PROMPTS, {"grpo": {"rewards": [{"function": "reward_model",
+                                                              "args": {"path": "{d}/no-such-run"}}]}})),
+    Case("reward_objective_on_chat_data", "`train.objective: reward` on chat rows", "recipe",
+         ("datasets.0.format: train.objective reward trains on pairs; use format: preference (prompt, chosen, "
+          "rejected), not chat",),
+         patch={"train": {"objective": "reward"}}),
+    Case("reward_margin_not_a_number", "a preference row whose `margin` is not a number", "data",
+         ("{d}/train.jsonl:2: 'margin' must be a finite number (a reward model's margin for the pair), got 'high'",),
+         patch=REWARD_MODEL, files={"train.jsonl": jsonl(PAIR_ROW, {**PAIR_ROW, "margin": "high"})}),
+    Case("reward_head_frozen", "`train.trainable_parameters` that leave a reward model's score head frozen", "model",
+         ("train.trainable_parameters leaves the reward model's score head frozen; it must train (add a pattern "
+          "matching it, e.g. '^score')",),
+         patch=deep_merge(REWARD_MODEL, {"train": {"trainable_parameters": ["^model\\."]}}),
+         files={"train.jsonl": jsonl(PAIR_ROW)}),
     Case("reward_module_syntax_error", "a reward module that does not parse, with `--allow-code`", "recipe",
          ("grpo.rewards.0.function: importing 'my_rewards' for 'my_rewards:score' raised SyntaxError: ",
           "({d}/my_rewards.py:1)"),

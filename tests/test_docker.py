@@ -207,7 +207,7 @@ def test_main_image_layout():
     assert "/workspace/outputs" in runs and "/workspace/.cache/huggingface" in runs
     assert ("ENTRYPOINT", '["finetune"]') in main
     assert (
-        "[${EXTRAS}]" in runs and arg_defaults(DOCKER / "Dockerfile")["EXTRAS"] == "liger,bnb,flash,tracking"
+        "[${EXTRAS}]" in runs and arg_defaults(DOCKER / "Dockerfile")["EXTRAS"] == "liger,bnb,flash,tracking,mistral,qat"
     )
     # The context allowlist keeps .venv, runs/ and local secrets out of the build.
     patterns = [

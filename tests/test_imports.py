@@ -32,12 +32,14 @@ ALLOWED = {
     "model": {"attention", "batch", "data", "loss", "progress", "recipe", "templates"},  # loading, the model with its loss
     # the seam, SFT, DPO/ORPO, the reference; GRPO's plan and rows from rl
     "objectives": {"batch", "data", "dist", "labels", "loss", "model", "progress", "recipe", "rl"},
-    "rl": {"batch", "chat", "data", "dist", "labels", "progress", "recipe"},  # rollouts (replayed), rewards, advantages, which rows each step trains
+    # rollouts (replayed), rewards (the reward_model built-in loads a trained reward model: model, run), advantages,
+    # which rows each step trains
+    "rl": {"batch", "chat", "data", "dist", "labels", "model", "progress", "recipe", "run"},
     "run": {"dist", "model", "recipe"},  # the run directory, checkpoints, a finished run's model
     "metrics": {"recipe", "run"},
     "train": {"attention", "batch", "context_parallel", "data", "dist", "loss", "metrics", "model", "objectives",
               "progress", "recipe", "rl", "run", "versions"},
-    "commands": {"batch", "data", "dist", "loss", "metrics", "model", "objectives", "progress", "recipe", "run",
+    "commands": {"batch", "chat", "data", "dist", "loss", "metrics", "model", "objectives", "progress", "recipe", "run",
                  "train"},
     "convert": {"recipe", "templates"},  # `finetune convert axolotl`: a config in, a recipe out
     "cli": {"commands", "convert", "data", "model", "progress", "recipe", "run", "train", "versions", "__init__"},

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 import torch
 
+from finetune.chat.mistral import is_mistral_common
 from finetune.commands.image_prompt import (
     check_images_allowed,
     image_files,
@@ -31,7 +32,7 @@ from finetune.errors import UserError
 from finetune.model import vision
 from finetune.recipe import ModelConfig
 from finetune.run.directory import finished_run, is_run
-from finetune.run.trained import has_adapter, load_trained
+from finetune.run.trained import has_adapter, is_reward_model, load_trained
 
 
 @dataclass
@@ -125,8 +126,8 @@ def complete(model: Any, tokenizer: Any, messages: list[dict], options: Generati
     from transformers import GenerationConfig, TextStreamer
 
     check_images_allowed(tokenizer, images)
-    prompt = render_prompt(tokenizer, messages, options.template_kwargs)
-    inputs = {k: v.to(_device(model)) for k, v in prompt_inputs(tokenizer, prompt, images).items()}
+    prompt, inputs = _prompt(tokenizer, messages, options, images)
+    inputs = {k: v.to(_device(model)) for k, v in inputs.items()}
     ids = inputs["input_ids"]
     max_new = _room(model, ids.shape[1], options.max_new_tokens, image_tokens(tokenizer, ids))
     sampling = options.temperature > 0
@@ -143,6 +144,24 @@ def complete(model: Any, tokenizer: Any, messages: list[dict], options: Generati
     new = out[0, ids.shape[1]:]
     return Completion(tokenizer.decode(new, skip_special_tokens=True).strip(), prompt, int(new.numel()),
                       tuple(new.tolist()))
+
+
+def _prompt(tokenizer: Any, messages: list[dict], options: GenerationOptions, images: Sequence[str] = ()
+            ) -> tuple[str, dict[str, torch.Tensor]]:
+    """The prompt (its text, shown and returned) and the model's inputs for it. mistral-common builds the ids
+    itself (tokenizer.backend: mistral_common): they are used as they are, never re-tokenized from their text."""
+    if not is_mistral_common(tokenizer):
+        prompt = render_prompt(tokenizer, messages, options.template_kwargs)
+        return prompt, prompt_inputs(tokenizer, prompt, images)
+    if images:
+        raise UserError("images with tokenizer.backend: mistral_common are not supported")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    except Exception as e:  # mistral-common's validation: roles, order
+        raise UserError(f"mistral-common could not encode the conversation ({type(e).__name__}: {e})") from None
+    input_ids = torch.tensor([ids])
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    return text, {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
 def _load_with_options(run_dir: str, options: GenerationOptions) -> tuple[Any, Any, GenerationOptions]:
@@ -170,10 +189,13 @@ def _load(run_dir: str) -> tuple[Any, Any, dict[str, Any]]:
         path = path.parent  # RUN/final holding an adapter: its base comes from the run's recipe
     if is_run(path):
         recipe, final = finished_run(path)
+        if is_reward_model(recipe):
+            raise UserError(f"{run_dir}: a reward model (train.objective: reward) scores text, it does not generate; "
+                            "use it as a GRPO reward (grpo.rewards: [{function: reward_model, args: {path: ...}}])")
         if has_adapter(final) and recipe.adapter.type == "qlora":
             print("note: QLoRA adapter applied to the base loaded unquantized (as `finetune merge` does)",
                   file=sys.stderr)
-        model, tokenizer = load_trained(path, recipe)
+        model, tokenizer = load_trained(path, recipe, generation=True)
         template_kwargs = dict(recipe.tokenizer.chat_template_kwargs)
     elif (path / "config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -238,8 +260,11 @@ def _fit_context(model: Any, tokenizer: Any, messages: list[dict], options: Gene
     messages = list(messages)
     first = 1 if messages and messages[0]["role"] == "system" else 0
     while len(messages) - first > 1:
-        prompt = render_prompt(tokenizer, messages, options.template_kwargs)
-        n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if is_mistral_common(tokenizer):
+            n = _prompt(tokenizer, messages, options)[1]["input_ids"].shape[1]
+        else:
+            n = len(tokenizer(render_prompt(tokenizer, messages, options.template_kwargs),
+                              add_special_tokens=False)["input_ids"])
         if n + min(options.max_new_tokens, 64) <= limit:
             break
         del messages[first]

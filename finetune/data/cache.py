@@ -10,7 +10,7 @@ it is the same for every run that shares data, tokenizer and data settings. `fin
 * each dataset's format options (format, fields, train_on_inputs, max_rows, ...), in recipe order;
 * the tokenizer as loaded: the files `save_pretrained` writes (tokenizer.json, tokenizer_config.json, the chat
   template) minus where it was loaded from, so one tokenizer in two places shares entries; the recipe's chat
-  template override; and the transformers and tokenizers versions, which render templates and encode;
+  template override; the transformers and tokenizers versions (mistral-common's where it encodes), which encode;
 * every data.* key but those that act after the samples exist (packing, shuffle, batching, num_proc): so
   max_seq_len, truncation, on_bad_row, max_image_pixels (which images are bad rows), and val_fraction with the
   seed when they pick a validation split;
@@ -40,7 +40,7 @@ maps: a run holds the pages it reads, never the samples as Python objects):
     {split}.labels.npy        uint8 mask (1: the token is a target) when each label is its token or -100, which
                               our tokenizer guarantees; otherwise the int32 labels themselves
     {split}.offsets.npy       int64: sample i is ids[offsets[i]:offsets[i + 1]]
-    {split}.docs.npy          int64 [n, 2], preference data only: each pair's chosen and rejected lengths
+    {split}.docs.npy          int64 [n, 2], pairs only: chosen and rejected lengths (margins.npy: their margins)
     {split}.images.npy        int64 [m, 9], samples with images only: one row per image (store_images.py); meta.json
                               lists the split's image files and their layout key, and every file's SHA-256
     {split}.teacher_*.npy     int32 ids and float32 log-probabilities [trained tokens, k], offline distillation only
@@ -50,9 +50,8 @@ The arrays are written while the data is tokenized, as a stream. The entry is wr
 sees a whole entry or none, and two processes writing the same key (ranks of one torchrun) cannot mix files.
 The per-file digests catch what the rename cannot: a disk that lost data under a completed rename (power loss),
 a truncated copy, a hand-edited file. An entry that fails any check is reported and rebuilt, never used.
-The cache root: `data.cache_dir` when the recipe has that key, else $FINETUNE_CACHE_DIR, else
-$XDG_CACHE_HOME/finetune/data (~/.cache/finetune/data). Entries are never evicted; deleting any of them (or
-the whole root) is always safe.
+The cache root: `data.cache_dir` when the recipe has that key, else $FINETUNE_CACHE_DIR, else $XDG_CACHE_HOME/
+finetune/data (~/.cache/finetune/data). Entries are never evicted; deleting any of them (or the root) is safe.
 """
 
 from __future__ import annotations
@@ -71,6 +70,7 @@ from typing import Any
 
 import numpy as np
 
+from finetune.chat.mistral import mistral_common_version
 from finetune.data.cache_root import CACHE_ENV, cache_root_for
 from finetune.data.image_files import check_stored, store_dir, stored_digest
 from finetune.data.images import ImageLayout, image_size, layout_for
@@ -87,7 +87,8 @@ from finetune.recipe import DatasetConfig, Recipe, local_data_path
 # 3: tool calls, tool messages and tools reach the template; unknown message fields are bad rows.
 # 4: samples dropped as too long are named in the stats (an older entry has the count only).
 # 5: the arrays are written as a stream and read as memory maps (every file is checked: ids int32, labels dtype).
-DATA_VERSION = 5
+# 6: preference pairs keep their rows' `margin` (margins.npy, for reward models).
+DATA_VERSION = 6
 SPLITS = ("train", "eval")
 # tokenizer_config.json keys that say where a tokenizer was loaded from, not how it tokenizes.
 _WHERE_KEYS = frozenset({"name_or_path", "is_local", "local_files_only", "_commit_hash", "cache_dir", "revision",
@@ -136,12 +137,10 @@ def file_sha256(path: Path) -> str:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A digest of how the tokenizer tokenizes: what save_pretrained writes, minus where it came from.
-
-    Serializing the loaded tokenizer (rather than hashing the files of tokenizer.path) covers every way a
-    tokenizer arrives: a directory, a hub id, a GGUF file, and the recipe's chat template set on top.
-    """
-    digest = hashlib.sha256(type(tokenizer).__name__.encode())
+    """A digest of how the tokenizer tokenizes: what save_pretrained writes, minus where it came from, and the
+    version of mistral-common where it encodes whole conversations itself. Serializing the loaded tokenizer (not
+    the files of tokenizer.path) covers every way one arrives: a directory, a hub id, a GGUF file, a chat template."""
+    digest = hashlib.sha256((type(tokenizer).__name__ + "".join(mistral_common_version(tokenizer).values())).encode())
     with tempfile.TemporaryDirectory(prefix="finetune-tok-") as tmp:
         try:
             tokenizer.save_pretrained(tmp)
@@ -206,7 +205,8 @@ def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
         "tokenizer": tokenizer_fingerprint(tokenizer),
         # The chat template override (and any later tokenizer key) besides the loaded tokenizer's fingerprint,
         # which already reflects it: belt and braces for a template set after loading.
-        "tokenizer_keys": {k: v for k, v in recipe.tokenizer.model_dump(mode="json").items() if k != "path"},
+        "tokenizer_keys": {k: v for k, v in recipe.tokenizer.model_dump(mode="json").items()
+                           if k != "path" and (k, v) != ("backend", "hf")},  # the default: old entries stay valid
         "libraries": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
         "data": data,  # max_seq_len, truncation, on_bad_row, val_fraction, ...
         "split_seed": recipe.seed if split else None,

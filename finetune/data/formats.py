@@ -130,6 +130,12 @@ def _chat_messages(row: RawRow, field: str, fields: MessageFields,
             raise BadRow(f"{row.origin}: message {i} is not an object")
         messages.append(chat_message(row.origin, i, message, fields, images))
         flags.append(_train_flag(row.origin, i, message))
+    if fields.drop_system:
+        if messages[0]["role"] == "system":
+            del messages[0], flags[0]
+        if not messages:
+            raise BadRow(f"{row.origin}: only a system message, which drop_system_message leaves out")
+        return tuple(messages), tuple(flags)
     system = row.data.get(fields.system) if fields.system else None
     if system is not None and messages[0]["role"] != "system":
         if not isinstance(system, str):

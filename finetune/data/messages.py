@@ -58,6 +58,8 @@ class MessageFields:
     """data.max_image_pixels: an image of more pixels (its header says) is a bad row (image_files.py)."""
     teacher: str | None = None
     """distill.teacher_logprobs: the row field holding a stored teacher's top-k log-probabilities (None: not read)."""
+    drop_system: bool = False
+    """datasets[].drop_system_message: a conversation's leading system message is left out."""
 
     def role_of(self, name: Any) -> Any:
         return dict(self.role_map).get(name, name) if self.role_map and isinstance(name, str) else name

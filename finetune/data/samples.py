@@ -69,7 +69,8 @@ def _dataset_examples(cfg: DatasetConfig, index: int, key: str, data: DataConfig
     with _named_source(key, index):
         fields = message_fields(cfg, tuple(data.ignore_message_fields), data.cache_dir, data.max_image_pixels,
                                 teacher)
-        rows = read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes)
+        rows = read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=data.max_row_bytes,
+                         data_files=cfg.data_files)
         yield from _examples(rows, cfg, fields, on_bad_row, stats, seen)
 
 
@@ -191,7 +192,7 @@ def message_fields(cfg: DatasetConfig, ignore: tuple[str, ...] = (), cache_dir: 
     local = local_data_path(cfg.path)  # image paths are relative to the data file
     return MessageFields(cfg.role_field, cfg.content_field, tuple(cfg.role_map.items()), cfg.system_field, ignore,
                          str(local.parent) if local is not None else None, cfg.images_field, cache_dir,
-                         max_image_pixels, teacher)
+                         max_image_pixels, teacher, drop_system=cfg.drop_system_message)
 
 
 def row_example(row: Any, cfg: DatasetConfig, ignore: tuple[str, ...] = (), cache_dir: str | None = None,

@@ -38,6 +38,7 @@ import torch
 from finetune.attention import dispatch as attention
 from finetune.errors import UserError, first_line
 from finetune.model import architectures, config_overrides, experts, files, hub, kernels, vision, vocab
+from finetune.model.score_head import one_label, score_auto_class, trained_score_head, with_pad_id
 from finetune.model.tokenizer import gguf_location
 from finetune.progress import Phase
 from finetune.recipe import AdapterConfig, ModelConfig
@@ -47,23 +48,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: int,
                device: torch.device | None = None, trainable: list[str] | None = None, *,
-               key: str = "model.path", four_bit: bool = False) -> torch.nn.Module:
+               key: str = "model.path", four_bit: bool = False, score_head: bool = False) -> torch.nn.Module:
     """The causal LM in the recipe's dtype, with its adapter applied (if any). On the CPU (the caller moves it
     to `device`), except a QLoRA base, quantized straight onto `device` when that is a GPU. With `trainable`
     (train.trainable_parameters), only the parameters whose name matches one of those patterns train. `key` is
     where cfg.path came from (grpo.reference, ...): a bad file's message names it (files.py). `four_bit`: the
-    linear layers in 4-bit NF4 as a QLoRA base's, with no adapter (a frozen distillation teacher)."""
+    linear layers in 4-bit NF4 as a QLoRA base's, no adapter (a distillation teacher). `score_head`: a reward model."""
     if adapter.type == "qlora" or four_bit:
-        model = _load_quantized(cfg, tokenizer, seed, device or torch.device("cpu"), key)
+        model = _load_quantized(cfg, tokenizer, seed, device or torch.device("cpu"), key, score_head)
         if adapter.type == "qlora":
             _keep_4bit_trainable(model)
     else:
-        model = _plain_model(cfg, tokenizer, seed, key)
+        model = _plain_model(cfg, tokenizer, seed, key, score_head)
     new_rows = vocab.resize_embeddings(model, tokenizer, cfg)  # tokens the recipe added (tokenizer.*tokens)
     vision.check_token_ids(model, tokenizer)
     if adapter.type == "none":
         vision.freeze_tower(model, cfg)  # model.freeze_vision
-    _check_fused_loss(model, tokenizer)
+    if not score_head:  # a reward model has no output layer: its score head is checked by score_layers
+        _check_fused_loss(model, tokenizer)
     _document_attention(model, cfg)
     model.config.use_cache = False
     # After the attention probe (a CPU forward: Liger's kernels need CUDA), before the adapter.
@@ -73,10 +75,11 @@ def load_model(cfg: ModelConfig, adapter: AdapterConfig, tokenizer: Any, seed: i
         # gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if adapter.type != "none":
-        model = _apply_adapter(model, adapter)
+        model = _apply_adapter(model, adapter, score_head)
     if trainable is not None:
         freeze_except(model, trainable)
-    vocab.check_new_rows_train(model, new_rows, (model.get_input_embeddings(), output_layer(model)[1]), tokenizer)
+    head = trained_score_head(model) if score_head else output_layer(model)[1]
+    vocab.check_new_rows_train(model, new_rows, (model.get_input_embeddings(), head), tokenizer)
     return model
 
 
@@ -118,10 +121,11 @@ def _keep_4bit_trainable(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def load_base(cfg: ModelConfig, tokenizer: Any, seed: int, *, key: str = "model.path") -> torch.nn.Module:
-    """The base model as training started from it, unquantized, in the recipe's dtype, ready for inference:
-    what `finetune merge` merges into and `finetune generate` runs under an adapter (`key`: as load_model's)."""
-    model = _plain_model(cfg, tokenizer, seed, key)
+def load_base(cfg: ModelConfig, tokenizer: Any, seed: int, *, key: str = "model.path",
+              score_head: bool = False) -> torch.nn.Module:
+    """The base model as training started from it, unquantized, in the recipe's dtype, ready for inference: what
+    `finetune merge` merges into and `finetune generate` runs under an adapter (`key`, `score_head`: load_model's)."""
+    model = _plain_model(cfg, tokenizer, seed, key, score_head)
     vocab.resize_embeddings(model, tokenizer, cfg)  # an adapter's trained copies of new rows need the rows
     _document_attention(model, cfg)
     model.config.use_cache = True
@@ -151,25 +155,28 @@ def _document_attention(model: torch.nn.Module, cfg: ModelConfig) -> None:
         model.set_attn_implementation("sdpa")
 
 
-def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int, key: str = "model.path") -> torch.nn.Module:
+def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int, key: str = "model.path",
+                 score_head: bool = False) -> torch.nn.Module:
     """The model in the recipe's dtype with plain (savable, unquantized) weights."""
     dtype = DTYPES[cfg.dtype]
     common = _common_kwargs(cfg)
     if cfg.init == "random":
-        auto = _auto_class(cfg)
+        auto = _auto_class(cfg, score_head)
         config = _random_init_config(cfg, tokenizer)
+        one_label({"config": config}, seed, score_head)
         # Seeded right here, so the same config and seed give the same weights whatever ran before:
         # `finetune merge` rebuilds a random-init base this way instead of storing it.
         torch.manual_seed(seed)
         return auto.from_config(config, dtype=dtype, **common)
     path, gguf = _checked_location(cfg, key)
-    auto = _auto_class(cfg)
+    auto = _auto_class(cfg, score_head)
     kwargs: dict[str, Any] = {"dtype": dtype, **common}
     if gguf:
         kwargs["gguf_file"] = gguf
     if hub.local_files_only(path, key):
         kwargs["local_files_only"] = True  # the hub is out of reach and the cache has it: no minute of retries
     _with_overrides(cfg, path, kwargs)
+    one_label(kwargs, seed, score_head)
     # GGUF weights are de-quantized tensor by tensor inside transformers (minutes on a CPU): said while it runs.
     what = f"model: de-quantizing {gguf} (GGUF)" if gguf else f"model: loading {path}"
     try:
@@ -181,7 +188,7 @@ def _plain_model(cfg: ModelConfig, tokenizer: Any, seed: int, key: str = "model.
                else files.remedy(key))
         raise UserError(f"{files.where(key)} {path!r} could not be loaded ({type(e).__name__}: {first_line(e)}).\n"
                         f"  {fix}.") from None
-    return _plain_copy(model, dtype, common) if gguf else model
+    return with_pad_id(_plain_copy(model, dtype, common, auto) if gguf else model, tokenizer, score_head)
 
 
 def _with_overrides(cfg: ModelConfig, path: str, kwargs: dict[str, Any]) -> None:
@@ -202,19 +209,21 @@ def _checked_location(cfg: ModelConfig, key: str) -> tuple[str, str | None]:
     return path, gguf
 
 
-def _auto_class(cfg: ModelConfig) -> Any:
+def _auto_class(cfg: ModelConfig, score_head: bool = False) -> Any:
     """AutoModelForImageTextToText for a supported vision-language model (an unsupported one refused), else
-    AutoModelForCausalLM."""
+    AutoModelForCausalLM; with `score_head`, AutoModelForSequenceClassification (text models only)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = vision.model_config(cfg)
     why = vision.refusal(config)
     if why:
         raise UserError(why)
+    if score_head:
+        return score_auto_class(config, vision.family(config))
     return AutoModelForImageTextToText if vision.family(config) is not None else AutoModelForCausalLM
 
 
-def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, Any]) -> torch.nn.Module:
+def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, Any], auto: Any = None) -> Any:
     """A GGUF-loaded model copied into an ordinary model of the same config.
 
     transformers marks a GGUF-loaded model as quantized (config.quantization_config, quant_method gguf) although
@@ -226,7 +235,7 @@ def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, An
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+    plain = (auto or AutoModelForCausalLM).from_config(config, dtype=dtype, **common)
     plain.load_state_dict(model.state_dict(), strict=True)
     plain.tie_weights()  # load_state_dict copies values; the tie (one tensor for embed and head) must stay
     plain.generation_config = copy.deepcopy(model.generation_config)
@@ -234,14 +243,14 @@ def _plain_copy(model: torch.nn.Module, dtype: torch.dtype, common: dict[str, An
 
 
 def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.device,
-                    key: str = "model.path") -> torch.nn.Module:
+                    key: str = "model.path", score_head: bool = False) -> torch.nn.Module:
     """The base with its linear layers in 4-bit NF4 (a VLM's language model only). Embeddings, norms and the output
     layer stay in the recipe's dtype (transformers keeps the output layer unquantized; a VLM names it among its
     skips), which the fused loss needs: it multiplies by the output layer's weight itself."""
     dtype = DTYPES[cfg.dtype]
     path, gguf = _checked_location(cfg, key) if cfg.init == "pretrained" else gguf_location(cfg)
-    auto = _auto_class(cfg)  # a supported VLM loads as image-text-to-text, quantized like a text model's decoder
-    skips = vision.quantization_skips(vision.model_config(cfg))
+    auto = _auto_class(cfg, score_head)  # a supported VLM loads as image-text-to-text, quantized like a text model's
+    skips = vision.quantization_skips(vision.model_config(cfg)) + (["score"] if score_head else [])  # head: full
     kwargs: dict[str, Any] = {"dtype": dtype, "quantization_config": _nf4_config(dtype, skips),
                               **_common_kwargs(cfg)}
     if device.type == "cuda":
@@ -250,15 +259,16 @@ def _load_quantized(cfg: ModelConfig, tokenizer: Any, seed: int, device: torch.d
         kwargs["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
     if cfg.init == "pretrained" and not gguf:
         _with_overrides(cfg, path, kwargs)
+        one_label(kwargs, seed, score_head)
         try:
             with files.load_errors(path, key, auto, cfg.trust_remote_code):
-                return auto.from_pretrained(path, **kwargs)
+                return with_pad_id(auto.from_pretrained(path, **kwargs), tokenizer, score_head)
         except (OSError, ValueError) as e:
             raise UserError(f"{files.where(key)} {path!r} could not be loaded in 4-bit ({type(e).__name__}: "
                             f"{first_line(e)}).") from None
     # Random init and GGUF bases exist only in memory; transformers quantizes only inside from_pretrained.
     with tempfile.TemporaryDirectory(prefix="finetune-qlora-") as tmp:
-        _plain_model(cfg, tokenizer, seed, key).save_pretrained(tmp, safe_serialization=True)
+        _plain_model(cfg, tokenizer, seed, key, score_head).save_pretrained(tmp, safe_serialization=True)
         quantized = auto.from_pretrained(tmp, **kwargs)
         # Unquantized tensors may still be memory-mapped from the temporary files: own them before cleanup.
         for param in quantized.parameters():
@@ -322,7 +332,7 @@ def _nf4_config(dtype: torch.dtype, skips: list[str]) -> Any:
                               llm_int8_skip_modules=skips or None)
 
 
-def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.Module:
+def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig, score_head: bool = False) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
@@ -336,9 +346,9 @@ def _apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.M
     exclude += vision.lora_exclusions(model, adapter)  # a LoRA by names stays on the language model
     parameters = _target_parameters(model, adapter.target_parameters)
     config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
-                        target_modules=adapter.target_modules, exclude_modules=exclude or None,
-                        target_parameters=parameters, modules_to_save=adapter.modules_to_save,
-                        ensure_weight_tying=tie, task_type="CAUSAL_LM")
+                        use_rslora=adapter.use_rslora, target_modules=adapter.target_modules,
+                        exclude_modules=exclude or None, target_parameters=parameters, modules_to_save=adapter.modules_to_save,
+                        ensure_weight_tying=tie, task_type="SEQ_CLS" if score_head else "CAUSAL_LM")
     try:
         with quiet_peft():
             peft_model = get_peft_model(model, config)

@@ -28,6 +28,8 @@ def features(recipe: Recipe) -> list[str]:
         "tensorboard": recipe.logging.tensorboard,
         "wandb": recipe.logging.wandb,
         "mlflow": recipe.logging.mlflow,
+        "mistral_common": recipe.tokenizer.backend == "mistral_common",
+        "qat": recipe.qat.weight_dtype is not None,
     }
     return [name for name, on in used.items() if on]
 
@@ -46,7 +48,7 @@ HARMLESS_KEYS = ("logging", "eval", "eval_datasets", "checkpoint", "resume", "ou
 def training_keys(recipe: Recipe) -> dict[str, Any]:
     """The flattened recipe minus harmless keys, and minus the settings of objectives it does not train: what
     must match for a resume to continue the same run."""
-    unused = [f"{name}." for name in ("dpo", "orpo", "distill") if recipe.train.objective != name]
+    unused = [f"{name}." for name in ("dpo", "orpo", "reward", "distill") if recipe.train.objective != name]
     flat = flatten(recipe.model_dump(mode="json"))
     return {k: v for k, v in flat.items() if not any(k == h or k.startswith(h + ".") for h in HARMLESS_KEYS)
             and not k.startswith(tuple(unused))}

@@ -92,6 +92,13 @@ class TokenizerConfig(Section):
 
     path: str | None = None
     """Tokenizer directory or hub id; defaults to model.path."""
+    backend: Literal["hf", "mistral_common"] = "hf"
+    """hf: the transformers tokenizer (tokenizer.json) and its Jinja chat template. mistral_common: Mistral's own
+    tokenizer library (`pip install 'finetune[mistral]'`; the directory's tekken.json or tokenizer.model.vN, through
+    transformers' MistralCommonBackend) encodes each conversation as Mistral's models were trained on it (Mistral
+    Small 3.x, Magistral, Devstral, Ministral; Axolotl's tokenizer_use_mistral_common). Each assistant turn (its
+    content, or its tool calls, and the closing </s>) is located in those tokens and trained exactly; chat and
+    completion data, train.objective sft; no Jinja template, no added or special tokens, assistant turns only."""
     chat_template: str | None = None
     """A chat template replacing the tokenizer's own: Jinja text, or the name of one shipped with finetune
     (chatml, gemma, gemma3, gemma4, llama3, qwen2_5, qwen3, qwen3_5, qwen2_vl: the vendors' official templates, no
@@ -121,7 +128,10 @@ class AdapterConfig(Section):
     r: int = Field(16, gt=0)
     """LoRA rank."""
     alpha: float = Field(32, gt=0)
-    """LoRA alpha (scale = alpha / r)."""
+    """LoRA alpha (scale = alpha / r; alpha / sqrt(r) with use_rslora)."""
+    use_rslora: bool = False
+    """Rank-stabilized LoRA (PEFT's use_rslora): the adapter's output scaled by alpha / sqrt(r), not alpha / r, so a
+    higher rank does not shrink its updates (Axolotl's peft_use_rslora). `finetune merge` merges at that scale."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the LoRA input."""
     target_modules: Literal["all-linear"] | list[str] | str = "all-linear"

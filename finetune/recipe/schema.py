@@ -13,7 +13,8 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 
 from finetune.recipe.distill import DistillConfig
 from finetune.recipe.model import AdapterConfig, ModelConfig, TokenizerConfig
-from finetune.recipe.preference import DPOConfig, ORPOConfig
+from finetune.recipe.preference import DPOConfig, ORPOConfig, RewardModelConfig
+from finetune.recipe.qat import QATConfig
 from finetune.recipe.rl import GRPOConfig
 from finetune.recipe.section import Section
 
@@ -29,7 +30,7 @@ class DatasetConfig(Section):
     """A local .jsonl/.json/.parquet/.csv file, or a hub dataset name."""
     format: Literal["alpaca", "chat", "completion", "preference", "prompt"] = "chat"
     """alpaca: instruction/input/output. chat: a messages list. completion: plain text. preference: prompt, chosen
-    and rejected, as TRL lays them out (train.objective dpo or orpo). prompt: a prompt (text or messages) and any
+    and rejected, as TRL lays them out (train.objective dpo, orpo or reward). prompt: a prompt (text or messages) and any
     other fields, which the reward functions receive (train.objective grpo)."""
     prompt_template: Literal["chat", "alpaca", "alpaca_chat", "alpaca_chatml", "alpaca_phi"] = "chat"
     """alpaca: how a row becomes text. chat: the tokenizer's chat template. alpaca: the Stanford Alpaca prompt
@@ -41,6 +42,10 @@ class DatasetConfig(Section):
     """Split of a hub dataset."""
     name: str | None = None
     """Configuration name of a hub dataset."""
+    data_files: list[str] | None = Field(None, min_length=1)
+    """A hub dataset: read only these files of it, paths inside its repository, as
+    `datasets.load_dataset(path, data_files=...)` takes them (e.g. [pretrain/rp_sub.jsonl.zst]; Axolotl's
+    data_files). Not for a local file, which is read whole."""
     messages_field: str = "messages"
     """chat: the field holding the list of {role, content}."""
     images_field: str = Field("images", min_length=1)
@@ -57,8 +62,11 @@ class DatasetConfig(Section):
     """chat, preference: other names of the roles, e.g. {human: user, gpt: assistant, observation: tool} (ShareGPT).
     system, user, assistant and tool always mean themselves; any other role is a bad row."""
     system_field: str | None = None
-    """chat: a row field whose text becomes a leading system message when the conversation has none (Axolotl reads
-    `system` so). null: no such field."""
+    """chat, preference: a row field whose text becomes a leading system message when the conversation (a pair's
+    prompt) has none (Axolotl reads `system` so; in a preference row an empty text adds none). null: no such field."""
+    drop_system_message: bool = False
+    """chat: leave out a conversation's leading system message (and system_field's), as if the row had none: the
+    model learns to answer without it (Axolotl's drop_system_message). A row left without a message is a bad row."""
     prompt_field: str = "prompt"
     """preference: the field holding the prompt (a string, or a list of messages)."""
     chosen_field: str = "chosen"
@@ -134,9 +142,10 @@ class DataConfig(Section):
 class TrainConfig(Section):
     """The optimization: batch geometry, length of training, optimizer and learning-rate schedule."""
 
-    objective: Literal["sft", "dpo", "orpo", "grpo", "distill"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "reward", "grpo", "distill"] = "sft"
     """sft: supervised fine-tuning on target tokens. dpo / orpo: preference training on pairs (datasets with
-    format: preference; settings in the dpo: / orpo: sections). grpo: online RL on rewards (the grpo: section;
+    format: preference; settings in the dpo: / orpo: sections). reward: a reward model (a score head) trained on
+    such pairs (the reward: section; docs/preference.md). grpo: online RL on rewards (the grpo: section;
     docs/rl.md). distill: a teacher's distributions at the tokens SFT trains (the distill: section)."""
     micro_batch_size: int = Field(4, gt=0, le=MAX_BATCH)
     """Rows per forward pass on one process (padded preference data: pairs, each two rows)."""
@@ -229,6 +238,10 @@ class EvalConfig(Section):
     """Evaluate before the first step."""
     micro_batch_size: int | None = Field(None, gt=0, le=MAX_BATCH)
     """Rows per eval forward; defaults to train.micro_batch_size."""
+    early_stopping_patience: int | None = Field(None, gt=0)
+    """End the run once this many evals in a row (every_steps / every_epochs; not the one at start) have not lowered
+    the best eval_loss, as Hugging Face's EarlyStoppingCallback (Axolotl's early_stopping_patience). final/ holds the
+    weights of the step it stopped at. Needs eval data and an eval cadence; not with train.objective grpo."""
 
 
 class CheckpointConfig(Section):
@@ -302,6 +315,8 @@ class Recipe(Section):
     """The tokenizer (default: the model's)."""
     adapter: AdapterConfig = AdapterConfig()
     """Full fine-tuning or a LoRA/QLoRA adapter."""
+    qat: QATConfig = QATConfig()
+    """Quantization-aware training through torchao, and the quantized model in final/ (qat.weight_dtype null: off)."""
     datasets: list[DatasetConfig] = Field(default_factory=list)
     """Training data."""
     eval_datasets: list[DatasetConfig] = Field(default_factory=list)
@@ -316,6 +331,8 @@ class Recipe(Section):
     """Direct preference optimization settings (train.objective: dpo)."""
     orpo: ORPOConfig = ORPOConfig()
     """Odds-ratio preference optimization settings (train.objective: orpo)."""
+    reward: RewardModelConfig = RewardModelConfig()
+    """Reward model settings (train.objective: reward)."""
     distill: DistillConfig = DistillConfig()
     """Distillation settings: the teacher, the divergence (train.objective: distill; docs/distill.md)."""
     grpo: GRPOConfig = GRPOConfig()

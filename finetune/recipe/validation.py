@@ -20,6 +20,9 @@ from pydantic import BaseModel, ValidationError
 from finetune import templates
 from finetune.errors import UserError
 from finetune.recipe import hints
+from finetune.recipe.mistral import mistral_common_checks
+from finetune.recipe.objective_checks import context_parallel_checks, distill_checks, grpo_checks
+from finetune.recipe.qat import qat_checks
 from finetune.recipe.rl import BUILT_IN_ARGS
 from finetune.recipe.schema import DATASET_LISTS, Recipe
 
@@ -169,6 +172,10 @@ def cross_checks(recipe: Recipe) -> list[str]:
     problems += _number_checks(recipe)
     if t.warmup_ratio is not None and t.warmup_steps:
         problems.append("train.warmup_ratio / train.warmup_steps: give one of them, not both")
+    if recipe.eval.early_stopping_patience and not (
+            (recipe.eval_datasets or d.val_fraction) and (recipe.eval.every_steps or recipe.eval.every_epochs)):
+        problems.append("eval.early_stopping_patience: needs evals during training: eval data (eval_datasets or "
+                        "data.val_fraction) and eval.every_steps or every_epochs")
     if t.warmup_max_steps is not None and t.warmup_ratio is None:
         problems.append("train.warmup_max_steps: caps train.warmup_ratio's warmup; without a ratio, set warmup_steps")
     for section in ("eval", "checkpoint"):
@@ -179,92 +186,7 @@ def cross_checks(recipe: Recipe) -> list[str]:
     if t.trainable_parameters is not None and recipe.adapter.type != "none":
         problems.append("train.trainable_parameters: only for full fine-tuning (adapter.type: none); with an "
                         "adapter, choose what trains with adapter.target_modules and adapter.modules_to_save")
-    return problems + _chat_checks(recipe)
-
-
-def _grpo_checks(recipe: Recipe) -> list[str]:
-    """GRPO trains on its rollouts: one completion per padded row, from a replay file (generation: see docs/rl.md)."""
-    if recipe.train.objective != "grpo":
-        return []
-    problems = []
-    for key in DATASET_LISTS:
-        for i, ds in enumerate(getattr(recipe, key)):
-            if ds.format != "prompt":
-                problems.append(f"{key}.{i}.format: train.objective grpo generates from prompts; use format: prompt "
-                                f"(a prompt, text or messages, and the fields its rewards read), not {ds.format}")
-    if not recipe.grpo.replay and not recipe.grpo.rewards and not recipe.grpo.environment:
-        problems.append("grpo.rewards: generating rollouts needs at least one reward function (or an environment "
-                        "whose get_reward() gives one; docs/rl.md)")
-    if not recipe.grpo.replay and recipe.distributed.strategy == "fsdp":
-        problems.append("distributed.strategy: GRPO's generation runs on each rank's own prompts; with fsdp the "
-                        "ranks' generate calls would have to stay in step: use ddp, or grpo.replay")
-    g = recipe.grpo
-    if g.importance_correction != "none" and g.ratio_against == "replay":
-        problems.append("grpo.importance_correction: weighs the engine's log-probabilities against the trainer's, and "
-                        "ratio_against: replay already takes the engine's as the ratio's denominator: use "
-                        "ratio_against: policy")
-    if g.importance_min is not None and g.importance_max is not None and g.importance_min >= g.importance_max:
-        problems.append(f"grpo.importance_min {g.importance_min} must be below importance_max {g.importance_max}")
-    if recipe.grpo.ratio_against == "replay" and not recipe.grpo.replay:
-        problems.append("grpo.ratio_against: replay takes the replay file's logprobs; set grpo.replay, or use policy")
-    if recipe.grpo.replay and recipe.grpo.multi_turn:
-        problems.append("grpo.tools / grpo.environment: they act in generated rollouts; a replay file's are recorded "
-                        "already (its lines carry env_mask): remove them, or grpo.replay")
-    if recipe.grpo.replay and (recipe.datasets or recipe.eval_datasets):
-        problems.append("datasets: grpo.replay trains on the file's rollouts only; remove datasets and eval_datasets")
-    if recipe.data.packing:
-        problems.append("data.packing: true is written in the recipe (or one it extends), and GRPO trains one "
-                        "completion per row; set data.packing: false (or leave it out: false is GRPO's default)")
-    if recipe.loss.z_loss:
-        problems.append("loss.z_loss: not with train.objective grpo (it adds to token losses)")
-    if recipe.data.deduplicate != "none":
-        problems.append("data.deduplicate: not with train.objective grpo (its prompt datasets are read as they are); "
-                        "remove duplicate prompts from the data")
-    return problems + _reward_args_checks(recipe)
-
-
-def _distill_checks(recipe: Recipe) -> list[str]:
-    """Distillation needs a teacher, and the teacher's logits where the z-loss would add to the student's."""
-    if recipe.train.objective != "distill":
-        return []
-    problems = []
-    d = recipe.distill
-    if not d.teacher and not d.teacher_logprobs:
-        problems.append("distill.teacher: train.objective distill needs a teacher (a model directory or hub id with "
-                        "the student's tokenizer), or distill.teacher_logprobs (its top-k stored in the datasets)")
-    if d.teacher and d.teacher_logprobs:
-        problems.append("distill.teacher_logprobs: one teacher: a model (distill.teacher) or its log-probabilities "
-                        "stored in the datasets (this key), not both")
-    if d.teacher_4bit and not d.teacher:
-        problems.append("distill.teacher_4bit: quantizes a teacher model (distill.teacher); there is none to load")
-    sampled = "distill.lmbda" if d.lmbda > 0 else "distill.seq_kd" if d.seq_kd else None
-    if sampled and d.teacher_logprobs:
-        problems.append(f"{sampled}: sampled completions need the teacher itself (distill.teacher): stored "
-                        "log-probabilities have no entries for other tokens than the data's")
-    if sampled and recipe.distributed.strategy == "fsdp":
-        problems.append(f"distributed.strategy: {sampled} samples completions on every rank; with fsdp the ranks' "
-                        f"generate calls would have to stay in step: use ddp, or turn {sampled} off")
-    if sampled and recipe.data.packing:
-        problems.append(f"{sampled}: its steps replace each row by a completion of its prompt, one completion per "
-                        "row; set data.packing: false")
-    if d.teacher_logprobs and any(c.format == "preference" for c in [*recipe.datasets, *recipe.eval_datasets]):
-        problems.append("distill.teacher_logprobs: preference datasets have no stored teacher; use chat, alpaca or "
-                        "completion rows")
-    if recipe.loss.z_loss:
-        problems.append("loss.z_loss: not with train.objective distill (it adds to token losses)")
-    if recipe.loss.impl == "liger":
-        problems.append("loss.impl: liger has no distillation kernel here; use chunked (the default auto)")
-    return problems
-
-
-def _context_parallel_checks(recipe: Recipe) -> list[str]:
-    """What context parallelism serves for now: SFT on text (its proofs: tests/context_parallel/)."""
-    if recipe.distributed.context_parallel == 1:
-        return []
-    if recipe.train.objective != "sft":
-        return [f"distributed.context_parallel: train.objective {recipe.train.objective} is not split across ranks "
-                "yet (its rows' pairs, rollouts or teacher would have to be); SFT only, for now"]
-    return []
+    return problems + _chat_checks(recipe) + mistral_common_checks(recipe) + qat_checks(recipe)
 
 
 def _reward_args_checks(recipe: Recipe) -> list[str]:
@@ -323,27 +245,39 @@ def _output_dir_place(output_dir: str) -> list[str]:
 def _objective_checks(recipe: Recipe) -> list[str]:
     """Preference objectives train on preference data and nothing else, and the other way round."""
     problems = []
-    preference = recipe.train.objective in ("dpo", "orpo")
+    preference = recipe.train.objective in ("dpo", "orpo", "reward")
     for key in DATASET_LISTS:
         for i, ds in enumerate(getattr(recipe, key)):
             if ds.format == "prompt" and recipe.train.objective != "grpo":
                 problems.append(f"{key}.{i}.format: prompt data is for train.objective: grpo")
                 continue
             if recipe.train.objective == "grpo":
-                continue  # _grpo_checks
+                continue  # grpo_checks (recipe/objective_checks.py)
             if preference and ds.format != "preference":
                 problems.append(f"{key}.{i}.format: train.objective {recipe.train.objective} trains on pairs; "
                                 f"use format: preference (prompt, chosen, rejected), not {ds.format}")
             elif not preference and ds.format == "preference":
-                problems.append(f"{key}.{i}.format: preference data needs train.objective: dpo or orpo")
+                problems.append(f"{key}.{i}.format: preference data needs train.objective: dpo, orpo or reward")
             if ds.format == "preference" and ds.train_on_inputs:
                 problems.append(f"{key}.{i}.train_on_inputs: preference pairs score their completions only")
     if preference and recipe.loss.z_loss:
         problems.append(f"loss.z_loss: not with train.objective {recipe.train.objective} (it adds to token losses)")
-    problems += _grpo_checks(recipe) + _distill_checks(recipe) + _context_parallel_checks(recipe)
+    problems += grpo_checks(recipe) + distill_checks(recipe) + context_parallel_checks(recipe)
+    problems += _reward_args_checks(recipe) if recipe.train.objective == "grpo" else []
     if recipe.dpo.label_smoothing and recipe.dpo.loss != "sigmoid":
         problems.append(f"dpo.label_smoothing: only for dpo.loss: sigmoid, not {recipe.dpo.loss}")
-    return problems
+    return problems + _reward_model_checks(recipe)
+
+
+def _reward_model_checks(recipe: Recipe) -> list[str]:
+    """A reward model's settings only with train.objective reward, and no token loss's settings with it."""
+    if recipe.train.objective != "reward":
+        return [] if not recipe.reward.center_coefficient else [
+            f"reward.center_coefficient: only for train.objective: reward, not {recipe.train.objective}"]
+    if recipe.loss.impl == "liger":
+        return ["loss.impl: liger computes token losses; a reward model scores sequences (no token loss): leave "
+                "loss.impl at auto"]
+    return []
 
 
 # apply_chat_template's own arguments, which finetune sets itself: a template variable must not shadow them.
@@ -386,12 +320,16 @@ def _field_checks(where: str, ds: Any) -> list[str]:
         problems.append(f"{where}.roles_to_train: with prompt_template {ds.prompt_template} the output is trained; "
                         "train_on_inputs: true trains the prompt too")
     formats = {"role_field": ("chat", "preference"), "content_field": ("chat", "preference"),
-               "role_map": ("chat", "preference"), "system_field": ("chat",), "prompt_field": ("preference",),
+               "role_map": ("chat", "preference"), "system_field": ("chat", "preference"),
+               "drop_system_message": ("chat",),
+               "prompt_field": ("preference",),
                "chosen_field": ("preference",), "rejected_field": ("preference",)}
     for name, allowed in formats.items():
         default = type(ds).model_fields[name].get_default(call_default_factory=True)
         if ds.format not in allowed and getattr(ds, name) != default:
             problems.append(f"{where}.{name}: only for format {' or '.join(allowed)}, not {ds.format}")
+    if ds.data_files is not None and local_data_path(ds.path) is not None:
+        problems.append(f"{where}.data_files: only for a hub dataset; {ds.path} is a local file, read whole")
     for name in ds.role_map:
         if name in ("system", "user", "assistant"):
             problems.append(f"{where}.role_map.{name}: system, user and assistant always mean themselves; map "
@@ -412,6 +350,12 @@ def missing_inputs(recipe: Recipe) -> list[str]:
             local = local_data_path(ds.path)
             if local is not None and not local.exists():  # a directory is told apart when the data is read
                 problems.append(f"{key}.{i}.path: {data_file_not_found(ds.path)}")
+    for i, reward in enumerate(recipe.grpo.rewards if recipe.train.objective == "grpo" else []):
+        where = reward.args.get("path") if reward.function == "reward_model" else None
+        if isinstance(where, str) and where and not Path(where).expanduser().exists():
+            problems.append(f"grpo.rewards.{i}.args.path: {where} does not exist (a reward model run or model "
+                            "directory; a relative path is looked up next to the recipe file, then in the current "
+                            f"directory, {Path.cwd()})")
     return problems + _missing_models(recipe)
 
 

@@ -68,7 +68,8 @@ def read_prompts(configs: Sequence[DatasetConfig], tokenizer: Any, template_kwar
     for index, cfg in enumerate(configs):
         taken = 0
         try:
-            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=max_row_bytes):
+            for row in read_rows(cfg.path, split=cfg.split, name=cfg.name, max_row_bytes=max_row_bytes,
+                                 data_files=cfg.data_files):
                 if cfg.max_rows is not None and taken >= cfg.max_rows:
                     break
                 stats.rows_read += 1

@@ -272,17 +272,18 @@ def _load_unsharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 def trainer_state(recipe: Recipe, *, step: int, epoch: int, samples_key: str | None, global_batch: int,
                   world_size: int, tokens_seen: int, samples_seen: int, reference: str | None = None,
                   images_key: str | None = None, frozen: str | None = None,
-                  config: str | None = None) -> dict[str, Any]:
+                  config: str | None = None, early_stopping: dict[str, Any] | None = None) -> dict[str, Any]:
     """trainer_state.json: where the run stands, and what it was, so a resume can refuse a different training.
     `reference`: the digest of the objective's reference model (grpo.reference, dpo.reference), which a resume
     loads again; `images_key`: the training images' bytes (data/cache.py images_key); `frozen`: the digest of the
     frozen weights, which a resume loads from model.path again, and `config` that of the model's config
-    (model/digest.py)."""
+    (model/digest.py); `early_stopping`: the evals' best loss and count (train/early_stop.py)."""
     return {"step": step, "epoch": epoch, "recipe_hash": recipe_hash(recipe), "training_keys": training_keys(recipe),
             "samples_key": samples_key, "global_batch": global_batch, "world_size": world_size,
             "tokens_seen": tokens_seen, "samples_seen": samples_seen, "reference_digest": reference,
             **({"images_key": images_key} if images_key else {}), **({"frozen_digest": frozen} if frozen else {}),
-            **({"config_digest": config} if config else {})}
+            **({"config_digest": config} if config else {}),
+            **({"early_stopping": early_stopping} if early_stopping else {})}
 
 
 def resume_path(recipe: Recipe, out: Path, warn: Callable[[str], Any], deep: bool = True) -> Path | None:

@@ -19,18 +19,26 @@ from finetune.recipe import Recipe, TokenizerConfig
 from finetune.run.directory import RunDir, finished_run, read_versions
 
 
-def load_trained(run_dir: str | Path, recipe: Recipe | None = None) -> tuple[torch.nn.Module, Any]:
+def load_trained(run_dir: str | Path, recipe: Recipe | None = None, generation: bool = False
+                 ) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) of a finished run, ready for inference in its recipe's dtype on the CPU: the full
     weights of final/, or the run's base with the adapter of final/ on it; the tokenizer saved with the run.
-    `recipe` defaults to the run's own (`finetune eval` passes the run's recipe with the user's overrides)."""
+    `recipe` defaults to the run's own (`finetune eval` passes the run's recipe with the user's overrides);
+    `generation`: the tokenizer takes prompts (model/tokenizer.py)."""
     saved, final = finished_run(run_dir)
     recipe = recipe or saved
     files.check_model_dir(final, files.FINAL)  # a damaged file named before anything reads it
-    tokenizer = load_tokenizer(TokenizerConfig(path=str(final)), recipe.model)
+    tokenizer = load_tokenizer(TokenizerConfig(path=str(final), backend=recipe.tokenizer.backend), recipe.model,
+                               generation)
     if has_adapter(final):
         return load_adapted_model(run_dir, final, recipe, tokenizer), tokenizer
     trained = recipe.model.model_copy(update={"path": str(final), "init": "pretrained", "gguf_file": None})
-    return load_base(trained, tokenizer, recipe.seed, key=files.FINAL), tokenizer
+    return load_base(trained, tokenizer, recipe.seed, key=files.FINAL, score_head=is_reward_model(recipe)), tokenizer
+
+
+def is_reward_model(recipe: Recipe) -> bool:
+    """Whether the run trained a reward model (train.objective: reward): its final/ is a sequence classifier."""
+    return recipe.train.objective == "reward"
 
 
 def has_adapter(final: Path) -> bool:
@@ -46,7 +54,7 @@ def load_adapted_model(run_dir: str | Path, final: Path, recipe: Recipe, tokeniz
     files.check_model_dir(final, files.FINAL)  # before the base loads: `finetune merge` comes here directly
     if recipe.model.init == "random":
         check_rebuild_versions(Path(run_dir))
-    base = load_base(recipe.model, tokenizer, recipe.seed)
+    base = load_base(recipe.model, tokenizer, recipe.seed, score_head=is_reward_model(recipe))
     try:
         with quiet_peft(), files.load_errors(final, files.FINAL):
             return PeftModel.from_pretrained(base, str(final)).eval()

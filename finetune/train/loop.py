@@ -25,6 +25,7 @@ from finetune import dist
 from finetune.batch import MicroBatch
 from finetune.errors import Interrupted, Stopped, UserError
 from finetune.metrics import Stopwatch, mfu, model_depth_width, peak_memory_mb
+from finetune.model import qat
 from finetune.model.loading import save_final
 from finetune.recipe import Recipe
 from finetune.rl.plan import RolloutPlan
@@ -88,14 +89,14 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
         if done.step == 0 and recipe.eval.at_start:
             _evaluate(run, 0)
         run.net.train()  # once: an eval switches it back when done
-        clock, bad_streak = Stopwatch(), 0
+        clock, bad_streak, upcoming = Stopwatch(), 0, None
         depth_width = model_depth_width(run.lm)
-        upcoming = None
         for step in range(done.step, plan.total):
             clock.start_lap()  # the step alone: the previous step's eval, checkpoint and logging are not in it
             # Collated ahead during the previous step, unless the rows depend on its update (generated rollouts).
             epoch, step_rows, micro = upcoming or _micro_batches(run, step, clock)
             upcoming = None
+            qat.at_step(run.lm, recipe.qat, step)  # qat.fake_quant_after_n_steps: off for the first N steps
             # The step's counts over all micro-batches and ranks, known before any backward.
             counts, seq_tokens, padded_tokens, stopping = step_counts(run.objective, micro, world, run.device,
                                                                       stop is not None and stop.requested)
@@ -142,13 +143,14 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
                 _write_line(run, pending, pending.ratio_now())
                 pending = None
             _check_bad_streak(bad_streak, recipe.train.max_bad_steps)  # after logging: the metrics show them
-            if evals:
-                _evaluate(run, done.step)
+            if evals and _eval_ends_run(run, done.step):
+                break  # early stopping: the run ends here, as at its last step (its eval just made)
             if saves or stops:
                 saved = _save_checkpoint(run, done, epoch)
             if stops:
                 return _stop_between_steps(run, done, epoch, None, saved)
-        _evaluate(run, plan.total)
+        else:
+            _evaluate(run, plan.total)
     except Interrupted:  # a generation (GRPO's rollouts or its eval) cut short by the stop request
         return _stop_between_steps(run, done, epoch, pending, saved)
     _save_final(run)
@@ -249,20 +251,31 @@ def _update_ratio(run: Run, before: torch.Tensor) -> torch.Tensor:
     return run.weight_samples.ratio(before, dist.all_reduce_sum if dist.is_sharded(run.lm) else None)
 
 
-def _evaluate(run: Run, step: int) -> None:
+def _eval_ends_run(run: Run, step: int) -> bool:
+    """Evaluate at `step`; True when early stopping (eval.early_stopping_patience) ends the run here."""
+    if not run.early_stopping.stops(step, _evaluate(run, step)):
+        return False
+    run.console.print(run.early_stopping.message(step))
+    return True
+
+
+def _evaluate(run: Run, step: int) -> float | None:
+    """Log the eval at `step`; its eval loss (None without eval samples, or for GRPO's mean reward)."""
+    qat.at_step(run.lm, run.recipe.qat, step)  # as the next step will run
     if run.plan.evaluator is not None:  # GRPO: the mean reward of greedy completions of held-out prompts
         record = {"step": step, **run.plan.evaluator()}
         if run.logger:
             run.logger.log(record)
-        return
+        return None
     if not run.eval_samples:
-        return
+        return None
     micro = run.recipe.eval.micro_batch_size or run.recipe.train.micro_batch_size
     result = evaluate_loss(run.objective, run.net, run.eval_samples, run.recipe, micro,
                            run.tokenizer.pad_token_id, run.world, run.device, run.context)
     run.net.train()
     if run.logger:
         run.logger.log(result.record(step))
+    return result.loss
 
 
 def _save_checkpoint(run: Run, done: Progress, epoch: int) -> Path:
@@ -270,7 +283,8 @@ def _save_checkpoint(run: Run, done: Progress, epoch: int) -> Path:
                                      global_batch=run.plan.global_batch, world_size=run.world.size,
                                      tokens_seen=done.tokens_seen, samples_seen=done.samples_seen,
                                      reference=getattr(run.objective, "reference_digest", None),
-                                     images_key=run.images_key, frozen=run.frozen, config=run.config)
+                                     images_key=run.images_key, frozen=run.frozen, config=run.config,
+                                     early_stopping=run.early_stopping.state())
     rollouts = run.plan.resume_state(done.step) if isinstance(run.plan, RolloutPlan) else None
     return checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
                            run.recipe.checkpoint.keep_last, rollouts)
@@ -281,7 +295,9 @@ def _save_final(run: Run) -> None:
     during the save leaves no half final/ (and no debris), only a message."""
     full_state = gather_full_state(run.net, run.lm)  # a collective under FSDP: every rank takes part
     if run.world.is_main:
-        atomic.write_dir(run.out.final, lambda tmp: save_final(run.lm, run.tokenizer, tmp, state_dict=full_state),
+        # final/ holds the quantized model (model/qat.py): under FSDP converted in an unsharded copy from full_state
+        model, full_state = qat.final_model(run.lm, run.recipe.qat, full_state, run.qat_unsharded)
+        atomic.write_dir(run.out.final, lambda tmp: save_final(model, run.tokenizer, tmp, state_dict=full_state),
                          "nothing was half-written: final/ is as it was before this save. Free disk space, then "
                          "run again: with resume: auto it continues from the newest checkpoint (without "
                          "checkpoints, use --overwrite)")

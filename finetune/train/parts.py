@@ -20,11 +20,12 @@ from finetune import dist
 from finetune.data import DataStats, StepPlan
 from finetune.errors import UserError
 from finetune.loss.fused import resolve_impl
-from finetune.model import hub
+from finetune.model import hub, qat
 from finetune.model.loading import load_model
 from finetune.model.router_loss import router_loss
 from finetune.model.tokenizer import load_tokenizer
 from finetune.model.with_loss import CausalLMWithLoss
+from finetune.model.with_score import SequenceScorer
 from finetune.objectives import Objective, Planning, Preparation, objective_for
 from finetune.recipe import Recipe
 from finetune.rl.plan import RolloutPlan
@@ -34,7 +35,8 @@ from finetune.run.trained import load_trained
 @dataclass
 class Parts:
     """What `load_parts` built. `lm` is the model as loaded (PEFT-wrapped with an adapter): what is saved and
-    what DDP/FSDP wrap around; `net` is it with its fused loss, unwrapped."""
+    what DDP/FSDP wrap around; `net` is it with its fused loss (a reward model: with its score head read at each
+    sequence's last token), unwrapped."""
 
     recipe: Recipe
     device: torch.device
@@ -46,7 +48,7 @@ class Parts:
     lm: torch.nn.Module
     impl: str
     objective: Objective
-    net: CausalLMWithLoss
+    net: CausalLMWithLoss | SequenceScorer
     images_key: str | None = None  # the training images' bytes (Prepared.images_key), recorded in checkpoints
 
 
@@ -69,7 +71,8 @@ def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Cal
     prepared = objective.samples(recipe, tokenizer, world, say)  # GRPO: none; its plan makes the rows
     if lm is None:
         lm = load_model(recipe.model, recipe.adapter, tokenizer, recipe.seed, device,
-                        trainable=recipe.train.trainable_parameters)
+                        trainable=recipe.train.trainable_parameters, score_head=recipe.train.objective == "reward")
+        qat.prepare(lm, recipe.qat, device)  # the trained model only: references and teachers load plain
     lm = lm.to(device)
     if check_model is not None:
         check_model(lm, tokenizer)
@@ -78,7 +81,8 @@ def load_parts(recipe: Recipe, world: dist.World, device: torch.device, say: Cal
     chosen = {name: samples for name, samples in (("train", prepared.train), ("eval", prepared.evals))
               if name in splits}
     objective.prepare(chosen, lm, Preparation(recipe, tokenizer, impl, device, prepared.samples_key, fresh_model, say))
-    net = CausalLMWithLoss.for_recipe(lm, recipe.loss, impl, recipe.model.packed_attention)
+    net = SequenceScorer(lm, recipe.model.packed_attention) if recipe.train.objective == "reward" else \
+        CausalLMWithLoss.for_recipe(lm, recipe.loss, impl, recipe.model.packed_attention)
     return Parts(recipe, device, tokenizer, prepared.train, prepared.evals, prepared.train_stats,
                  prepared.samples_key, lm, impl, objective, net, prepared.images_key)
 

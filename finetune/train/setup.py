@@ -22,6 +22,7 @@ from finetune.errors import UserError
 from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import MetricsLogger, WeightSamples, open_sinks
 from finetune.model import kernels as model_kernels
+from finetune.model import qat
 from finetune.model.digest import config_digest, frozen_digest
 from finetune.model.experts import experts_implementation
 from finetune.model.isolation import (
@@ -39,6 +40,7 @@ from finetune.rl.plan import RolloutPlan
 from finetune.run import atomic, checkpoint, startup
 from finetune.run.directory import RunDir, truncate_metrics, write_run_header
 from finetune.train import padding_free
+from finetune.train.early_stop import EarlyStopping
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.padding_free import PaddingFree
 from finetune.train.parallel import check_context_parallel, wrap_model
@@ -83,7 +85,10 @@ class Run:
     config: str | None = None  # the model's config by content (model/digest.py): with `frozen`, a moved model.path
     context: ContextGroup | None = None  # this rank's context-parallel group (distributed.context_parallel > 1)
     padding_free: bool = False  # packing off: each micro-batch's samples end to end in one row (padding_free.py)
+    early_stopping: EarlyStopping = field(default_factory=lambda: EarlyStopping(None))  # eval.early_stopping_patience
     warned: set[str] = field(default_factory=set)  # the once-a-run warnings said already
+    # QAT under FSDP, rank 0: the model unsharded, its weights on the meta device until the end (qat.unsharded_copy)
+    qat_unsharded: torch.nn.Module | None = None
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
@@ -143,10 +148,13 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     if world.is_main:
         _check_disk_room(recipe, out, lm, checkpoint_every is not None, replaced, resumed=resume_from is not None)
     n_params, kernels_used = _report_model(recipe, parts, world, plan, compiled, flat, console)
+    # QAT under FSDP: rank 0 converts the trained model at the end in an unsharded copy, made before sharding.
+    unsharded = qat.unsharded_copy(lm) if (world.is_main and world.distributed and recipe.qat.weight_dtype
+                                           and recipe.distributed.strategy == "fsdp") else None
     net = wrap_model(parts.net, recipe, world, device)
     optimizer = build_optimizer(((n, p) for n, p in lm.named_parameters()), recipe.train)
     scheduler = build_scheduler(optimizer, plan.total, recipe.train)
-    start = Progress()
+    start, state = Progress(), None
     if resume_from is not None:
         state = checkpoint.load(resume_from, lm, optimizer, scheduler)
         checkpoint.check_resume_recipe(recipe, state, plan.global_batch, parts.samples_key,
@@ -163,7 +171,8 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,
                plan, parts.evals, parts.samples_key, logger, start, n_params,
                plan.cadence(recipe.eval.every_steps, recipe.eval.every_epochs), checkpoint_every, parts.images_key,
-               frozen, config, context, flat.on)
+               frozen, config, context, flat.on, EarlyStopping.resumed(recipe.eval.early_stopping_patience, state),
+               qat_unsharded=unsharded)
 
 
 def _check_disk_room(recipe: Recipe, out: RunDir, lm: torch.nn.Module, checkpointing: bool, replaced: list[str],
@@ -229,6 +238,8 @@ def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPla
     trainable, total = count_parameters(lm)
     attn = getattr(lm.config, "_attn_implementation", "?")
     loss = describe_impl(parts.impl, device)  # says so where Liger runs in Triton's interpreter (a testing mode)
+    if recipe.train.objective == "reward":  # no token loss: the score head's Bradley-Terry loss
+        loss = "bradley-terry on a score head"
     packed, record = "", {"loss": loss, "attention": attn, "packed_kernel": None, "packed_kernel_why": None}
     if (recipe.data.packing or flat.on) and is_ours(lm):
         kernel, why = packed_attention(lm, device, setting(recipe.model.packed_attention))
@@ -248,6 +259,9 @@ def _report_model(recipe: Recipe, parts: Parts, world: dist.World, plan: StepPla
     console.print(f"model: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; loss: {loss}; "
                   f"attention: {attn}; device: {device}; world size {world.size}; {plan.total} optimizer steps of "
                   f"{plan.global_batch} rows{packed}{experts_note}{liger}{compiled_note}")
+    if (quantized := qat.record(lm, recipe.qat)) is not None:
+        record["qat"] = quantized
+        console.print(qat.log_line(quantized, plan.total), markup=False, highlight=False)
     return total, record
 
 

@@ -527,3 +527,44 @@ def test_a_huge_jsonl_line_costs_memory_up_to_the_limit_only(tmp_path):
         tracemalloc.stop()
     assert rows[1].error.startswith("the row is 40,000,012 bytes, over data.max_row_bytes (8,388,608)")
     assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB"
+
+
+def test_drop_system_message_leaves_out_the_leading_system_turn():
+    """datasets[].drop_system_message: the leading system message (or system_field's) is left out, with its flag; a
+    later one stays; a row of nothing but a system message is a bad row; other formats refuse the key."""
+    from finetune.data.messages import MessageFields
+
+    drop = MessageFields(system="system", drop_system=True)
+    row = {"system": "From the field.", "messages": [{"role": "system", "content": "Be terse.", "train": False},
+                                                     *MULTI["messages"]]}
+    example = to_example(RawRow(row, "t:1"), "chat", fields=drop)
+    assert example.messages == tuple(MULTI["messages"])
+    assert len(example.trained) == len(MULTI["messages"])
+    kept = to_example(RawRow(row, "t:1"), "chat", fields=MessageFields(system="system"))
+    assert kept.messages[0] == {"role": "system", "content": "Be terse."}
+    with pytest.raises(BadRow, match="only a system message"):
+        to_example(RawRow({"messages": [{"role": "system", "content": "x"}]}, "t:2"), "chat", fields=drop)
+    with pytest.raises(UserError, match="drop_system_message: only for format chat, not completion"):
+        validate({**tiny_recipe("out"), "datasets": [{"path": "t.jsonl", "format": "completion",
+                                                      "drop_system_message": True}]})
+
+
+def test_data_files_pick_files_of_a_hub_dataset(monkeypatch, tmp_path):
+    """datasets[].data_files reach datasets.load_dataset (the hub is out of reach here: the call is recorded and
+    answered with a small dataset), and the rows read are that dataset's; a local file refuses the key."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(path, name=None, **kwargs):
+        calls.append((path, name, kwargs))
+        return datasets.Dataset.from_list([{"text": "one"}, {"text": "two"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    rows = list(read_rows("org/corpus", split="train", data_files=["pretrain/a.jsonl.zst"]))
+    assert [r.data["text"] for r in rows] == ["one", "two"] and rows[0].origin == "org/corpus[train][0]"
+    assert calls == [("org/corpus", None, {"split": "train", "data_files": ["pretrain/a.jsonl.zst"]})]
+    recipe = tiny_recipe(tmp_path)
+    recipe["datasets"][0].update(path=str(tmp_path / "t.jsonl"), data_files=["a.jsonl"])
+    with pytest.raises(UserError, match="data_files: only for a hub dataset;"):
+        validate(recipe)

@@ -68,3 +68,15 @@ def test_a_target_parameter_that_names_nothing_is_refused_with_the_fused_ones(to
     with pytest.raises(UserError, match=r"'mlp.experts.up_proj' names no parameter.*mlp.experts.down_proj, "
                                         r"mlp.experts.gate_up_proj"):
         _moe_lora(tokenizer, ["mlp.experts.up_proj"])
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank(tokenizer):
+    """adapter.use_rslora: every LoRA layer's scale is alpha / sqrt(r) (PEFT's rsLoRA), not alpha / r."""
+    from peft.tuners.lora import LoraLayer
+
+    for rslora, scale in ((False, 8 / 16), (True, 8 / 4)):
+        adapter = AdapterConfig(type="lora", r=16, alpha=8, target_modules=["q_proj"], use_rslora=rslora)
+        lm = load_model(ModelConfig(init="random", config=dict(MOE)), adapter, tokenizer, seed=0,
+                        device=torch.device("cpu"))
+        layers = [m for m in lm.modules() if isinstance(m, LoraLayer)]
+        assert len(layers) == 2 and all(m.scaling["default"] == pytest.approx(scale) for m in layers)

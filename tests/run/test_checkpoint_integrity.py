@@ -17,13 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO_ROOT, TOKENIZER_DIR
+from conftest import REPO_ROOT, TOKENIZER_DIR, tiny_recipe
 from helpers import QUICKSTART, TINY, file_size_limit, run_cli
 from rich.console import Console
 from safetensors.torch import load_file
 
 from finetune.dist import World
 from finetune.errors import UserError
+from finetune.recipe import Recipe
 from finetune.run import checkpoint, manifest, startup
 from finetune.run.directory import RunDir
 
@@ -175,7 +176,8 @@ def test_final_save_is_atomic_and_a_full_disk_leaves_the_previous_final_intact(t
     lm, tokenizer = _tiny_lm()
     closed: list[bool] = []
     run = SimpleNamespace(net=lm, lm=lm, tokenizer=tokenizer, world=World(), out=RunDir(tmp_path),
-                          logger=SimpleNamespace(close=lambda: closed.append(True)), console=Console(quiet=True))
+                          logger=SimpleNamespace(close=lambda: closed.append(True)), console=Console(quiet=True),
+                          recipe=Recipe.model_validate(tiny_recipe(tmp_path)))
     _save_final(run)
     before = {p.name: p.read_bytes() for p in (tmp_path / "final").iterdir()}
     assert "model.safetensors" in before and closed == [True]
