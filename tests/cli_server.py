@@ -32,6 +32,7 @@ import finetune.train.loop  # noqa: F401  the heavy imports (torch, transformers
 # with the runs; each still loads its own tokenizer and model.
 import datasets, transformers  # noqa: E401,F401
 from transformers.models.llama import modeling_llama  # noqa: F401
+import transformers.quantizers.auto  # noqa: F401  model loading imports it, and with it torchao (0.4 s a run)
 transformers.AutoTokenizer.from_pretrained(sys.argv[1])
 print("ready", flush=True)
 for line in sys.stdin:

@@ -177,7 +177,7 @@ def test_final_save_is_atomic_and_a_full_disk_leaves_the_previous_final_intact(t
     closed: list[bool] = []
     run = SimpleNamespace(net=lm, lm=lm, tokenizer=tokenizer, world=World(), out=RunDir(tmp_path),
                           logger=SimpleNamespace(close=lambda: closed.append(True)), console=Console(quiet=True),
-                          recipe=Recipe.model_validate(tiny_recipe(tmp_path)))
+                          recipe=Recipe.model_validate(tiny_recipe(tmp_path)), qat_unsharded=None)
     _save_final(run)
     before = {p.name: p.read_bytes() for p in (tmp_path / "final").iterdir()}
     assert "model.safetensors" in before and closed == [True]
