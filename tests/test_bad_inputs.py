@@ -197,8 +197,8 @@ class Case:
     """What is wrong, in words (the docs table)."""
     stage: str
     """Where it is caught: recipe (before torch is imported), output_dir, data, model, checkpoint, train (at the
-    start of training: a warning), rollouts (making a GRPO step's rollouts), convert (`finetune convert axolotl`),
-    recipes (`finetune recipes add`), runs (a command that reads a finished run: `finetune runs compare`)."""
+    start of training: a warning; while training: a streamed row), rollouts (making a GRPO step's rollouts),
+    convert (`finetune convert axolotl`), recipes (`finetune recipes add`), runs (a command that reads a finished run: `finetune runs compare`)."""
     expect: tuple[str, ...]
     """Substrings of stderr ({d} is the case folder): the key or file:line, and the fix."""
     patch: dict[str, Any] = field(default_factory=dict)
@@ -279,6 +279,23 @@ CASES = [
          ("override 'datasets.3.path=x.jsonl': datasets.3 needs an index 0..0",), args=("datasets.3.path=x.jsonl",)),
     Case("validate_bad_recipe", "`finetune validate` of a bad recipe", "recipe",
          ("train.lrr: unknown key; did you mean 'lr'?",), patch={"train": {"lrr": 1}}, command="validate"),
+    Case("streaming_without_max_steps", "`data.streaming` without train.max_steps", "recipe",
+         ("train.max_steps: required with data.streaming: a streamed dataset's length is unknown until it has been "
+          "read, so the run (and its learning-rate schedule) is max_steps optimizer steps long",),
+         patch={"data": {"streaming": True}, "train": {"max_steps": None, "epochs": 1}}),
+    Case("streaming_preference_data", "`data.streaming` with preference data (train.objective dpo)", "recipe",
+         ("train.objective: dpo is not streamed (data.streaming trains sft on chat, alpaca or completion rows, packed "
+          "as they come; preference pairs, prompts and teachers are preprocessed)",),
+         patch={"data": {"streaming": True}, "train": {"objective": "dpo", "epochs": None},
+                "datasets": [{"path": "train.jsonl", "format": "preference"}]},
+         files={"train.jsonl": jsonl(PAIR_ROW)}),
+    Case("streaming_with_val_fraction", "`data.streaming` with data.val_fraction", "recipe",
+         ("data.val_fraction: a held-out split needs every row counted before training, which data.streaming never "
+          "does; give eval_datasets instead",),
+         patch={"data": {"streaming": True, "val_fraction": 0.1}, "train": {"epochs": None}}),
+    Case("streaming_with_epochs", "`data.streaming` with train.epochs 2", "recipe",
+         ("train.epochs: 2, and with data.streaming the run is train.max_steps steps long",),
+         patch={"data": {"streaming": True}}),
     # --- the output directory --------------------------------------------------------------------------
     Case("output_dir_holds_a_run", "output_dir already holds a run (no resume, no --overwrite)", "output_dir",
          ("output_dir {d}/out already holds a run (metrics.jsonl)", "--overwrite"), overwrite=False),
@@ -411,6 +428,11 @@ CASES = [
          ("{d}/train.jsonl:1: completion rows need a non-empty string field 'text' (fields present: content)",),
          patch={"datasets": [{"path": "train.jsonl", "format": "completion"}]},
          files={"train.jsonl": jsonl({"content": "once upon a time"})}),
+    Case("streamed_bad_row", "a malformed row in a streamed dataset, met as training reads it", "train",
+         ("{d}/train.jsonl:4: malformed JSON", "Fix the row, or set data.on_bad_row: skip"),
+         # Read once the run has started (data.streaming), which replaces an earlier one.
+         patch={"data": {"streaming": True}, "train": {"epochs": None}, "output_dir": "{d}/fresh"},
+         files={"train.jsonl": jsonl(*GOOD_ROWS[:3], '{"messages": [')}),
     Case("csv_missing_column", "a CSV without the needed column", "data",
          ("{d}/train.csv:2: alpaca rows need a string 'output' (fields present: instruction, response)",),
          patch={"datasets": [{"path": "train.csv", "format": "alpaca"}]},
@@ -942,7 +964,8 @@ def render_docs(outcomes: list[Outcome]) -> str:
         "",
         "*Caught at*: `recipe` = while reading the recipe, before torch is imported (also what `finetune",
         "validate` reports); `output_dir`, `data`, `model`, `checkpoint` = at that step of `finetune train`;",
-        "`train` = a warning at the start of training (the run goes on); `rollouts` = while a GRPO step's",
+        "`train` = a warning at the start of training (the run goes on), or a streamed dataset's row, read while",
+        "training (`data.streaming`); `rollouts` = while a GRPO step's",
         "rollouts are made (generated and scored); `convert` = by `finetune convert",
         "axolotl`, before anything is written; `recipes` = by `finetune recipes add`, before git runs; `runs` =",
         "by a command that reads a run directory (`finetune runs compare`, `plot`, `generate`, `merge`).",
@@ -958,7 +981,9 @@ def render_docs(outcomes: list[Outcome]) -> str:
         "`data: 6 samples, ... ; 2 bad rows skipped`.",
         "",
         "With `--overwrite`, the earlier run is removed only after the tokenizer, the data and the model have",
-        "loaded: a run that fails on bad input leaves the earlier run as it was. Only what the earlier run's",
+        "loaded: a run that fails on bad input leaves the earlier run as it was (a streamed dataset's rows are read",
+        "while training, after that: a bad one among them is met once the run has replaced the earlier one). Only",
+        "what the earlier run's",
         "`finetune-run.json` lists is ever removed, and `resume: auto` removes nothing (README, \"The run",
         "directory\").",
         "",

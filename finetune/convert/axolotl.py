@@ -33,6 +33,7 @@ from finetune.convert.rules_tokens import chat_template_rules, token_rules
 from finetune.convert.rules_train import batch_rules, data_rules, lr_rules, objective_rules, optimizer_rules
 from finetune.convert.rules_vision import vision_rules
 from finetune.convert.schedule import cadence_rules, parallel_rules, run_rules
+from finetune.convert.streaming import streaming_rules
 from finetune.convert.writing import recipe_text
 from finetune.errors import UserError
 from finetune.recipe import validate
@@ -118,6 +119,7 @@ def apply_rules(c: Conversion, base: Path) -> None:
     distill_scale(c)
     data_rules(c)
     templates = dataset_rules(c, "datasets", "datasets") + dataset_rules(c, "test_datasets", "eval_datasets")
+    streaming_rules(c)
     if not c.recipe.get("datasets") and not c.problems:
         c.refuse("datasets", "required: at least one training dataset")
     chat_template_rules(c, templates, base)

@@ -113,6 +113,10 @@ MAPPED: dict[str, str] = {
     "lora_r": "adapter.r (8, PEFT's default, when unset)",
     "lora_alpha": "adapter.alpha (8, PEFT's default, when unset)",
     "peft_use_rslora": "adapter.use_rslora (scale alpha / sqrt(r))",
+    "pretraining_dataset": "datasets (format: completion, text_column -> text_field) with data.streaming: true "
+                           "(approximated: a text longer than sequence_len is truncated or dropped, not cut in pieces)",
+    "streaming": "data.streaming: true (the datasets read as a stream, trained by max_steps)",
+    **_each("streaming_multipack_buffer_size pretrain_multipack_buffer_size", "data.stream_buffer (with streaming)"),
     "early_stopping_patience": "eval.early_stopping_patience (approximated: final/ is the stopping step's weights, "
                                "not the best eval's)",
     "reward_model": "train.objective: reward (a sequence-classification head, the Bradley-Terry loss)",
@@ -273,8 +277,8 @@ DROPPED: dict[str, str] = {
     **_each("kto_desirable_weight kto_undesirable_weight", _unless("rl: kto")),
     **_each("simpo_gamma cpo_alpha", _unless("rl: simpo")),
     **_each("max_prompt_len vllm", _unless("rl: grpo and other online RL")),
-    **_each("pretrain_multipack_attn pretrain_multipack_buffer_size pretraining_sample_concatenation "
-            "streaming_multipack_buffer_size", _unless("pretraining_dataset or streaming")),
+    "pretrain_multipack_attn": "packed documents never attend to each other in finetune (always on)",
+    "pretraining_sample_concatenation": "finetune packs streamed documents whole, each isolated (data.packing)",
     **_each("metric_for_best_model greater_is_better", _unless("load_best_model_at_end or save_strategy: best")),
     **_each("grokfast_alpha grokfast_lamb", _plugin("Grokfast")),
     **_each("kd_online_server kd_online_timeout kd_online_topk", _unless("kd_online_server_base_url")),
@@ -311,9 +315,6 @@ REFUSED: dict[str, str] = {
     "reinit_weights": "random weights come from model.config, not from a model.path: write the model's config "
                       "(its config.json) under model.config with model.init: random, and no model.path",
     "llama4_linearized_experts": "Llama 4 with linearized experts is not supported (Llama 4 is multimodal here)",
-    "pretraining_dataset": "streamed pretraining data (overlapping windows) is not supported; use datasets with "
-                           "type: completion",
-    "streaming": "streamed datasets are not supported; finetune reads and caches every dataset",
     **_each("dataset_shard_num dataset_shard_idx", "training on one shard of the data is not supported; cut the "
                                                    "data file instead"),
     "gptq": "GPTQ-quantized base models are not supported; use the unquantized model (qlora for 4-bit)",

@@ -44,8 +44,8 @@ def cadence_rules(c: Conversion, has_eval_data: bool) -> None:
         _every(c, "checkpoint", "save_steps", save_steps, n, epochs)
     elif strategy not in (None, "epoch", "no", "steps"):
         c.refuse("save_strategy", f"{strategy!r}: Axolotl expects no, steps, epoch or best")
-    elif strategy != "no" and (epochs > 1 or c.has("max_steps")):
-        c.put("checkpoint.every_epochs", 1)  # Axolotl's default: at each epoch's end
+    elif strategy != "no" and (epochs > 1 or c.has("max_steps")) and not c.peek("data.streaming"):
+        c.put("checkpoint.every_epochs", 1)  # Axolotl's default: at each epoch's end (a stream has none)
     c.carry("save_total_limit", "checkpoint.keep_last", c.integer("save_total_limit", 4) or 4, "Axolotl's default")
     if c.has("eval_batch_size"):
         c.put("eval.micro_batch_size", c.integer("eval_batch_size", minimum=1))

@@ -176,7 +176,7 @@ def _source_key(cfg: DatasetConfig, key: str) -> dict[str, Any]:
 # is in the cache key, including keys added to the schema later: a new key can cost one re-tokenization, never a
 # stale entry.
 _AFTER_SAMPLES = frozenset({"packing", "packing_check", "padding_free", "shuffle", "drop_last", "pad_to_multiple_of",
-                            "group_by_length", "num_proc", "cache_dir"})
+                            "group_by_length", "num_proc", "cache_dir", "streaming", "stream_buffer"})
 
 
 def cache_inputs(recipe: Recipe, tokenizer: Any) -> dict[str, Any]:
@@ -240,7 +240,6 @@ Fill = Callable[[dict[str, SplitWriter]], dict[str, DataStats]]
 def save_entry(root: Path, key: str, inputs: dict[str, Any], splits: dict[str, tuple[Sequence[dict], DataStats]],
                *, replace: bool = False) -> Path:
     """Write an entry of samples already made (lists of sample dicts) atomically; returns its path."""
-
     def fill(writers: dict[str, SplitWriter]) -> dict[str, DataStats]:
         for split, (samples, _) in splits.items():
             for sample in samples:
@@ -253,11 +252,9 @@ def save_entry(root: Path, key: str, inputs: dict[str, Any], splits: dict[str, t
 def write_entry(root: Path, key: str, inputs: dict[str, Any], fill: Fill, *,
                 replace: bool = False) -> tuple[Path, dict[str, DataStats]]:
     """Write an entry atomically (temporary directory + rename): `fill` streams each split's samples into its
-    writer and returns their stats. Returns the entry's path and the stats.
-
-    When an entry with this key already exists, it is kept (another process wrote the same samples first)
-    unless `replace` (a broken entry, or --rebuild): then it is moved aside and removed.
-    """
+    writer and returns their stats. Returns the entry's path and the stats. When an entry with this key already
+    exists, it is kept (another process wrote the same samples first) unless `replace` (a broken entry, or
+    --rebuild): then it is moved aside and removed."""
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(root)
     entry = root / key
@@ -408,6 +405,9 @@ def prepare(recipe: Recipe, tokenizer: Any, *, rebuild: bool = False) -> Prepare
     """The recipe's samples: from the cache when an entry for exactly these inputs exists, else tokenized into a
     new entry (as a stream: no split is held in memory whole). Never fails because of the cache: an unusable entry
     is rebuilt, an unwritable root is skipped (the samples are then made in memory)."""
+    if recipe.data.streaming:  # training rows are read as training goes (stream.py); stream_cache imports this module
+        from finetune.data.stream_cache import prepare_streamed
+        return prepare_streamed(recipe, tokenizer, rebuild=rebuild)
     notes: list[str] = []
     try:
         inputs = cache_inputs(recipe, tokenizer)

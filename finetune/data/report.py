@@ -29,6 +29,9 @@ def preprocess(recipe: Recipe, tokenizer: Any, *, show: int = 0, rebuild: bool =
     console = console or Console(soft_wrap=True)
     prepared = prepare(recipe, tokenizer, rebuild=rebuild)
     console.print(prepared.note, markup=False, highlight=False)
+    if recipe.data.streaming:  # nothing of the training data to count or cache: it is read as training goes
+        _print_streamed(console, recipe, tokenizer, prepared, show)
+        return prepared
     _print_stats(console, prepared)
     _print_histogram(console, checked_lengths(prepared.train), recipe.data.max_seq_len)
     _print_packing(console, recipe, prepared)
@@ -36,6 +39,18 @@ def preprocess(recipe: Recipe, tokenizer: Any, *, show: int = 0, rebuild: bool =
         console.print()
         print_sample(console, tokenizer, sample, f"sample {i}")
     return prepared
+
+
+def _print_streamed(console: Any, recipe: Recipe, tokenizer: Any, prepared: Prepared, show: int) -> None:
+    """A streamed recipe: the eval data's figures, and with `show` the first samples of the stream (read now)."""
+    from finetune.data.stream import head_samples  # the stream's reader: only for a streamed recipe
+
+    s = prepared.eval_stats
+    console.print(f"eval: {s.rows_read:,} rows read, {s.samples:,} samples, {s.tokens:,} tokens, "
+                  f"{s.target_tokens:,} target tokens", markup=False, highlight=False)
+    for i, sample in enumerate(head_samples(recipe, tokenizer, show) if show > 0 else []):
+        console.print()
+        print_sample(console, tokenizer, sample, f"streamed sample {i}")
 
 
 def _print_stats(console: Any, p: Prepared) -> None:

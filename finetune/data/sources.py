@@ -91,10 +91,12 @@ class ParquetBatch:
 
 
 def read_rows(path: str, *, split: str = "train", name: str | None = None, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
-              span: LineSpan | ParquetBatch | None = None, data_files: list[str] | None = None) -> Iterator[RawRow]:
+              span: LineSpan | ParquetBatch | None = None, data_files: list[str] | None = None,
+              streaming: bool = False) -> Iterator[RawRow]:
     """Yield the rows of a local data file or a hub dataset (`span`: of that piece of a JSONL or parquet file only,
-    file_spans'; `data_files`: of those files of the hub dataset only). Malformed rows, and rows over
-    `max_row_bytes`, come with `error` set."""
+    file_spans'; `data_files`: of those files of the hub dataset only; `streaming`: a hub dataset's rows fetched as
+    they are read, never downloaded whole, data.streaming). Malformed rows, and rows over `max_row_bytes`, come with
+    `error` set."""
     local = local_data_path(path)
     if local is not None:
         if not isinstance(span, ParquetBatch):  # a batch was decoded already: its file is not opened again
@@ -105,7 +107,8 @@ def read_rows(path: str, *, split: str = "train", name: str | None = None, max_r
             else:
                 yield from _read_jsonl(local, max_row_bytes, span) if span else _read_local(local, max_row_bytes)
     else:
-        yield from _bounded(_read_hub(path, split=split, subset=name, data_files=data_files), max_row_bytes)
+        yield from _bounded(_read_hub(path, split=split, subset=name, data_files=data_files, streaming=streaming),
+                            max_row_bytes)
 
 
 def file_spans(path: str, lines: int) -> Iterator[LineSpan | ParquetBatch]:
@@ -408,12 +411,13 @@ def _parquet_batches(file: Path) -> Iterator[Any]:
         raise UserError(f"{file}: cannot read parquet{where} ({e})") from None
 
 
-def _read_hub(name: str, *, split: str, subset: str | None, data_files: list[str] | None = None
-              ) -> Iterator[RawRow]:
+def _read_hub(name: str, *, split: str, subset: str | None, data_files: list[str] | None = None,
+              streaming: bool = False) -> Iterator[RawRow]:
     import datasets  # heavy: only for hub datasets
 
     try:
-        dataset = datasets.load_dataset(name, subset, split=split, data_files=data_files)
+        dataset = datasets.load_dataset(name, subset, split=split, data_files=data_files,
+                                        **({"streaming": True} if streaming else {}))  # the default call otherwise
     except Exception as e:  # offline, unknown name, missing split: all user-fixable
         raise UserError(
             f"dataset {name!r}: not a local file, and loading it from the Hugging Face hub failed "
@@ -430,7 +434,7 @@ def _undecoded(dataset: Any) -> Any:
     kept (data/image_files.py writes them once as a file), never pixels re-encoded."""
     import datasets
 
-    for column, feature in dataset.features.items():
+    for column, feature in (dataset.features or {}).items():  # a streamed dataset may not know its features
         inner = feature.feature if isinstance(feature, datasets.List) else feature
         if isinstance(inner, datasets.Image) and inner.decode:
             image = datasets.Image(decode=False)

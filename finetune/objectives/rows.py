@@ -23,7 +23,8 @@ class DatasetRows:
         with dist.main_first(world, "rank 0 to preprocess the data"):
             prepared = prepare(recipe, tokenizer)
         say(prepared.note)  # reused the preprocessed-data cache, or wrote it
-        say(data_summary(prepared.train_stats, len(prepared.evals)))
+        if not recipe.data.streaming:  # a stream's samples are counted as they come (the metrics), not ahead
+            say(data_summary(prepared.train_stats, len(prepared.evals)))
         for example in prepared.train_stats.bad_row_examples:  # the first few, so a user can see which rows and why
             say(f"  skipped: {example}")
         for example in prepared.train_stats.dropped_examples:  # and which samples were too long

@@ -137,6 +137,17 @@ class DataConfig(Section):
     bad row naming it (README, "Your own model and data"), so that no data is dropped unseen."""
     cache_dir: str | None = None
     """Where tokenized data is cached; null: $FINETUNE_CACHE_DIR, else ~/.cache/finetune/data. Deleting it is always safe."""
+    streaming: bool = False
+    """Stream the training datasets (a pre-training corpus): rows are read as training goes, each process its share,
+    tokenized and packed a window of stream_buffer samples at a time, never preprocessed or cached; the run is
+    train.max_steps long and reads the datasets again from their start when they end (train.objective sft; chat,
+    alpaca or completion rows; eval_datasets are preprocessed as usual). A checkpoint records each process's place in
+    the stream, so a resume continues bit for bit. Axolotl's pretraining_dataset and streaming (docs/design.md,
+    "Streamed datasets")."""
+    stream_buffer: int = Field(10_000, gt=0)
+    """streaming: samples per window (per process): each window's samples are packed (or, unpacked, ordered) as an
+    epoch of cached samples is, seeded, so the rows are shuffled within a window, not across windows. Axolotl's
+    streaming_multipack_buffer_size (pretrain_multipack_buffer_size)."""
 
 
 class TrainConfig(Section):

@@ -25,6 +25,7 @@ from finetune.recipe.objective_checks import context_parallel_checks, distill_ch
 from finetune.recipe.qat import qat_checks
 from finetune.recipe.rl import BUILT_IN_ARGS
 from finetune.recipe.schema import DATASET_LISTS, Recipe
+from finetune.recipe.streaming import streaming_checks
 
 # A dataset path with one of these suffixes is a local file (anything else may be a hub dataset name).
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -186,7 +187,8 @@ def cross_checks(recipe: Recipe) -> list[str]:
     if t.trainable_parameters is not None and recipe.adapter.type != "none":
         problems.append("train.trainable_parameters: only for full fine-tuning (adapter.type: none); with an "
                         "adapter, choose what trains with adapter.target_modules and adapter.modules_to_save")
-    return problems + _chat_checks(recipe) + mistral_common_checks(recipe) + qat_checks(recipe)
+    return (problems + _chat_checks(recipe) + mistral_common_checks(recipe) + qat_checks(recipe)
+            + streaming_checks(recipe))
 
 
 def _reward_args_checks(recipe: Recipe) -> list[str]:

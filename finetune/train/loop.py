@@ -23,6 +23,7 @@ from rich.console import Console
 
 from finetune import dist
 from finetune.batch import MicroBatch
+from finetune.data.stream import StreamPlan
 from finetune.errors import Interrupted, Stopped, UserError
 from finetune.metrics import Stopwatch, mfu, model_depth_width, peak_memory_mb
 from finetune.model import qat
@@ -98,8 +99,8 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
             upcoming = None
             qat.at_step(run.lm, recipe.qat, step)  # qat.fake_quant_after_n_steps: off for the first N steps
             # The step's counts over all micro-batches and ranks, known before any backward.
-            counts, seq_tokens, padded_tokens, stopping = step_counts(run.objective, micro, world, run.device,
-                                                                      stop is not None and stop.requested)
+            counts, seq_tokens, padded_tokens, stopping, samples = step_counts(
+                run.objective, micro, world, run.device, stop is not None and stop.requested, _samples(run, step_rows))
             sums = forward_backward(run.net, run.objective, micro, counts, world, run.device)
             norm = clip_gradients(run.params, recipe.train.max_grad_norm or math.inf)
             if step + 1 < plan.total and plan.prefetch:
@@ -120,8 +121,7 @@ def train_loop(run: Run, stop: StopRequest | None = None) -> str | None:
             run.scheduler.step()
             ratio = _update_ratio(run, before) if before is not None else None
             seconds = clock.lap()
-            done = Progress(step + 1, done.tokens_seen + seq_tokens, done.samples_seen + sum(
-                len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows))
+            done = Progress(step + 1, done.tokens_seen + seq_tokens, done.samples_seen + samples)
             saved = None  # no checkpoint of this step yet
             step_mfu = mfu(seq_tokens / seconds / world.size, run.n_params, *depth_width,
                            recipe.data.max_seq_len or 2048, run.device) if all(depth_width) else None
@@ -223,9 +223,19 @@ def _micro_batches(run: Run, step: int, clock: Stopwatch) -> tuple[int, list[dic
     recipe, world = run.recipe, run.world
     with clock.excluded():
         epoch, step_rows = run.plan.step(step)
-    micro = step_micro_batches(run.objective, step_rows, recipe, run.tokenizer.pad_token_id, world.size, world.rank,
+    # A streamed plan's rows are this rank's own already (data/stream.py): nothing to deal to the other ranks.
+    size, rank = (1, 0) if getattr(run.plan, "rank_local", False) else (world.size, world.rank)
+    micro = step_micro_batches(run.objective, step_rows, recipe, run.tokenizer.pad_token_id, size, rank,
                                run.device, run.context, run.padding_free)
     return epoch, step_rows, micro
+
+
+def _samples(run: Run, step_rows: list[dict]) -> int:
+    """This rank's part of the step's sample count, which step_counts sums over the ranks: every rank has the step's
+    rows, so rank 0 counts them all, except where each reads its own (a streamed plan): each counts its own."""
+    if not (run.world.is_main or getattr(run.plan, "rank_local", False)):
+        return 0
+    return sum(len(r["doc_lengths"]) if "doc_lengths" in r else 1 for r in step_rows)
 
 
 def _check_bad_streak(bad_streak: int, most: int) -> None:
@@ -286,6 +296,9 @@ def _save_checkpoint(run: Run, done: Progress, epoch: int) -> Path:
                                      images_key=run.images_key, frozen=run.frozen, config=run.config,
                                      early_stopping=run.early_stopping.state())
     rollouts = run.plan.resume_state(done.step) if isinstance(run.plan, RolloutPlan) else None
+    if isinstance(run.plan, StreamPlan):  # every rank's place in its share of the stream, in rank order
+        mine = [run.plan.resume_state(done.step)]
+        state["stream"] = dist.all_gather_objects(mine) if run.world.distributed else mine
     return checkpoint.save(run.out.root, done.step, run.lm, run.optimizer, run.scheduler, state,
                            run.recipe.checkpoint.keep_last, rollouts)
 

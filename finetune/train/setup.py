@@ -18,6 +18,7 @@ from finetune.context_parallel.groups import context_group, data_parallel
 from finetune.context_parallel.isolation import sharded_isolation_error
 from finetune.context_parallel.shard import ContextGroup
 from finetune.data import StepPlan
+from finetune.data.stream import StreamPlan
 from finetune.errors import UserError
 from finetune.loss.fused import describe_impl, resolve_impl
 from finetune.metrics import MetricsLogger, WeightSamples, open_sinks
@@ -72,7 +73,7 @@ class Run:
     objective: Objective
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    plan: StepPlan | RolloutPlan
+    plan: StepPlan | RolloutPlan | StreamPlan
     eval_samples: list[dict]
     samples_key: str | None  # the training data's identity, recorded in checkpoints
     logger: MetricsLogger | None  # rank 0 only
@@ -164,8 +165,11 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
         if isinstance(plan, RolloutPlan) and (note := plan.restore(checkpoint.rollout_state(resume_from), start.step,
                                                                     str(resume_from))):
             warn(console, note)
+        if isinstance(plan, StreamPlan):  # each rank's place in its share of the stream (data/stream.py)
+            plan.restore(state.get("stream"), start.step, str(resume_from))
         console.print(f"resumed from {resume_from} at step {start.step}")
     record = kernels_used | ({"code": code} if (code := run_record(recipe)) else {})  # imported already: cheap
+    record |= getattr(plan, "record", {})  # a streamed plan: that the data was streamed, and how
     logger = _open_run_dir(recipe, out, console, replaced, versions.snapshot(warnings) | {"run": record}, plan,
                            start, resumed=resume_from is not None) if world.is_main else None
     return Run(recipe, world, device, console, out, parts.tokenizer, lm, net, parts.objective, optimizer, scheduler,

@@ -56,21 +56,24 @@ class StepCounts(NamedTuple):
     """Tokens computed, padding included."""
     stop: bool = False
     """Some rank was asked to stop (train/stop.py): every rank stops after this step."""
+    samples: int = 0
+    """The samples (documents) of the step: every rank's `samples` summed."""
 
 
 def step_counts(objective: Objective, micro: list[MicroBatch], world: dist.World, device: torch.device,
-                stop: bool = False) -> StepCounts:
+                stop: bool = False, samples: int = 0) -> StepCounts:
     """The step's counts, each summed over the step's micro-batches on every rank: host integers from the collated
     batches, one all-reduce under torchrun. `stop`, this rank's stop request, is summed with them, so that all
-    ranks agree on the step to stop after without a sync of its own."""
+    ranks agree on the step to stop after without a sync of its own; so is `samples`, this rank's part of the step's
+    sample count (where each rank reads its own rows, a streamed plan's, no rank knows the others')."""
     names = [*objective.units, *(("tokens",) if "tokens" not in objective.units else ())]
     local = [sum((objective.counts(m) if u in objective.units else {"tokens": m.targets})[u] for m in micro)
              for u in names]
-    local += [sum(m.seq_tokens for m in micro), sum(m.padded_tokens for m in micro), int(stop)]
+    local += [sum(m.seq_tokens for m in micro), sum(m.padded_tokens for m in micro), samples, int(stop)]
     totals = local
     if world.distributed:  # the contract's one host sync before the backward: every rank needs the step's counts
         totals = [int(x) for x in dist.all_reduce_sum(torch.tensor(local, device=device)).tolist()]
-    return StepCounts(dict(zip(names, totals)), totals[-3], totals[-2], totals[-1] > 0)
+    return StepCounts(dict(zip(names, totals)), totals[-4], totals[-3], totals[-1] > 0, totals[-2])
 
 
 def forward_backward(net: torch.nn.Module, objective: Objective, micro: list[MicroBatch], counts: dict[str, int],

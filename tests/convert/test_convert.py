@@ -385,3 +385,20 @@ def test_early_stopping_converts_with_allow_approx(tmp_path):
     assert "early_stopping_patience: only approximately: final/ holds the weights" in _error(tmp_path, text)
     recipe = yaml.safe_load(_convert(tmp_path, text, allow_approx=True).text)
     assert recipe["eval"]["early_stopping_patience"] == 3 and recipe["eval"]["every_steps"] == 10
+
+
+def test_streamed_corpora_convert(tmp_path):
+    """pretraining_dataset -> completion datasets read as a stream (with --allow-approx: long texts are truncated,
+    not cut in pieces); streaming: true -> data.streaming; the buffer size -> data.stream_buffer."""
+    corpus = ("base_model: org/model\nmax_steps: 100\nsample_packing: true\nstreaming_multipack_buffer_size: 500\n"
+              "pretraining_dataset:\n  - {path: org/web, name: en, split: train, type: pretrain, text_column: body}\n")
+    assert "pretraining_dataset: only approximately: a text longer than sequence_len is truncated" in \
+        _error(tmp_path, corpus)
+    recipe = yaml.safe_load(_convert(tmp_path, corpus, allow_approx=True).text)
+    assert recipe["datasets"] == [{"path": "org/web", "format": "completion", "name": "en", "split": "train",
+                                   "text_field": "body"}]
+    assert recipe["data"]["streaming"] is True and recipe["data"]["stream_buffer"] == 500
+    assert recipe["data"]["truncation"] == "truncate"
+    sft = yaml.safe_load(_convert(tmp_path, MINIMAL + "max_steps: 10\nstreaming: true\n").text)
+    assert sft["data"]["streaming"] is True
+    assert "pretraining_dataset: with datasets" in _error(tmp_path, MINIMAL + corpus.split("\n", 1)[1], True)
