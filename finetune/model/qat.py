@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -186,6 +187,10 @@ def _fake_quantized_classes() -> tuple[type, ...]:
     return q.qat.FakeQuantizedLinear, q.qat.FakeQuantizedEmbedding, MXFakeQuantizedLinear, NVFP4FakeQuantizedLinear
 
 
+# Each prepared model's fake quantizers (its modules do not change once prepared), for at_step.
+_FAKE_QUANTIZERS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
+
+
 def at_step(model: torch.nn.Module, cfg: QATConfig, steps_done: int) -> None:
     """Fake quantization on or off for the optimizer step after `steps_done` steps (and an eval between them): off
     for the first qat.fake_quant_after_n_steps steps. Each of torchao's fake quantizers (a linear layer's for its
@@ -195,10 +200,13 @@ def at_step(model: torch.nn.Module, cfg: QATConfig, steps_done: int) -> None:
     if cfg.weight_dtype is None or not cfg.fake_quant_after_n_steps:
         return
     on = steps_done >= cfg.fake_quant_after_n_steps
-    quantizer = _torchao().qat.FakeQuantizerBase
-    for module in model.modules():
-        if isinstance(module, quantizer):
-            module.enabled = on
+    quantizers = _FAKE_QUANTIZERS.get(model)
+    if quantizers is None:  # found once: walking every module each step is host time on the step's path
+        kind = _torchao().qat.FakeQuantizerBase
+        quantizers = _FAKE_QUANTIZERS[model] = [m for m in model.modules() if isinstance(m, kind)]
+    if quantizers and quantizers[0].enabled != on:  # all switched together: only a change walks them
+        for quantizer in quantizers:
+            quantizer.enabled = on
 
 
 def convert(model: torch.nn.Module, cfg: QATConfig) -> None:
