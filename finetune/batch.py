@@ -237,6 +237,9 @@ class MicroBatch:
     device: torch.device | None = None
     target_positions: Targets | None = None
     documents: Documents | None = None
+    context: Any = None
+    """The context-parallel group its rows are split across (context_parallel.shard.ContextGroup: this micro-batch
+    is this rank's share of them); None: whole rows."""
 
     @property
     def packed(self) -> bool:

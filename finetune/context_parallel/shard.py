@@ -59,8 +59,12 @@ def shard_batch(batch: MicroBatch, context: ContextGroup, device: torch.device) 
     if teacher is not None:  # a stored teacher's rows are in the order of the whole rows' targets
         keep = torch.from_numpy(mine)
         teacher = StoredTeacherFields(teacher.ids[keep], teacher.logprobs[keep]).to(device)
+    pairs = batch.pairs
+    if pairs is not None:  # each position's document travels with its token; the pairs' sums: sequence_sums.py
+        doc_index = _padded_to(pairs.doc_index.cpu(), labels, positions, context.ranks, fill=-1)[0]
+        pairs = dataclasses.replace(pairs, doc_index=doc_index[:, lo:hi].contiguous()).to(device)
     return dataclasses.replace(
-        batch, input_ids=to_device(ids[:, lo:hi].contiguous(), device),
+        batch, input_ids=to_device(ids[:, lo:hi].contiguous(), device), pairs=pairs, context=context,
         labels=to_device(labels[:, lo:hi].contiguous(), device), targets=len(local),
         seq_tokens=batch.seq_tokens if context.rank == 0 else 0, padded_tokens=ids.shape[0] * share,
         position_ids=to_device(positions[:, lo:hi].contiguous(), device), attention_mask=None, teacher=teacher,
@@ -78,13 +82,14 @@ def _packed_form(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return ids, labels, torch.where(real, steps, steps - real.sum(dim=1, keepdim=True))
 
 
-def _padded_to(ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
-               ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows lengthened to a multiple of `ranks` with one more document (token 0, no label, positions from 0)."""
+def _padded_to(ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, ranks: int,
+               fill: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows lengthened to a multiple of `ranks` with one more document (token `fill`, no label, positions from
+    0)."""
     extra = -ids.shape[1] % ranks
     if not extra:
         return ids, labels, positions
     rows = ids.shape[0]
-    return (torch.cat([ids, ids.new_zeros(rows, extra)], dim=1),
+    return (torch.cat([ids, ids.new_full((rows, extra), fill)], dim=1),
             torch.cat([labels, labels.new_full((rows, extra), IGNORE_INDEX)], dim=1),
             torch.cat([positions, torch.arange(extra).expand(rows, extra)], dim=1))

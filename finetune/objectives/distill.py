@@ -33,6 +33,7 @@ from finetune.recipe import AdapterConfig, GRPOConfig, Recipe, TokenizerConfig
 from finetune.recipe.distill import DistillConfig
 from finetune.rl.generation import HFGenerator, PagedGenerator
 from finetune.rl.rollout import end_ids
+from finetune.train.parallel import check_context_parallel
 
 
 class Distill(DatasetRows):
@@ -62,6 +63,12 @@ class Distill(DatasetRows):
             if self.vocab is not None:
                 self.metrics["teacher_outside"] = "tokens"
             self.reference_digest = weights_digest(self.teacher.lm)
+            ranks = setting.recipe.distributed.context_parallel
+            if ranks > 1:  # the teacher runs on each rank's share of the rows too, its attention split the same way
+                try:
+                    check_context_parallel(self.teacher.lm, ranks)
+                except UserError as e:
+                    raise UserError(f"distill.teacher {self.cfg.teacher}: {e}") from None
 
     def plan(self, planning: Planning) -> StepPlan:
         """The datasets' rows each step; with distill.lmbda, a seeded fraction of steps on the student's own

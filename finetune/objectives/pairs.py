@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.batch import MicroBatch
+from finetune.context_parallel.sequence_sums import group_sum
 
 
 @dataclass
@@ -35,6 +36,8 @@ def pair_logps(net: torch.nn.Module, batch: MicroBatch, device: torch.device, ob
     too: they are in token_logps (the NLL), while the sums and counts stay the completions'."""
     batch.require("pairs", objective)
     completion = None
+    if whole_chosen and batch.context is not None:  # refused by the recipe's checks (objective_checks.py)
+        raise ValueError("orpo.nll: sequence rescores the whole rows, which context parallelism has split")
     if whole_chosen:
         batch, completion = _whole_chosen(batch)
     batch = batch.to(device)
@@ -47,6 +50,8 @@ def pair_logps(net: torch.nn.Module, batch: MicroBatch, device: torch.device, ob
         counted = completion.reshape(-1).to(device).index_select(0, keep).to(logp.dtype)
     sums = torch.zeros(n_docs, dtype=logp.dtype, device=device).index_add(0, doc, logp * counted)
     tokens = torch.zeros(n_docs, dtype=logp.dtype, device=device).index_add(0, doc, counted)
+    # Rows split across context-parallel ranks: each rank summed its positions; every rank gets the whole sums.
+    sums, tokens = group_sum(sums, batch.context), group_sum(tokens, batch.context)
     ref = pairs.ref_logps.to(dtype=logp.dtype).reshape(-1, 2)
     return PairLogps(sums[0::2], sums[1::2], tokens[0::2], tokens[1::2], ref[:, 0], ref[:, 1], logp, doc % 2 == 0)
 

@@ -1,7 +1,8 @@
 """Preference objectives, the pair as the unit: DPO (the summed pair losses over the step's pairs) and ORPO (the
 chosen completions' token cross-entropy over their tokens, plus beta times the odds-ratio terms over the pairs).
-A pair (chosen, rejected) is never split across rows, micro-batches or ranks, so its non-linear loss is always
-computed whole; docs/preference.md has the formulas and the choices.
+A pair (chosen, rejected) is never split across rows, micro-batches or data-parallel ranks, so its non-linear loss
+is always computed whole (under context parallelism from its sides' whole sums: context_parallel/sequence_sums.py);
+docs/preference.md has the formulas and the choices.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from finetune.batch import MicroBatch
+from finetune.context_parallel.sequence_sums import counted_here
 from finetune.objectives.base import MicroResult, Preparation
 from finetune.objectives.pair_losses import dpo_losses, orpo_log_odds, orpo_ratio_losses
 from finetune.objectives.pairs import PairLogps, chosen_sequence_tokens, pair_logps
@@ -49,14 +51,14 @@ class DPO(DatasetRows):
             samples_key=setting.samples_key, fresh_model=setting.fresh_model, say=setting.say)
 
     def counts(self, batch: MicroBatch) -> dict[str, int]:
-        return {"pairs": batch.require("pairs", self.name).count}
+        return {"pairs": batch.require("pairs", self.name).count if counted_here(batch.context) else 0}
 
     def forward(self, net: torch.nn.Module, batch: MicroBatch, device: torch.device) -> MicroResult:
         p = pair_logps(net, batch, device, self.name)
         losses = dpo_losses(p.chosen, p.rejected, p.ref_chosen, p.ref_rejected, p.n_chosen, p.n_rejected,
                             beta=self.beta, kind=self.kind, label_smoothing=self.label_smoothing)
         rewards = self.beta * (p.chosen - p.ref_chosen), self.beta * (p.rejected - p.ref_rejected)
-        return MicroResult({"pairs": losses.sum()}, _reward_metrics(*rewards, p))
+        return _once_per_group(MicroResult({"pairs": losses.sum()}, _reward_metrics(*rewards, p)), batch, ())
 
 
 class ORPO(DatasetRows):
@@ -78,6 +80,8 @@ class ORPO(DatasetRows):
 
     def counts(self, batch: MicroBatch) -> dict[str, int]:
         pairs = batch.require("pairs", self.name)
+        if not counted_here(batch.context):
+            return {"chosen_tokens": 0, "pairs": 0}
         tokens = chosen_sequence_tokens(batch) if self.whole_chosen else pairs.chosen_tokens
         return {"chosen_tokens": tokens, "pairs": pairs.count}
 
@@ -89,4 +93,16 @@ class ORPO(DatasetRows):
         rewards = (self.beta * p.chosen / p.n_chosen.clamp(min=1), self.beta * p.rejected / p.n_rejected.clamp(min=1))
         metrics = {**_reward_metrics(*rewards, p), "nll_loss": nll.detach().double(),
                    "or_loss": ratio.detach().double(), "log_odds": log_odds.detach().sum().double()}
-        return MicroResult({"chosen_tokens": nll, "pairs": self.beta * ratio}, metrics)
+        result = MicroResult({"chosen_tokens": nll, "pairs": self.beta * ratio}, metrics)
+        return _once_per_group(result, batch, ("chosen_tokens", "nll_loss"))
+
+
+def _once_per_group(result: MicroResult, batch: MicroBatch, per_token: tuple[str, ...]) -> MicroResult:
+    """Under context parallelism, a pair's figures counted on the group's first rank only (sequence_sums.py): every
+    rank computed them from the whole sums; the per-token ones (`per_token`: each rank's share of the positions)
+    are kept on every rank, as SFT's are."""
+    if counted_here(batch.context):
+        return result
+    terms = {k: v if k in per_token else v * 0 for k, v in result.terms.items()}
+    metrics = {k: v if k in per_token else torch.zeros_like(v) for k, v in result.metrics.items()}
+    return MicroResult(terms, metrics)

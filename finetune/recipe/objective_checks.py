@@ -84,10 +84,14 @@ def distill_checks(recipe: Recipe) -> list[str]:
 
 
 def context_parallel_checks(recipe: Recipe) -> list[str]:
-    """What context parallelism serves for now: SFT on text (its proofs: tests/context_parallel/)."""
+    """What context parallelism serves for now: SFT, DPO, ORPO and distillation on text (their proofs: tests/context_parallel/)."""
     if recipe.distributed.context_parallel == 1:
         return []
-    if recipe.train.objective != "sft":
-        return [f"distributed.context_parallel: train.objective {recipe.train.objective} is not split across ranks "
-                "yet (its rows' pairs, rollouts or teacher would have to be); SFT only, for now"]
+    objective = recipe.train.objective
+    if objective not in ("sft", "dpo", "orpo", "distill"):
+        return [f"distributed.context_parallel: train.objective {objective} is not split across ranks yet (its "
+                "rows' rollouts or scores would have to be); sft, dpo, orpo and distill are"]
+    if objective == "orpo" and recipe.orpo.nll == "sequence":
+        return ["distributed.context_parallel: not with orpo.nll: sequence yet (it rescores the whole rows after "
+                "they are split); orpo.nll: completion is split across ranks"]
     return []

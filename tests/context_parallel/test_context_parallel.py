@@ -1,8 +1,9 @@
 """Context parallelism end to end (distributed.context_parallel; finetune/context_parallel/): each row split across
 ranks trains as one process does (Mistral with a sliding window, Qwen2), packed (gradient checkpointing, LoRA) and
 padded, a short last step included, alone (CP 2, FSDP2) and with data parallelism (DP 2 x CP 2, four gloo ranks,
-DDP), packed documents checked isolated across the cut at start: every step's loss and grad norm within 1e-5, the final weights within
-1e-5 per tensor. And the splitting itself: labels shifted once, on the whole rows (verl #6068), each target on
+DDP), packed documents checked isolated across the cut at start; DPO (packed), ORPO (padded, FSDP2) and distillation
+(on-policy steps included) too: every step's loss and grad norm within 1e-5, the final weights within 1e-5 per
+tensor. And the splitting itself: labels shifted once, on the whole rows (verl #6068), each target on
 exactly one rank (no position split twice: Axolotl #3498), the documents those of the whole rows (TRL #6843)."""
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import pytest
 import torch
 from helpers import (
     QUICKSTART,
+    ROOT,
     TINY,
     assert_same_steps,
     final_weights,
     rel_diff,
     run_cli,
     run_process,
+    teacher_dir,
     train_lines,
 )
 
@@ -28,6 +31,7 @@ from finetune.data import collate
 from finetune.recipe import DataConfig
 
 pytestmark = pytest.mark.dist
+DATA = ROOT / "examples" / "data"
 
 PACKED = [*TINY, "train.max_steps=3"]
 # 10 padded rows in steps of 4: the last step has 2
@@ -54,14 +58,14 @@ def _same(run, ref, weight_tolerance: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory, teacher):
     """The reference runs, in one process at 4 x 1, made when first asked for."""
     made: dict[str, object] = {}
 
     def run(case: str):
         if case not in made:
             ref = tmp_path_factory.mktemp(f"one-{case}")
-            r = run_cli("train", str(QUICKSTART), f"output_dir={ref}", *CASES[case], "train.micro_batch_size=4",
+            r = run_cli("train", str(QUICKSTART), f"output_dir={ref}", *_args(case, teacher), "train.micro_batch_size=4",
                         "train.gradient_accumulation_steps=1")
             assert r.returncode == 0, r.stderr[-3000:]
             made[case] = ref
@@ -72,17 +76,38 @@ def one_process(tmp_path_factory):
 
 # Mistral with a sliding window shorter than the rows (the window is kept across the cut: each rank attends over whole
 # rows), padded, a short last step; Qwen2 packed, with a LoRA adapter and gradient checkpointing.
+# DPO packed (a pair's two sides and the rows' other pairs cut across the ranks: each side's log-probability summed
+# over the group, its loss counted once); ORPO padded (its per-token NLL split as SFT's, its odds-ratio term whole).
+PREFERENCE = [f"datasets.0.path={DATA / 'quickstart_pref_train.jsonl'}", "datasets.0.format=preference",
+              "datasets.0.max_rows=40", "eval_datasets=[]"]
 CASES = {"short": [*SHORT, "model.config.model_type=mistral", "model.config.sliding_window=16"],
          "lora": [*PACKED, "model.config.model_type=qwen2", "adapter.type=lora", "train.lr=1e-2",
-                  "model.gradient_checkpointing=true"]}
+                  "model.gradient_checkpointing=true"],
+         "dpo": [*PACKED, *PREFERENCE, "train.objective=dpo"],
+         "orpo": [*PACKED, *PREFERENCE, "train.objective=orpo", "data.packing=false"],
+         "distill": [*PACKED, "train.objective=distill", "distill.teacher={teacher}", "distill.lmbda=0.5",
+                     "distill.max_new_tokens=6", "distill.sft_weight=0.5", "data.packing=false"]}
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    return teacher_dir(tmp_path_factory.mktemp("teacher"))
+
+
+def _args(case: str, teacher) -> list[str]:
+    return [arg.replace("{teacher}", str(teacher)) for arg in CASES[case]]
 
 
 @pytest.mark.parametrize("case, nproc, micro, accumulation, strategy", [
     ("short", 2, 2, 2, "fsdp"),  # CP 2: one data-parallel rank, its 4 rows a step in 2 micro-batches
     ("lora", 4, 1, 2, "ddp"),  # DP 2 x CP 2
+    ("dpo", 2, 1, 4, "ddp"),
+    ("orpo", 2, 2, 2, "fsdp"),
+    ("distill", 2, 2, 2, "ddp"),
 ])
-def test_context_parallel_trains_as_one_process(tmp_path, one_process, case, nproc, micro, accumulation, strategy):
-    extra = CASES[case]
+def test_context_parallel_trains_as_one_process(tmp_path, one_process, teacher, case, nproc, micro, accumulation,
+                                               strategy):
+    extra = _args(case, teacher)
     ref = one_process(case)
     run = tmp_path / "cp"
     r = _torchrun(nproc, "train", str(QUICKSTART), f"output_dir={run}", *extra, f"train.micro_batch_size={micro}",
@@ -90,7 +115,7 @@ def test_context_parallel_trains_as_one_process(tmp_path, one_process, case, npr
                   f"distributed.strategy={strategy}")
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert f"world size {nproc}" in r.stdout and "optimizer steps of 4 rows" in r.stdout
-    if case != "short":  # packed rows: isolation across the cut checked at start
+    if case in ("lora", "dpo"):  # packed rows: isolation across the cut checked at start
         assert "packing isolation check across 2 context-parallel ranks passed" in r.stdout
     _same(run, ref, 5e-5 if case == "lora" else 1e-5)
 
