@@ -12,6 +12,12 @@ front of sys.path, where an interpreter would have put them); what a library rea
 server imported it is the server's (TEST_ENV's: one OpenMP thread, offline). A run past its timeout prints its
 threads' stacks (faulthandler) and exits 1. FINETUNE_TEST_PLAIN_CLI=1, or a system without fork, runs each as a
 plain subprocess instead.
+
+`run_ranks` forks N such runs at once with the environment torchrun --standalone gives its workers (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, ...): a 2-rank run without torchrun's agent and each worker's
+imports (~12 s of CPU a launch on the 2-core machine). The training is the same code under the same environment;
+what is torchrun's own (its agent, signal forwarding, --nproc) is tested with torchrun itself. Once a rank fails,
+the others are given 30 s to end on their own and then killed, as torchrun tears down a failed group.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import threading
 from pathlib import Path
 
 SERVER = r'''
-import faulthandler, json, os, runpy, sys, traceback
+import faulthandler, json, os, runpy, signal, socket, sys, time, traceback
 sys.path.insert(0, os.getcwd())  # the repository, absolute: each run has its own cwd
 import finetune.train.loop  # noqa: F401  the heavy imports (torch, transformers), paid once
 # transformers imports lazily: touch what every run needs so its import is paid once too. Only modules are shared
@@ -35,42 +41,92 @@ from transformers.models.llama import modeling_llama  # noqa: F401
 import transformers.quantizers.auto  # noqa: F401  model loading imports it, and with it torchao (0.4 s a run)
 transformers.AutoTokenizer.from_pretrained(sys.argv[1])
 print("ready", flush=True)
+def child(job, env, stdout, stderr):
+    """One `python -m finetune ARGS` in this forked process: own session, cwd, environment, stdout, stderr and exit
+    status; never returns."""
+    code = 1
+    try:
+        os.setsid()  # its own session: signals sent to it, or to its group, do not reach the server
+        os.environ.update(env)
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[1:1] = [p for p in extra if p not in sys.path]
+        faulthandler.dump_traceback_later(job["timeout"], exit=True)
+        os.chdir(job["cwd"])
+        for fd, name, mode in ((0, os.devnull, os.O_RDONLY), (1, stdout, os.O_WRONLY), (2, stderr, os.O_WRONLY)):
+            target = os.open(name, mode | (os.O_CREAT | os.O_TRUNC if fd else 0), 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        script = job.get("script")  # a worker script instead of `-m finetune`
+        sys.argv = [script or "finetune", *job["args"]]
+        try:
+            if script:
+                runpy.run_path(script, run_name="__main__")
+            else:
+                runpy.run_module("finetune", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:  # what the interpreter does with it
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def rank_env(rank, ranks, port):
+    """What torchrun --standalone gives each worker that finetune and torch.distributed read."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+            "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+def wait_all(pids):
+    """Every rank's exit status, in rank order. Once one fails, the others get GRACE_S to end on their own (the
+    trainer's own failure handling), then are killed, as torchrun tears a failed group down."""
+    codes, failed_at = {}, None
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+                    if codes[pid] != 0 and failed_at is None:
+                        failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            for pid in pids:
+                if pid not in codes:
+                    os.killpg(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    return [codes[pid] for pid in pids]
+
+
+GRACE_S = 30
 for line in sys.stdin:
     job = json.loads(line)
-    pid = os.fork()
-    if pid == 0:  # one `python -m finetune ARGS`: own cwd, environment, stdout, stderr and exit status
-        code = 1
-        try:
-            os.setsid()  # its own session: signals sent to it, or to its group, do not reach the server
-            os.environ.update(job["env"])
-            extra = [p for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-            sys.path[1:1] = [p for p in extra if p not in sys.path]
-            faulthandler.dump_traceback_later(job["timeout"], exit=True)
-            os.chdir(job["cwd"])
-            for fd, name, mode in ((0, os.devnull, os.O_RDONLY), (1, job["stdout"], os.O_WRONLY),
-                                   (2, job["stderr"], os.O_WRONLY)):
-                target = os.open(name, mode | (os.O_CREAT | os.O_TRUNC if fd else 0), 0o644)
-                os.dup2(target, fd)
-                os.close(target)
-            sys.stdin = open(0, closefd=False)  # noqa: SIM115
-            sys.argv = ["finetune", *job["args"]]
-            try:
-                runpy.run_module("finetune", run_name="__main__", alter_sys=True)
-                code = 0
-            except SystemExit as e:  # what the interpreter does with it
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:
-                traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+    ranks = job.get("ranks")
+    if ranks is None:
+        pid = os.fork()
+        if pid == 0:
+            child(job, job["env"], job["stdout"], job["stderr"])
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+        continue
+    with socket.socket() as s:  # a free port for rank 0's store, as torchrun --standalone finds one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pids = []
+    for rank in range(ranks):
+        pid = os.fork()
+        if pid == 0:
+            child(job, {**job["env"], **rank_env(rank, ranks, port)}, job["stdouts"][rank], job["stderrs"][rank])
+        pids.append(pid)
+    print(json.dumps(wait_all(pids)), flush=True)
 '''
 
 
@@ -103,6 +159,26 @@ class CliServer:
                 raise RuntimeError(f"CLI server died: {self._log()}")
             read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
             return json.loads(line), read(out), read(err)
+
+    def run_ranks(self, ranks: int, args: list[str], cwd: Path, env: dict[str, str], timeout: float,
+                  script: str | None = None) -> tuple[int, str, str]:
+        """(the first failed rank's exit status or 0, every rank's stdout, every rank's stderr, in rank order) of
+        `python -m finetune ARGS` (or `python SCRIPT ARGS`) run as `ranks` processes with torchrun's environment,
+        each forked from the server."""
+        with tempfile.TemporaryDirectory(prefix="finetune-ranks-") as tmp:
+            outs = [str(Path(tmp) / f"stdout{r}") for r in range(ranks)]
+            errs = [str(Path(tmp) / f"stderr{r}") for r in range(ranks)]
+            job = {"args": args, "cwd": str(cwd), "stdouts": outs, "stderrs": errs, "env": env, "ranks": ranks,
+                   "timeout": max(1, int(timeout)), "script": script}
+            with self.lock:
+                self.proc.stdin.write(json.dumps(job) + "\n")
+                self.proc.stdin.flush()
+                line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"CLI server died: {self._log()}")
+            codes = json.loads(line)
+            read = lambda p: Path(p).read_text(errors="replace") if Path(p).exists() else ""  # noqa: E731
+            return next((c for c in codes if c), 0), "".join(map(read, outs)), "".join(map(read, errs))
 
     def close(self) -> None:
         self.proc.stdin.close()

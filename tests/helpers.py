@@ -46,6 +46,19 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
     return subprocess.CompletedProcess(cmd, rc, out, err)
 
 
+def run_ranks(nproc: int, *args: str, env: dict | None = None, timeout: float = 300,
+              script: Path | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=NPROC -m finetune ARGS` (or `SCRIPT ARGS`: a test's worker), `env` added
+    to TEST_ENV: each rank forked from the CLI server with torchrun's environment (cli_server.py), its outputs
+    joined in rank order; a plain torchrun where the server does not fork."""
+    target = [str(script)] if script else ["-m", "finetune"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args]
+    if not forking():
+        return run_process(cmd, env={**TEST_ENV, **(env or {})}, timeout=timeout)
+    rc, out, err = _server().run_ranks(nproc, list(args), ROOT, dict(env or {}), timeout, str(script) if script else None)
+    return subprocess.CompletedProcess(cmd, rc, out, err)
+
+
 _SERVERS: list[CliServer] = []
 
 

@@ -8,8 +8,6 @@ exactly one rank (no position split twice: Axolotl #3498), the documents those o
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from helpers import (
@@ -20,7 +18,7 @@ from helpers import (
     final_weights,
     rel_diff,
     run_cli,
-    run_process,
+    run_ranks,
     teacher_dir,
     train_lines,
 )
@@ -39,11 +37,7 @@ SHORT = [*TINY, "datasets.0.max_rows=10", "data.packing=false", "train.max_steps
 
 
 def _torchrun(nproc: int, *args: str):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "finetune", *args]
-    from helpers import TEST_ENV
-
-    return run_process(cmd, env={**TEST_ENV, "OMP_NUM_THREADS": "1", "FINETUNE_DEVICE": "cpu"}, timeout=300)
+    return run_ranks(nproc, *args, env={"FINETUNE_DEVICE": "cpu"})
 
 
 def _same(run, ref, weight_tolerance: float) -> None:

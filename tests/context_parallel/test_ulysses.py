@@ -5,19 +5,15 @@ the shard boundaries: MHA, GQA with kv heads split, and kv heads repeated where 
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from helpers import ROOT, TEST_ENV, run_process
+from helpers import ROOT, run_ranks
 
 pytestmark = pytest.mark.dist
 
 
 def test_ulysses_equals_one_process():
     """4 ranks: one group of 4, then two groups of 2 side by side."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "tests" / "ulysses_worker.py")]
-    r = run_process(cmd, env={**TEST_ENV, "OMP_NUM_THREADS": "1"}, timeout=120)
+    r = run_ranks(4, script=ROOT / "tests" / "ulysses_worker.py", timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("OK")
 

@@ -16,10 +16,8 @@ checks it), and with still weights every step starts from the same weights in bo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,7 @@ from helpers import (
     eval_lines,
     final_weights,
     run_cli,
-    run_process,
+    run_ranks,
     train_lines,
 )
 
@@ -46,9 +44,7 @@ EVALS = ["eval.at_start=true", "eval_datasets.0.max_rows=20"]
 
 
 def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "finetune", *args]
-    return run_process(cmd, env={**os.environ, "FINETUNE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}, timeout=300)
+    return run_ranks(nproc, *args, env={"FINETUNE_DEVICE": "cpu"})
 
 
 def _train(out: Path, args: list[str], fsdp: bool, *extra: str) -> str:

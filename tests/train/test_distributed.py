@@ -31,6 +31,7 @@ from helpers import (
     rel_diff,
     run_cli,
     run_process,
+    run_ranks,
     teacher_dir,
     train_lines,
 )
@@ -84,6 +85,10 @@ def case_args(case: str, teacher: Path) -> list[str]:
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300, device: str = "cpu") -> subprocess.CompletedProcess:
+    """The ranks of a run: on the CPU forked from the tests' CLI server with torchrun's environment (helpers.run_ranks),
+    on CUDA under torchrun itself."""
+    if device == "cpu":
+        return run_ranks(nproc, *args, env={"FINETUNE_DEVICE": device}, timeout=timeout)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "finetune", *args]
     return run_process(cmd, env=_env(device, OMP_NUM_THREADS="1"), timeout=timeout)
@@ -294,12 +299,10 @@ def _rank_pid(root_pid: int, rank: int) -> int:
 def _reductions(tmp_path: Path, strategy: str, micro: int, accumulation: int) -> dict[str, int]:
     """Collective calls counted by the profiler over a one-step run of 2 ranks (tests/comm_count_worker.py)."""
     run_dir = tmp_path / f"{strategy}-{micro}x{accumulation}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "comm_count_worker.py"), str(QUICKSTART), f"output_dir={run_dir}", *TINY,
-           "train.max_steps=1", f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accumulation}",
-           f"distributed.strategy={strategy}", "data.packing_check=false"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=_env("cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    r = run_ranks(2, str(QUICKSTART), f"output_dir={run_dir}", *TINY, "train.max_steps=1",
+                  f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accumulation}",
+                  f"distributed.strategy={strategy}", "data.packing_check=false", env={"FINETUNE_DEVICE": "cpu"},
+                  script=ROOT / "tests" / "comm_count_worker.py")
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     line = next(x for x in reversed(r.stdout.splitlines()) if x.startswith("{"))
     return json.loads(line)

@@ -5,15 +5,13 @@ run's exactly, in one process and in two (torchrun, gloo), where each process re
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICKSTART, TINY, final_weights, run_cli, run_process, train_lines
+from helpers import QUICKSTART, TINY, final_weights, run_cli, run_ranks, train_lines
 
 # 60 short texts, windows of 25 samples: a checkpoint at step 3 falls inside a window, and 6 steps of 8 packed rows
 # read the corpus more than once (the stream starts again from the top).
@@ -67,8 +65,7 @@ def test_a_streamed_run_resumed_mid_stream_is_bit_identical(tmp_path):
 
 
 def torchrun(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "finetune", *args]
-    return run_process(cmd, env={**os.environ, "FINETUNE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}, timeout=300)
+    return run_ranks(2, *args, env={"FINETUNE_DEVICE": "cpu"})
 
 
 @pytest.mark.dist

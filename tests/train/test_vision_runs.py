@@ -4,13 +4,11 @@ process within the tolerances of the text tests (tests/run/test_resume.py, tests
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 
 import pytest
 import torch
-from helpers import assert_same_steps, final_weights, rel_diff, run_process, train_lines
+from helpers import assert_same_steps, final_weights, rel_diff, run_ranks, train_lines
 from vision_fixtures import recipe_yaml, write_data
 
 from finetune.recipe import load_recipe
@@ -82,10 +80,8 @@ def test_two_ranks_with_images_equal_one_process(recipe_file, one_process, tmp_p
     """The same logged losses and grad norms (relative <= 1e-5) and final weights (||a - b|| / ||b|| <= 1e-5 per
     tensor, the vision encoder's included), as tests/train/test_distributed.py holds text runs to."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "finetune",
-           "train", str(recipe_file), f"output_dir={out}", *DIST, "train.micro_batch_size=2",
-           "train.gradient_accumulation_steps=2", f"distributed.strategy={strategy}"]
-    r = run_process(cmd, env={**os.environ, "FINETUNE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}, timeout=300)
+    r = run_ranks(2, "train", str(recipe_file), f"output_dir={out}", *DIST, "train.micro_batch_size=2",
+                  "train.gradient_accumulation_steps=2", f"distributed.strategy={strategy}", env={"FINETUNE_DEVICE": "cpu"})
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "world size 2" in r.stdout
     ref = train_lines(one_process)
