@@ -22,8 +22,9 @@ ALLOWED = {
     "templates": set(),  # the chat templates shipped by name (tokenizer.chat_template: chatml)
     "progress": set(),  # a long phase's progress on stderr (a line in place on a terminal, a line per update off one)
     "chat": set(),  # the chat rendering engine: any Jinja template's messages, turns and their tokens (SFT and RL)
-    # rows split across ranks: their targets and documents found whole; Ulysses attention around ours
-    "context_parallel": {"batch", "labels"},
+    # rows split across ranks: their targets and documents found whole; Ulysses attention around ours, or the ring;
+    # which models it can split (ours: attention; their heads: model)
+    "context_parallel": {"attention", "batch", "labels", "model"},
     "recipe": {"versions", "templates"},  # `requires:` is checked by the version rules; chat template names
     "batch": {"labels"},  # the micro-batch: what collate makes and the objectives and the model read
     "data": {"recipe", "labels", "batch", "chat", "progress"},  # recipe datasets -> samples -> rows -> micro-batches
@@ -31,7 +32,7 @@ ALLOWED = {
     "loss": {"labels", "batch"},  # the fused linear cross-entropy, per-token log-probabilities
     "model": {"attention", "batch", "data", "loss", "progress", "recipe", "templates"},  # loading, the model with its loss
     # the seam, SFT, DPO/ORPO, the reference; GRPO's plan and rows from rl
-    "objectives": {"batch", "data", "dist", "labels", "loss", "model", "progress", "recipe", "rl"},
+    "objectives": {"batch", "context_parallel", "data", "dist", "labels", "loss", "model", "progress", "recipe", "rl"},
     # rollouts (replayed), rewards (the reward_model built-in loads a trained reward model: model, run), advantages,
     # which rows each step trains
     "rl": {"batch", "chat", "data", "dist", "labels", "model", "progress", "recipe", "run"},

@@ -172,15 +172,19 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 def _sharded(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
              scaling: float | None, position_ids: torch.Tensor, sliding_window: int | None, docs: Documents,
              kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
-    """This rank's share of rows split across context-parallel ranks: the documents' exchange (docs.sharded) around
-    this same attention over whole rows, for this rank's heads."""
+    """This rank's share of rows split across context-parallel ranks: the documents' exchange (docs.sharded), Ulysses's
+    around this same attention over whole rows for this rank's heads, or the ring's own blockwise attention."""
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"distributed.context_parallel does not support {unsupported} attention (this model's)")
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out, _ = sdpa_varlen_attention(module, q, k, v, None, dropout=dropout, scaling=scaling,
                                        position_ids=position_ids, sliding_window=sliding_window, **kwargs)
         return out.transpose(1, 2)  # [b, heads, S, d], as the exchange takes it
 
-    return docs.sharded(attend, query, key, value).transpose(1, 2).contiguous(), None
+    out = docs.sharded(attend, query, key, value, scaling=scaling, sliding_window=sliding_window, dropout=dropout)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _window_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:

@@ -10,9 +10,10 @@ from finetune.context_parallel.shard import ContextGroup
 from finetune.errors import UserError
 
 
-def context_group(rank: int, world_size: int, ranks: int) -> ContextGroup | None:
-    """This rank's context-parallel group of `ranks` (distributed.context_parallel), made on every rank (each group
-    is a collective creation), or None when `ranks` is 1."""
+def context_group(rank: int, world_size: int, ranks: int, method: str = "ulysses") -> ContextGroup | None:
+    """This rank's context-parallel group of `ranks` (distributed.context_parallel) splitting the attention by
+    `method` (distributed.context_parallel_method), made on every rank (each group is a collective creation), or None
+    when `ranks` is 1."""
     if ranks == 1:
         return None
     if world_size % ranks:
@@ -22,7 +23,7 @@ def context_group(rank: int, world_size: int, ranks: int) -> ContextGroup | None
     for first in range(0, world_size, ranks):
         group = dist.new_group(list(range(first, first + ranks)))
         if first <= rank < first + ranks:
-            mine = ContextGroup(rank - first, ranks, group)
+            mine = ContextGroup(rank - first, ranks, group, method)
     return mine
 
 

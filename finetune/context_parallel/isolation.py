@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from finetune.batch import MicroBatch
-from finetune.context_parallel.shard import ContextGroup, shard_batch
+from finetune.context_parallel.shard import ContextGroup, held_positions, shard_batch
 from finetune.labels import IGNORE_INDEX
 
 DOCUMENTS = (13, 9)  # A and B: with 2 or 4 ranks, the cuts fall inside both
@@ -28,14 +28,14 @@ def sharded_isolation_error(model: torch.nn.Module, vocab_size: int, context: Co
     model.eval()
     try:
         with torch.no_grad():
-            first, lo = _logits(model, a, b, context, device)
+            first, held = _logits(model, a, b, context, device)
             second, _ = _logits(model, changed, b, context, device)
     finally:
         for m, was in training:
             m.training = was
-    share = first.shape[1]
-    b_in_row0 = [t - lo for t in range(n_a, n_a + n_b) if lo <= t < lo + share]
-    b_in_row1 = [t - lo for t in range(n_b) if lo <= t < lo + share]
+    at = {int(t): i for i, t in enumerate(held)}  # a position of the whole rows -> its place in this rank's share
+    b_in_row0 = [at[t] for t in range(n_a, n_a + n_b) if t in at]
+    b_in_row1 = [at[t] for t in range(n_b) if t in at]
     errors = [(first[0, b_in_row0] - second[0, b_in_row0]).abs().max() if b_in_row0 else first.new_zeros(()),
               (first[1, b_in_row1] - second[1, b_in_row1]).abs().max() if b_in_row1 else first.new_zeros(())]
     error = torch.stack(errors).max().reshape(1).double()
@@ -45,8 +45,8 @@ def sharded_isolation_error(model: torch.nn.Module, vocab_size: int, context: Co
 
 
 def _logits(model: torch.nn.Module, a: torch.Tensor, b: torch.Tensor, context: ContextGroup,
-            device: torch.device) -> tuple[torch.Tensor, int]:
-    """(this rank's share of the two rows' logits, float32, the first position it holds)."""
+            device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """(this rank's share of the two rows' logits, float32, the positions of the whole rows it holds)."""
     n_a, n_b = len(a), len(b)
     width = n_a + n_b
     ids = torch.zeros(2, width, dtype=torch.long)
@@ -61,4 +61,4 @@ def _logits(model: torch.nn.Module, a: torch.Tensor, b: torch.Tensor, context: C
     out = model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=False,
                 **part.documents.model_kwargs())
     logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits.float(), context.rank * part.input_ids.shape[1]
+    return logits.float(), held_positions(context, part.documents.length).tolist()

@@ -133,7 +133,7 @@ MAPPED: dict[str, str] = {
     "bnb_config_kwargs": "finetune's NF4 with double quantization; other settings refused",
     "deepspeed": "distributed.strategy: ddp (ZeRO 1/2) or fsdp (ZeRO 3), distributed.cpu_offload",
     "fsdp": "distributed.strategy: fsdp (offload_params: distributed.cpu_offload)",
-    "context_parallel_size": "distributed.context_parallel (Ulysses here, ring attention there: the same math)",
+    "context_parallel_size": "distributed.context_parallel, context_parallel_method: ring (Axolotl's ring attention)",
     "sequence_parallel_degree": "distributed.context_parallel (the older name of context_parallel_size)",
     "fsdp_config": "distributed.strategy: fsdp, distributed.cpu_offload from offload_params",
     "eval_batch_size": "eval.micro_batch_size",

@@ -126,6 +126,7 @@ def parallel_rules(c: Conversion, base: Path) -> None:
         size = c.integer(key, minimum=1)
         if size is not None and size > 1:
             c.put("distributed.context_parallel", size)
+            c.put("distributed.context_parallel_method", "ring")  # Axolotl's is ring attention (ring-flash-attn)
             break
     fsdp, fsdp_config = c.get("fsdp"), c.mapping("fsdp_config")
     if fsdp or fsdp_config:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from finetune.batch import MicroBatch, StoredTeacherFields
+from finetune.context_parallel.models import check_model as check_context_parallel
 from finetune.data import StepPlan
 from finetune.errors import UserError
 from finetune.model.digest import weights_digest
@@ -33,7 +34,6 @@ from finetune.recipe import AdapterConfig, GRPOConfig, Recipe, TokenizerConfig
 from finetune.recipe.distill import DistillConfig
 from finetune.rl.generation import HFGenerator, PagedGenerator
 from finetune.rl.rollout import end_ids
-from finetune.train.parallel import check_context_parallel
 
 
 class Distill(DatasetRows):
@@ -63,10 +63,10 @@ class Distill(DatasetRows):
             if self.vocab is not None:
                 self.metrics["teacher_outside"] = "tokens"
             self.reference_digest = weights_digest(self.teacher.lm)
-            ranks = setting.recipe.distributed.context_parallel
-            if ranks > 1:  # the teacher runs on each rank's share of the rows too, its attention split the same way
+            cp = setting.recipe.distributed
+            if cp.context_parallel > 1:  # the teacher runs on each rank's share of the rows, its attention split too
                 try:
-                    check_context_parallel(self.teacher.lm, ranks)
+                    check_context_parallel(self.teacher.lm, cp.context_parallel, cp.context_parallel_method)
                 except UserError as e:
                     raise UserError(f"distill.teacher {self.cfg.teacher}: {e}") from None
 

@@ -276,7 +276,11 @@ class DistributedConfig(Section):
     """fsdp: keep sharded parameters on the CPU."""
     context_parallel: int = Field(1, ge=1)
     """Context parallelism: each row (packed or padded) split across this many ranks of the torchrun world, the
-    attention exchanged among them (Ulysses); world = data parallel x this. SFT only for now (docs/design.md)."""
+    attention exchanged among them; world = data parallel x this. SFT, DPO, ORPO and distill (docs/design.md)."""
+    context_parallel_method: Literal["ulysses", "ring"] = "ulysses"
+    """How the attention of split rows is computed. ulysses: all-to-all to whole rows for 1/N of the heads and back
+    (query heads must divide by N). ring: each rank keeps its queries and the key/value blocks go round the N ranks,
+    merged by log-sum-exp, any head count (rows dealt in 2N load-balanced chunks; no attention dropout)."""
 
 
 class LoggingConfig(Section):

@@ -27,28 +27,6 @@ def wrap_model(module: torch.nn.Module, recipe: Recipe, world: World, device: to
     return _fully_shard(module, recipe, device)
 
 
-def check_context_parallel(lm: torch.nn.Module, ranks: int) -> None:
-    """A model context parallelism can split (UserError otherwise): a text model with our packed attention, which
-    takes the rows' documents (the exchange runs in it), and query heads divisible by the ranks."""
-    from finetune.attention.dispatch import is_ours
-    from finetune.context_parallel.ulysses import check_heads
-    from finetune.errors import UserError
-    from finetune.model.vision import family, text_config
-
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    if family(base.config) is not None:
-        raise UserError("distributed.context_parallel: vision-language models are not split across ranks yet (an "
-                        "image's tokens would have to stay whole, and their attention masks are not causal)")
-    if not is_ours(base):
-        raise UserError("distributed.context_parallel: the attention is split across ranks inside finetune's packed "
-                        f"attention, and this model runs {base.config._attn_implementation!r}: leave "
-                        "model.attn_implementation unset (or auto)")
-    try:
-        check_heads(text_config(base.config).num_attention_heads, ranks)
-    except ValueError as e:
-        raise UserError(f"distributed.context_parallel: {e}") from None
-
-
 def _fully_shard(module: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 

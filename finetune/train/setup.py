@@ -16,6 +16,7 @@ from finetune import dist, versions
 from finetune.attention.kernels import setting
 from finetune.context_parallel.groups import context_group, data_parallel
 from finetune.context_parallel.isolation import sharded_isolation_error
+from finetune.context_parallel.models import check_model as check_context_parallel
 from finetune.context_parallel.shard import ContextGroup
 from finetune.data import StepPlan
 from finetune.data.stream import StreamPlan
@@ -44,7 +45,7 @@ from finetune.train import padding_free
 from finetune.train.early_stop import EarlyStopping
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.padding_free import PaddingFree
-from finetune.train.parallel import check_context_parallel, wrap_model
+from finetune.train.parallel import wrap_model
 from finetune.train.parts import Parts, load_parts, plan_for
 from finetune.train.plan import step_larger_than_epoch
 
@@ -134,9 +135,11 @@ def setup(recipe: Recipe, world: dist.World, device: torch.device, console: Cons
     # Before any wrapping shards the parameters; on rank 0 only, as every rank loaded the same weights.
     frozen = dist.from_main(frozen_digest(parts.lm) if world.is_main else None)
     config = config_digest(parts.lm.config)  # once: checkpoints record it, a resume compares it
-    context = context_group(world.rank, world.size, recipe.distributed.context_parallel) if world.distributed else None
+    cp = recipe.distributed
+    context = context_group(world.rank, world.size, cp.context_parallel, cp.context_parallel_method) \
+        if world.distributed else None
     if context is not None:
-        check_context_parallel(parts.lm, context.ranks)
+        check_context_parallel(parts.lm, context.ranks, context.method)
         if recipe.data.packing and recipe.data.packing_check:
             _check_sharded_isolation(recipe, parts, context, device, console)
     plan = plan_for(recipe, parts, world, data_parallel(world.rank, world.size, context)[1])

@@ -24,7 +24,7 @@ from helpers import (
 )
 
 from finetune.batch import find_targets
-from finetune.context_parallel.shard import ContextGroup, shard_batch
+from finetune.context_parallel.shard import ContextGroup, held_positions, shard_batch
 from finetune.data import collate
 from finetune.recipe import DataConfig
 
@@ -79,6 +79,10 @@ CASES = {"short": [*SHORT, "model.config.model_type=mistral", "model.config.slid
                   "model.gradient_checkpointing=true"],
          "dpo": [*PACKED, *PREFERENCE, "train.objective=dpo"],
          "orpo": [*PACKED, *PREFERENCE, "train.objective=orpo", "data.packing=false"],
+         # The ring: 3 query heads (Ulysses would refuse them on 2 ranks), one kv head, a sliding window, packed.
+         "ring": [*PACKED, "model.config.model_type=mistral", "model.config.sliding_window=16",
+                  "model.config.num_attention_heads=3", "model.config.num_key_value_heads=1", "model.config.head_dim=8",
+                  "distributed.context_parallel_method=ring"],
          "distill": [*PACKED, "train.objective=distill", "distill.teacher={teacher}", "distill.lmbda=0.5",
                      "distill.max_new_tokens=6", "distill.sft_weight=0.5", "data.packing=false"]}
 
@@ -98,6 +102,7 @@ def _args(case: str, teacher) -> list[str]:
     ("dpo", 2, 1, 4, "ddp"),
     ("orpo", 2, 2, 2, "fsdp"),
     ("distill", 2, 2, 2, "ddp"),
+    ("ring", 2, 1, 4, "fsdp"),
 ])
 def test_context_parallel_trains_as_one_process(tmp_path, one_process, teacher, case, nproc, micro, accumulation,
                                                strategy):
@@ -109,14 +114,15 @@ def test_context_parallel_trains_as_one_process(tmp_path, one_process, teacher, 
                   f"distributed.strategy={strategy}")
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert f"world size {nproc}" in r.stdout and "optimizer steps of 4 rows" in r.stdout
-    if case in ("lora", "dpo"):  # packed rows: isolation across the cut checked at start
+    if case in ("lora", "dpo", "ring"):  # packed rows: isolation across the cut checked at start
         assert "packing isolation check across 2 context-parallel ranks passed" in r.stdout
     _same(run, ref, 5e-5 if case == "lora" else 1e-5)
 
 
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
 @pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_each_target_is_scored_once_on_the_whole_rows(packing, ranks):
+def test_each_target_is_scored_once_on_the_whole_rows(packing, ranks, method):
     """Over the ranks' shares: every target of the whole rows once, at the position before its token (the shift
     made on the whole rows, so a share's last position scores the next share's first label), the position ids and
     documents the whole rows'."""
@@ -129,16 +135,25 @@ def test_each_target_is_scored_once_on_the_whole_rows(packing, ranks):
         rows = [packed_row(rows, [0, 1, 2], 64)]
     batch = collate(rows, DataConfig(packing=packing, max_seq_len=64), 0)
     whole = find_targets(batch.labels)
-    got_ids, positions = [], []
+    got_ids, positions, seen = [], [], []
     for rank in range(ranks):
-        part = shard_batch(batch, ContextGroup(rank, ranks, None), torch.device("cpu"))
+        context = ContextGroup(rank, ranks, None, method)
+        part = shard_batch(batch, context, torch.device("cpu"))
         share = part.input_ids.shape[1]
         length = share * ranks
+        held = held_positions(context, length)
+        seen += held.tolist()
         index = part.target_positions.index
         got_ids += part.target_positions.ids.tolist()
-        positions += [(int(i) // share, rank * share + int(i) % share) for i in index]
+        positions += [(int(i) // share, int(held[int(i) % share])) for i in index]
         assert part.documents.length == length and part.documents.sharded is not None
+        width = batch.input_ids.shape[1]
+        real = held[held < width]  # the rows' own positions (the rest: the padding to a multiple of the ranks)
+        assert torch.equal(part.input_ids[:, :len(real)], batch.input_ids[:, real])
+        if packing:  # position ids travel with their tokens
+            assert torch.equal(part.position_ids[:, :len(real)], batch.position_ids[:, real])
         assert part.targets == part.target_positions.count
+    assert sorted(seen) == list(range(length))  # each position on exactly one rank (Axolotl #3498)
     width = batch.labels.shape[1]
     want = [(int(i) // width, int(i) % width) for i in whole.index]
     assert sorted(positions) == sorted(want) and len(positions) == len(set(positions))

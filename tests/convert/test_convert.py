@@ -305,6 +305,7 @@ def test_context_parallel_size_converts():
         for key in ("context_parallel_size", "sequence_parallel_degree"):
             recipe = yaml.safe_load(_convert(Path(tmp), MINIMAL + f"{key}: 4\n").text)
             assert recipe["distributed"]["context_parallel"] == 4
+            assert recipe["distributed"]["context_parallel_method"] == "ring"  # as Axolotl's: any head count
         plain = yaml.safe_load(_convert(Path(tmp), MINIMAL + "context_parallel_size: 1\n").text)
         assert "context_parallel" not in (plain.get("distributed") or {})
 
