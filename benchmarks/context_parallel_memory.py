@@ -103,7 +103,8 @@ def _overrides(args: argparse.Namespace, ranks: int, data: Path, out: Path) -> l
             "model.config.num_key_value_heads=4", f"model.config.max_position_embeddings={args.seq_len}",
             f"data.max_seq_len={args.seq_len}", "data.packing=true", "data.num_proc=1",
             "train.micro_batch_size=1", "train.gradient_accumulation_steps=1", "train.max_steps=1",
-            "train.warmup_steps=0", f"distributed.context_parallel={ranks}"]
+            "train.warmup_steps=0", f"distributed.context_parallel={ranks}",
+            f"distributed.context_parallel_method={args.method}"]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -177,7 +178,7 @@ def _launch(args: argparse.Namespace, ranks: int, data: Path, tmp: Path) -> dict
     out = tmp / f"run-cp{ranks}"
     shutil.rmtree(out, ignore_errors=True)
     script = [__file__, "--worker", str(ranks), "--data", str(data), "--out", str(out), "--seq-len",
-              str(args.seq_len), "--layers", str(args.layers)]
+              str(args.seq_len), "--layers", str(args.layers), "--method", args.method]
     cmd = [sys.executable, *script] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *script]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "FINETUNE_DEVICE": args.device,
@@ -199,6 +200,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4],
                    help="context-parallel sizes (1: one process); each divides the 8 query heads")
+    p.add_argument("--method", choices=["ulysses", "ring"], default="ulysses",
+                   help="distributed.context_parallel_method (ring: any N, the heads are not split)")
     p.add_argument("--repeats", type=int, default=1, help="fresh runs of every N, interleaved; medians")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's dynamic mmap threshold on: the resident set then holds allocator slack too")
@@ -211,7 +214,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if any(8 % n for n in args.ranks):
+    if args.method == "ulysses" and any(8 % n for n in args.ranks):
         p.error("--ranks: each must divide the model's 8 query heads (1, 2, 4 or 8)")
 
     tmp = Path(tempfile.mkdtemp(prefix="cp-memory-"))
@@ -220,7 +223,7 @@ def main() -> None:
         _write_data(data, args.seq_len)
         where = "a GPU a rank, NCCL" if args.device == "cuda" else "CPU gloo, 1 thread a rank"
         print(f"one {args.seq_len}-token row (one document), Llama hidden 256 x {args.layers} layers, 8 heads "
-              f"(4 kv), V 1024, float32, {where}; N = {', '.join(map(str, args.ranks))}",
+              f"(4 kv), V 1024, float32, {where}, {args.method}; N = {', '.join(map(str, args.ranks))}",
               flush=True)
         runs: dict[int, list[dict]] = {n: [] for n in args.ranks}
         for r in range(args.repeats):

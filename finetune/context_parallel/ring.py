@@ -160,15 +160,32 @@ def _visible_pairs(doc_ids: torch.Tensor, ring: _Ring, chunk: int, window: int |
 # --- one block -----------------------------------------------------------------------------------------------------
 
 
+# The scores of a block are built a tile of queries at a time, at most this many elements (float32: 64 MiB): a
+# block of 8192 x 8192 positions and 8 heads would otherwise hold 2 GiB of scores, and as much again of probabilities.
+TILE_ELEMENTS = 1 << 24
+
+
+def _query_tiles(q: torch.Tensor, keys: int) -> int:
+    """Queries per tile of q [B, Hkv, G, Lq, D] against `keys` keys."""
+    per_query = q.shape[0] * q.shape[1] * q.shape[2] * max(keys, 1)
+    return max(1, TILE_ELEMENTS // per_query)
+
+
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked attention of q [B, Hkv, G, Lq, D] (already scaled) over k, v [B, Hkv, Lk, D]: the output
     [B, Hkv, G, Lq, Dv] and the log-sum-exp of the scores [B, Hkv, G, Lq] (-inf where a query sees no key, its
-    output 0)."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k).masked_fill(~mask[:, None, None], -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - _finite(lse)[..., None])
-    return torch.einsum("bhgqk,bhkd->bhgqd", probs, v), lse
+    output 0). A tile of queries at a time (TILE_ELEMENTS)."""
+    tile = _query_tiles(q, k.shape[2])
+    outs, lses = [], []
+    for start in range(0, q.shape[3], tile):
+        q_tile, m_tile = q[:, :, :, start:start + tile], mask[:, start:start + tile]
+        scores = torch.einsum("bhgqd,bhkd->bhgqk", q_tile, k).masked_fill(~m_tile[:, None, None], -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - _finite(lse)[..., None])
+        outs.append(torch.einsum("bhgqk,bhkd->bhgqd", probs, v))
+        lses.append(lse)
+    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -187,15 +204,21 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor,
                     delta: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of one block (flash attention's backward, probabilities recomputed from the final lse) in q
-    (scaled, as _block_forward takes it), k and v: dS = P * (dP - delta), delta = rowsum(dO * O)."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k).masked_fill(~mask[:, None, None], -math.inf)
-    probs = torch.exp(scores - _finite(lse)[..., None])
-    d_probs = torch.einsum("bhgqd,bhkd->bhgqk", grad, v)
-    d_scores = probs * (d_probs - delta[..., None])
-    d_q = torch.einsum("bhgqk,bhkd->bhgqd", d_scores, k)
-    d_k = torch.einsum("bhgqk,bhgqd->bhkd", d_scores, q)
-    d_v = torch.einsum("bhgqk,bhgqd->bhkd", probs, grad)
-    return d_q, d_k, d_v
+    (scaled, as _block_forward takes it), k and v: dS = P * (dP - delta), delta = rowsum(dO * O). A tile of
+    queries at a time, as the forward."""
+    tile = _query_tiles(q, k.shape[2])
+    d_qs, d_k, d_v = [], None, None
+    for start in range(0, q.shape[3], tile):
+        part = slice(start, start + tile)
+        q_t, g_t, lse_t, delta_t = (t[:, :, :, part] for t in (q, grad, lse, delta))
+        scores = torch.einsum("bhgqd,bhkd->bhgqk", q_t, k).masked_fill(~mask[:, part][:, None, None], -math.inf)
+        probs = torch.exp(scores - _finite(lse_t)[..., None])
+        d_scores = probs * (torch.einsum("bhgqd,bhkd->bhgqk", g_t, v) - delta_t[..., None])
+        d_qs.append(torch.einsum("bhgqk,bhkd->bhgqd", d_scores, k))
+        k_part = torch.einsum("bhgqk,bhgqd->bhkd", d_scores, q_t)
+        v_part = torch.einsum("bhgqk,bhgqd->bhkd", probs, g_t)
+        d_k, d_v = (k_part, v_part) if d_k is None else (d_k + k_part, d_v + v_part)
+    return torch.cat(d_qs, dim=3), d_k, d_v
 
 
 # --- the autograd function -----------------------------------------------------------------------------------------

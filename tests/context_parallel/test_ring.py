@@ -56,3 +56,32 @@ def test_document_ids_from_the_documents_spans():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
     ids = document_ids(Documents.of(positions).spans, 12)
     assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4], [0] * 6 + [1] * 6]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_tiles_of_queries_give_the_whole_blocks_attention(monkeypatch, window):
+    """One process (a ring of one): a block's scores built a few queries at a time (TILE_ELEMENTS small, as a long
+    row's blocks are) give one process's document-masked attention and its gradients, to 1e-12 in float64."""
+    import torch.nn.functional as F
+
+    from finetune.context_parallel import ring
+
+    g = torch.Generator().manual_seed(0)
+    spans = [[(0, 7), (7, 8), (8, 16)], [(0, 16)]]
+    doc = torch.tensor([[d for d, (s, e) in enumerate(row) for _ in range(s, e)] for row in spans])
+    q, k, v = (torch.randn(2, h, 16, 4, generator=g, dtype=torch.float64, requires_grad=True) for h in (6, 3, 3))
+    weight = torch.randn(2, 6, 16, 4, generator=g, dtype=torch.float64)
+    pos = torch.arange(16)
+    seen = (doc[:, :, None] == doc[:, None, :]) & (pos[:, None] >= pos[None, :])
+    if window:
+        seen &= pos[:, None] - pos[None, :] < window
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                          attn_mask=seen[:, None])
+    want_grads = torch.autograd.grad((want * weight).sum(), (q, k, v))
+    monkeypatch.setattr(ring, "TILE_ELEMENTS", 2 * 3 * 2 * 8 * 3)  # 3 queries a tile of the 8-position chunks
+    assert ring._query_tiles(q.reshape(2, 3, 2, 16, 4)[:, :, :, :8], 8) == 3
+    got = ring.ring_attention(q, k, v, doc, sliding_window=window)
+    grads = torch.autograd.grad((got * weight).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
