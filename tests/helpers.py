@@ -221,6 +221,9 @@ class CountingTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
     def __len__(self) -> int:
         return len(self.inner)
 

@@ -335,6 +335,14 @@ def swapped_regions(full: str, every: str, order: Sequence[int], stretch: Mappin
                     real: Mapping[int, str] | Sequence[str], n: int) -> list[Region | None] | None:
     """The regions of n messages in `full`, when swapping each stretch of `every` (message j's: stretch[j], in
     rendering order) for that message's real text gives `full` character for character; else None."""
+    swapped = swapped_rendering(every, order, stretch, real, n)
+    return swapped[1] if swapped is not None and swapped[0] == full else None
+
+
+def swapped_rendering(every: str, order: Sequence[int], stretch: Mapping[int, Region],
+                      real: Mapping[int, str] | Sequence[str], n: int) -> tuple[str, list[Region | None]] | None:
+    """`every` with each stretch (message j's: stretch[j], in rendering order) swapped for that message's real text,
+    and the n messages' regions in it; None where two stretches overlap."""
     regions: list[Region | None] = [None] * n
     parts, at, length = [], 0, 0
     for j in order:
@@ -349,7 +357,7 @@ def swapped_regions(full: str, every: str, order: Sequence[int], stretch: Mappin
         length += len(text)
         at = b
     parts.append(every[at:])
-    return regions if "".join(parts) == full else None
+    return "".join(parts), regions
 
 
 def find_regions(render: Render, messages: list[dict[str, Any]], full: str, tools: Any = None,

@@ -23,12 +23,14 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.chat.content_blind import content_blind
 from finetune.chat.regions import (
     REASONING_FIELDS,
     TemplateNotLocal,
     common_prefix,
     find_regions,
     swapped_regions,
+    swapped_rendering,
     unused_char,
 )
 from finetune.chat.shapes import SentinelRenders, Sentinels, exact_key
@@ -233,13 +235,48 @@ class TemplateFacts:
     added: frozenset[str]
     specials: tuple[str, ...]
     vocab: int
+    blind: bool = False
+    """The template writes every message's content verbatim and reads nothing else of it (content_blind.py)."""
 
 
 def template_facts(tokenizer: Any, template_kwargs: Mapping[str, Any] | None) -> TemplateFacts:
     """The TemplateFacts of a tokenizer and template kwargs as they are now."""
     key = template_key(tokenizer, template_kwargs)
     return TemplateFacts(key, *_sentinel_cache(tokenizer, key, template_kwargs, None),
-                         end_of_turn_markers(tokenizer), *added_tokens(tokenizer), len(tokenizer))
+                         end_of_turn_markers(tokenizer), *added_tokens(tokenizer), len(tokenizer),
+                         content_blind(key[0]) and key[0] not in _DISTRUSTED)
+
+
+# Templates whose skipped rendering once differed from the real one (a gap in content_blind.py's proof): rendered
+# every time from then on, in this process.
+_DISTRUSTED: set[str] = set()
+
+
+def skip_holds(tokenizer: Any, facts: TemplateFacts, messages: Sequence[Mapping[str, Any]],
+               template_kwargs: Mapping[str, Any] | None, layout: ChatLayout) -> bool:
+    """Whether a skipped layout's text is the template's own rendering of `messages`: the spot check the caller
+    makes on one row of each chunk it skips. When it is not, the template is distrusted (rendered from then on)."""
+    if render_chat(tokenizer, messages, template_kwargs) == layout.text:
+        return True
+    _DISTRUSTED.add(facts.key[0])
+    return False
+
+
+def skipped_layout(facts: TemplateFacts, messages: Sequence[Mapping[str, Any]],
+                   wanted: Sequence[int]) -> ChatLayout | None:
+    """The layout of a conversation of plain messages without rendering it, where its template is content-blind and
+    its shape's rendering and turn plan are kept: the shape's rendering with the contents put in is then exactly
+    what the template would write (content_blind.py says why). None otherwise: the row is rendered."""
+    if not facts.blind or facts.cache is None:
+        return None
+    known = _known_key(facts, messages, "", tuple(sorted(set(wanted))))
+    kept = facts.cache.layouts.get(known) if known is not None else None
+    if kept is None:
+        return None
+    shape, plan = kept
+    swapped = swapped_rendering(shape.every, shape.marks.order, shape.marks.spans,
+                                [m["content"] for m in messages], len(messages))
+    return plan.layout(*swapped) if swapped is not None else None
 
 
 def chat_layout(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wanted: Sequence[int],
@@ -312,7 +349,9 @@ def _known_key(facts: TemplateFacts, messages: Sequence[Mapping[str, Any]], full
     """For a conversation of plain messages (each exactly a role and a non-empty content, strings, in that order),
     the key of its shape's turn plan among those kept (SentinelRenders.layouts): its messages with their texts
     replaced are told apart by their roles alone, so the key is the scope, the sentinel character, the roles and
-    the plan's own key. None for other conversations, and where nothing is kept."""
+    the plan's own key. None for other conversations, and where nothing is kept. `full`: the rendering ("" when
+    it is not made: skipped_layout; a content-blind template's is its shape's text and the contents, and a shape is
+    kept only with a character its text lacks)."""
     if facts.scope is None:
         return None
     roles, texts = [], []

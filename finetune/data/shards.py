@@ -64,7 +64,7 @@ def tokenize_chunk(examples: Sequence[Example], tokenizer: Any, data: DataConfig
     max_seq_len, and count everything in `stats`. Preference pairs' completions end at `pair_end` (data/pairs.py)."""
     notes: Counter[str] = Counter()
     facts = _template_facts(tokenizer, template_kwargs)
-    for example, rendered in zip(examples, render_ahead(examples, tokenizer, template_kwargs)):
+    for example, rendered in zip(examples, render_ahead(examples, tokenizer, template_kwargs, facts)):
         try:
             if isinstance(example, PairExample):
                 sides = tokenize_pair(example, tokenizer, template_kwargs, notes, pair_end)

@@ -40,6 +40,8 @@ from finetune.chat.spans import (
     chat_layout,
     render_chat,
     render_chats,
+    skip_holds,
+    skipped_layout,
     template_facts,
 )
 from finetune.chat.token_ranges import EncodingOffsets, trained_tokens
@@ -56,7 +58,7 @@ NOTE_ALTERED = "turns_text_changed"
 
 
 def tokenize_example(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None,
-                     notes: Counter[str] | None = None, rendered: str | None = None,
+                     notes: Counter[str] | None = None, rendered: str | ChatLayout | None = None,
                      facts: TemplateFacts | None = None) -> dict[str, list[int]]:
     """Token ids and labels (unshifted) for one example.
 
@@ -156,15 +158,26 @@ def _tokenize_prompted(example: Example, tokenizer: Any) -> tuple[list[int], lis
     return prompt + completion, prompt_labels + completion
 
 
-def render_ahead(examples: Sequence[Any], tokenizer: Any, template_kwargs: Mapping[str, Any] | None
-                 ) -> list[str | None]:
+def render_ahead(examples: Sequence[Any], tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
+                 facts: TemplateFacts | None = None) -> list[str | ChatLayout | None]:
     """Each chat example's rendering, made for all of them in one call where they have no tools of their own (None
-    for the others, and for all when the template refuses one: each is then rendered by itself)."""
-    ahead: list[str | None] = [None] * len(examples)
+    for the others, and for all when the template refuses one: each is then rendered by itself); with `facts`,
+    the layout itself where the template need not render it (spans.skipped_layout)."""
+    ahead: list[str | ChatLayout | None] = [None] * len(examples)
     if not getattr(tokenizer, "chat_template", None):
         return ahead
-    chats = [i for i, e in enumerate(examples) if type(e) is Example and e.messages and e.text is None
-             and e.completion is None and not e.tools]
+    chats, skipped = [], []
+    for i, e in enumerate(examples):
+        if type(e) is Example and e.messages and e.text is None and e.completion is None and not e.tools:
+            layout = skipped_layout(facts, e.messages, _wanted(e)) if facts is not None and not e.images else None
+            (skipped if layout is not None else chats).append(i)
+            ahead[i] = layout
+    # One skipped row a chunk is rendered all the same and compared: a template the proof got wrong is then caught
+    # and rendered from there on, these rows too (spans.skip_holds).
+    if skipped and not skip_holds(tokenizer, facts, examples[skipped[0]].messages, template_kwargs, ahead[skipped[0]]):
+        for i in skipped:
+            ahead[i] = None
+        chats = sorted(chats + skipped)
     rendered = render_chats(tokenizer, [examples[i].messages for i in chats], template_kwargs)
     for i, text in zip(chats, rendered or ()):
         ahead[i] = text
@@ -172,7 +185,7 @@ def render_ahead(examples: Sequence[Any], tokenizer: Any, template_kwargs: Mappi
 
 
 def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[str, Any] | None,
-                   notes: Counter[str], rendered: str | None = None, facts: TemplateFacts | None = None
+                   notes: Counter[str], rendered: str | ChatLayout | None = None, facts: TemplateFacts | None = None
                    ) -> tuple[list[int], list[int], dict[str, Any] | None]:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template; set tokenizer.chat_template in the recipe "
@@ -182,12 +195,10 @@ def _tokenize_chat(example: Example, tokenizer: Any, template_kwargs: Mapping[st
         raise UserError(f"{example.origin}: this row has images, and the model is not a vision-language model "
                         "finetune trains (docs/vision.md); set model.path to one, or remove the image parts")
     messages = list(example.messages)
-    trained = example.trained or tuple(m["role"] == "assistant" for m in messages)
-    # train_on_inputs trains everything; only messages marked train: false need locating, to be masked.
-    wanted = [i for i, t in enumerate(trained) if t != example.train_on_inputs]
     facts = facts or template_facts(tokenizer, template_kwargs)
     try:
-        layout = chat_layout(tokenizer, messages, wanted, template_kwargs, example.tools, rendered, facts)
+        layout = rendered if isinstance(rendered, ChatLayout) else \
+            chat_layout(tokenizer, messages, _wanted(example), template_kwargs, example.tools, rendered, facts)
     except TemplateNotLocal as e:
         raise UserError(f"{example.origin}: {e}") from None
     except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
@@ -233,6 +244,17 @@ def _tokenize_mistral(example: Example, tokenizer: Any, notes: Counter[str]) -> 
     if unrendered:
         notes[NOTE_UNRENDERED] += unrendered
     return chat.ids, _labels(chat.ids, [chat.turns[i] for i in wanted if i in chat.turns], example.train_on_inputs)
+
+
+def _trained(example: Example) -> tuple[bool, ...]:
+    """Which messages train: the row's flags, else the assistant's."""
+    return example.trained or tuple(m["role"] == "assistant" for m in example.messages)
+
+
+def _wanted(example: Example) -> list[int]:
+    """The messages to locate: train_on_inputs trains everything, so then only those marked train: false, to be
+    masked; else those that train."""
+    return [i for i, t in enumerate(_trained(example)) if t != example.train_on_inputs]
 
 
 def _labels(ids: list[int], spans: Sequence[tuple[int, int]], train_on_inputs: bool) -> list[int]:

@@ -205,3 +205,87 @@ def test_plain_rows_of_a_known_shape_are_laid_out_as_a_fresh_tokenizer_lays_them
     if family.name in ("qwen2.5", "smollm2", "phi4"):  # templates that write any content verbatim
         assert fast == 11, fast
     family.build()
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_rows_of_a_known_shape_skip_the_rendering_only_where_the_template_is_content_blind(family):
+    """A chunk's plain rows of shapes already kept are laid out without rendering them (spans.skipped_layout) when
+    the template writes contents verbatim and reads nothing else of them (chat/content_blind.py): their samples are
+    those of a fresh tokenizer rendering each row, ids and labels, with whitespace at the contents' ends and
+    control-token text among them; other templates render every row, as before. A template wrongly judged blind is
+    caught by the spot check and rendered from then on."""
+    from collections import Counter
+
+    from finetune.data.formats import Example
+    from finetune.data.tokenize import render_ahead, tokenize_example
+
+    inner = family.build()
+    kept = CountingTokenizer(inner)
+    rng = random.Random(f"skip-{family.name}")
+    shapes = [m for s in (False, True) if s <= family.system_ok for m in conversations(s).values()]
+
+    def chunk(first: bool = False) -> list[Example]:
+        rows = []
+        for shape in shapes:
+            for k in range(3):
+                messages = tuple({"role": m["role"], "content": rng.choice(EDGES) + "".join(
+                    rng.choices(FRAGMENTS + USER_ONLY if m["role"] == "user" else FRAGMENTS, k=2)) + "x"}
+                    for m in shape)
+                inputs = k == 1 if first else rng.random() < 0.3  # the first chunk keeps both turn plans of a shape
+                rows.append(Example(origin="row", messages=messages, train_on_inputs=inputs))
+        return rows
+
+    def tokenized(tokenizer: Any, rows: list[Example]) -> list[Any]:
+        facts = spans.template_facts(tokenizer, family.kwargs)
+        out = []
+        for example, rendered in zip(rows, render_ahead(rows, tokenizer, family.kwargs, facts)):
+            try:
+                out.append(tokenize_example(example, tokenizer, family.kwargs, Counter(), rendered, facts))
+            except Exception as e:  # a conversation the template refuses
+                out.append(type(e).__name__)
+        return out
+
+    tokenized(kept, chunk(first=True))  # the shapes kept
+    rows = chunk()
+    before = kept.renders
+    fresh = [tokenized(CountingTokenizer(inner), [row])[0] for row in rows]
+    assert any(type(x) is dict for x in fresh)  # samples, not only refusals
+    assert tokenized(kept, rows) == fresh
+    renders = kept.renders - before
+    if family.name in ("qwen2.5", "smollm2", "phi3.5", "phi4"):  # content-blind, with an assistant header
+        assert renders == 1, renders  # one row of the chunk rendered all the same, as a spot check (skip_holds)
+    else:
+        assert renders >= 1
+    family.build()
+
+
+def test_a_template_wrongly_judged_content_blind_is_caught_by_the_spot_check(monkeypatch):
+    """The chunk's spot check (spans.skip_holds) renders one skipped row: a template that writes most contents
+    verbatim but redacts some (so its shape is kept from the first rows), were the proof wrong about it, is then
+    distrusted and every row rendered, exactly."""
+    from collections import Counter
+
+    from finetune.data.formats import Example
+    from finetune.data.tokenize import render_ahead, tokenize_example
+
+    monkeypatch.setattr(spans, "content_blind", lambda template: True)
+    monkeypatch.setattr(spans, "_DISTRUSTED", set())
+    inner = QWEN.build()
+    inner.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if 'secret' in m.content %}[redacted]"
+                           "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+                           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    secret = [[{**m, "content": m["content"] + " secret"} for m in messages] for messages in ROWS]
+    rows = [Example(origin="row", messages=tuple(m)) for m in ROWS + secret]
+
+    def tokenized(tokenizer: Any, batch: list[Example]) -> list[Any]:
+        facts = spans.template_facts(tokenizer, None)
+        return [tokenize_example(e, tokenizer, None, Counter(), r, facts)
+                for e, r in zip(batch, render_ahead(batch, tokenizer, None, facts))]
+
+    kept = CountingTokenizer(inner)
+    tokenized(kept, rows[:3])  # the shape and its plan kept
+    rows = rows[3:] + rows[:3]  # the chunk's first skipped row, the one checked, redacted
+    assert tokenized(kept, rows) == [tokenized(CountingTokenizer(inner), [row])[0] for row in rows]
+    assert spans._DISTRUSTED == {inner.chat_template}
+    assert not spans.template_facts(kept, None).blind
+    QWEN.build()
