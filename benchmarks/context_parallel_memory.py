@@ -45,6 +45,15 @@ of 3 interleaved repeats (fresh processes each; with the fixed threshold all 3 g
      2        8192                   1137, 1114    1137   0.665  1.33     460   13.0    18.7   6.9660
      4        4096           563, 549, 567, 533     567   0.331  1.32     461   13.0    15.7   6.9660
 
+    .venv/bin/python benchmarks/context_parallel_memory.py --method ring --ranks 2 4     (one run, 2026-11-28)
+
+     2        8192                     836, 835     836       -     -     476   13.0   134.1   6.9660
+     4        4096           417, 417, 417, 417     417       -     -     475   13.0   112.8   6.9660
+
+The ring's blocks are plain torch math, a tile of queries at a time (16 MiB of float32 scores): 10% more than
+Ulysses at N = 2 and 4 (x N 1.10 against N = 1's 1523 MiB), and with 64 MiB tiles 993 and 656 MiB; its step is
+~7x Ulysses' here (scores of whole blocks on one thread, against sdpa's fused kernel).
+
 The activations shrink N-fold (x N 1.04 at N = 2, 0.99 at 4): 1524 MiB is ~24 fp32 vectors of the hidden size a
 token a layer, and each rank keeps them for its 1/N of the positions; the attention's whole-row q/k/v (after the
 all-to-all) are those of 1/N of the heads, so they shrink N-fold too, and the exchange's buffers are transient.

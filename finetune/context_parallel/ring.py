@@ -160,9 +160,9 @@ def _visible_pairs(doc_ids: torch.Tensor, ring: _Ring, chunk: int, window: int |
 # --- one block -----------------------------------------------------------------------------------------------------
 
 
-# The scores of a block are built a tile of queries at a time, at most this many elements (float32: 64 MiB): a
+# The scores of a block are built a tile of queries at a time, at most this many elements (float32: 16 MiB): a
 # block of 8192 x 8192 positions and 8 heads would otherwise hold 2 GiB of scores, and as much again of probabilities.
-TILE_ELEMENTS = 1 << 24
+TILE_ELEMENTS = 1 << 22
 
 
 def _query_tiles(q: torch.Tensor, keys: int) -> int:
