@@ -286,6 +286,6 @@ def test_a_template_wrongly_judged_content_blind_is_caught_by_the_spot_check(mon
     tokenized(kept, rows[:3])  # the shape and its plan kept
     rows = rows[3:] + rows[:3]  # the chunk's first skipped row, the one checked, redacted
     assert tokenized(kept, rows) == [tokenized(CountingTokenizer(inner), [row])[0] for row in rows]
-    assert spans._DISTRUSTED == {inner.chat_template}
+    assert {inner.chat_template} == spans._DISTRUSTED
     assert not spans.template_facts(kept, None).blind
     QWEN.build()
