@@ -40,28 +40,20 @@ What had to match (docs/distill.md, "Against TRL's GKDTrainer"):
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
+import hashlib
 import json
-import os
 import sys
-import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a checkout without an editable install
-    sys.path.insert(0, str(ROOT))
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): its siblings beside it
+    sys.path.append(str(Path(__file__).resolve().parent))
+import trl_compare  # noqa: E402
+from grpo_vs_trl import weights_digest, write_model  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("grpo_vs_trl", ROOT / "benchmarks" / "grpo_vs_trl.py")
-grpo_bench = sys.modules.setdefault("grpo_vs_trl", importlib.util.module_from_spec(_spec))
-if not hasattr(grpo_bench, "write_model"):
-    _spec.loader.exec_module(grpo_bench)
-write_model, weights_digest, ours_step, ours_cli = (grpo_bench.write_model, grpo_bench.weights_digest,
-                                                    grpo_bench.ours_step, grpo_bench.ours_cli)
-rel, grad_rel = grpo_bench.rel, grpo_bench.grad_rel
+ROOT = trl_compare.ROOT
+ours_step, rel = trl_compare.ours_step, trl_compare.rel  # the tests' bench.ours_step and bench.rel
 
 TOKENIZER = ROOT / "examples" / "tokenizer"
 ROWS = ROOT / "examples" / "data" / "quickstart_train.jsonl"
@@ -139,8 +131,6 @@ def write_inputs(work: Path) -> tuple[Path, Path, Path, Path]:
 
 def inputs_digest(rows: Path, tokenizer: Path) -> tuple[str, str]:
     """sha256 of the rows file and of the last-turn tokenizer's files (name and bytes, in name order)."""
-    import hashlib
-
     digest = hashlib.sha256()
     for name in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
         digest.update(name.encode() + (tokenizer / name).read_bytes())
@@ -206,102 +196,47 @@ def trl_step(case: Case, work: Path, student: Path, teacher: Path, rows: Path, t
     """(loss, pre-clip grad norm, gradients by name) of TRL's first step."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    captured: dict[str, Any] = {}
-
-    class Gradients(TrainerCallback):
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            captured.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-
-    args = GKDConfig(output_dir=str(work / f"trl-{case.name}"), per_device_train_batch_size=case.micro,
-                     gradient_accumulation_steps=case.accum, lmbda=0.0, seq_kd=False, beta=case.beta,
-                     temperature=case.temperature, max_length=512, bf16=False, learning_rate=1e-3,
-                     lr_scheduler_type="constant", max_steps=1, logging_steps=1, save_strategy="no",
-                     report_to="none", use_cpu=True, seed=0, max_grad_norm=1e9, disable_tqdm=True)
+    args = GKDConfig(**trl_compare.trl_args(work / f"trl-{case.name}", case.micro, case.accum), lmbda=0.0,
+                     seq_kd=False, beta=case.beta, temperature=case.temperature, max_length=512)
     trainer_class = GKDTrainer if case.temperature == 1 or case.plain else tempered_gkd_trainer()
     data = Dataset.from_list([json.loads(x) for x in rows.read_text(encoding="utf-8").splitlines()])
-    trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32),
-                            teacher_model=AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32),
-                            args=args, train_dataset=data,
-                            processing_class=AutoTokenizer.from_pretrained(tokenizer_for(case, tokenizer)),
-                            callbacks=[Gradients()])
-    trainer.remove_callback(PrinterCallback)  # its log lines would interleave with the table
-    trainer.train()
-    log = next(x for x in trainer.state.log_history if "loss" in x)
-    return log["loss"], log["grad_norm"], captured
+    return trl_compare.trl_first_step(lambda callbacks: trainer_class(
+        model=AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32),
+        teacher_model=AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32), args=args,
+        train_dataset=data, processing_class=AutoTokenizer.from_pretrained(tokenizer_for(case, tokenizer)),
+        callbacks=callbacks))
 
 
 # --- the step-one comparison -----------------------------------------------------------------------------------
 
 def compare(cases: list[Case], cli: set[str], work: Path, inputs: tuple[Path, Path, Path, Path]) -> list[dict]:
-    rows = []
-    print(f"{'case':<22} {'ours loss':>13} {'TRL loss':>13} {'rel':>8} {'ours |g|':>11} {'TRL |g|':>11} "
-          f"{'rel':>8} {'grad rel':>8} {'CLI rel':>8}", flush=True)
-    for case in cases:
-        recipe = write_recipe(case, work, *inputs)
-        loss, norm, grads = ours_step(recipe)
-        t_loss, t_norm, t_grads = trl_step(case, work, *inputs)
-        row = {"case": case.name, "known_difference": case.known_difference, "ours_loss": loss,
-               "trl_loss": t_loss, "loss_rel": rel(loss, t_loss), "ours_grad_norm": norm, "trl_grad_norm": t_norm,
-               "grad_norm_rel": rel(norm, t_norm), "grad_rel": grad_rel(grads, t_grads)}
-        if case.name in cli or "all" in cli:
-            c_loss, c_norm = ours_cli(recipe)
-            row |= {"cli_loss": c_loss, "cli_grad_norm": c_norm,
-                    "cli_rel": max(rel(c_loss, t_loss), rel(c_norm, t_norm))}
-        rows.append(row)
-        cli_rel = f"{row['cli_rel']:.1e}" if "cli_rel" in row else "-"
-        mark = "!" if case.known_difference else " "
-        print(f"{case.name:<22} {loss:>13.9f} {t_loss:>13.9f} {row['loss_rel']:>7.1e}{mark} {norm:>11.8f} "
-              f"{t_norm:>11.8f} {row['grad_norm_rel']:>8.1e} {row['grad_rel']:>8.1e} {cli_rel:>8}", flush=True)
-    return rows
+    table = trl_compare.Table(22, loss_digits=9, norm_digits=8)
+    return trl_compare.side_by_side(cases, cli, table, lambda case: write_recipe(case, work, *inputs),
+                                    lambda case: trl_step(case, work, *inputs))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trl-path", help="a directory holding the trl package (pip install --target)")
-    parser.add_argument("--work", type=Path, help="where models, data and runs go (default: a temp dir)")
-    parser.add_argument("--cli", nargs="*", default=["b0.5-t2-4x4"],
-                        help="case names also run through `finetune train` (all: every case)")
-    parser.add_argument("--json", type=Path, help="write every row here")
-    parser.add_argument("--pins", action="store_true",
-                        help="print TRL's figures as tests/objectives/test_distill_trl.py pins them")
+    parser = trl_compare.make_parser(__doc__, ["b0.5-t2-4x4"])
+    trl_compare.add_outputs(parser, "tests/objectives/test_distill_trl.py")
     args = parser.parse_args()
-    if args.trl_path:
-        sys.path.insert(0, args.trl_path)
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    try:
-        import trl
-    except ImportError:
-        sys.exit("TRL not importable: install trl==1.16.0 with pip --target DIR and pass --trl-path DIR")
-    import torch
-    import transformers
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(1)  # the same reduction order on every run, and a fair share of a shared machine
-    print(f"TRL {trl.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
-    work = args.work or Path(tempfile.mkdtemp(prefix="distill-vs-trl-"))
-    work.mkdir(parents=True, exist_ok=True)
+    print(trl_compare.versions(trl_compare.start_trl(args.trl_path)))
+    work = trl_compare.work_dir(args.work, "distill-vs-trl-")
     inputs = write_inputs(work)
     student, teacher, rows_path, tokenizer = inputs
     rows_digest, tokenizer_digest = inputs_digest(rows_path, tokenizer)
     print(f"student {weights_digest(student)[:16]}, teacher {weights_digest(teacher)[:16]}, rows "
           f"{rows_digest[:16]}, last-turn tokenizer {tokenizer_digest[:16]} (sha256)")
     rows = compare(CASES + KNOWN, set(args.cli), work, inputs)
-    worst = max(max(r["loss_rel"], r["grad_norm_rel"], r["grad_rel"], r.get("cli_rel", 0.0)) for r in rows
-                if not r["known_difference"])
     print(f"\n! a setting where ours and TRL's differ (module docstring)\nworst relative difference, ours vs TRL, "
-          f"other rows (loss, grad norm, whole gradient): {worst:.2e}")
+          f"other rows (loss, grad norm, whole gradient): {trl_compare.worst(rows):.2e}")
     if args.pins:  # tests/objectives/test_distill_trl.py's TRL (rows that match) and TRL_KNOWN (rows "!")
         for title, known in (("TRL", False), ("TRL_KNOWN", True)):
-            print(f"{title} = {{\n" + "".join(f'    "{r["case"]}": ({r["trl_loss"]!r}, {r["trl_grad_norm"]!r}),\n'
-                                             for r in rows if r["known_difference"] == known) + "}")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+            table = trl_compare.pins(r for r in rows if r["known_difference"] == known)
+            print(f"{title} = {{\n{table}}}")
+    trl_compare.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -51,23 +51,22 @@ policy's own log-probabilities and ignore them) should match.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
-import os
 import random
 import sys
-import tempfile
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a checkout without an editable install
-    sys.path.insert(0, str(ROOT))
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): trl_compare beside it
+    sys.path.append(str(Path(__file__).resolve().parent))
+import trl_compare  # noqa: E402
+
+ROOT = trl_compare.ROOT
+ours_step, rel = trl_compare.ours_step, trl_compare.rel  # the tests' bench.ours_step and bench.rel
 
 TOKENIZER = ROOT / "examples" / "tokenizer"
 # The tiny Llama: vocabulary = the example tokenizer's 1024 tokens; pad 0, bos 1, eos 2 (<|im_end|>), as it has.
@@ -278,50 +277,6 @@ def write_recipe(case: Case, work: Path, policy: Path, reference: Path, replay: 
     return path
 
 
-def ours_step(recipe_path: Path) -> tuple[float, float, dict[str, Any]]:
-    """(loss, pre-clip grad norm, gradients by name) of step one, through the trainer's own step functions in
-    this process: the same parts, plan, micro-batches and step as `finetune train`'s loop."""
-    import torch
-
-    from finetune import dist
-    from finetune.data import collate, rank_micro_batches
-    from finetune.recipe import load_recipe
-    from finetune.train.parts import load_parts, plan_for
-    from finetune.train.step import clip_gradients, forward_backward, read_step, step_counts
-
-    recipe = load_recipe(recipe_path)
-    torch.manual_seed(recipe.seed)
-    world, device = dist.World(), torch.device("cpu")
-    parts = load_parts(recipe, world, device, lambda message: None, splits=("train",))
-    rows = plan_for(recipe, parts, world).step(0)[1]
-    micro = [collate(chunk, recipe.data, parts.tokenizer.pad_token_id).to(device) for chunk in
-             rank_micro_batches(rows, recipe.train.micro_batch_size, 1, 0, recipe.data.group_by_length)]
-    parts.net.train()
-    counts = step_counts(parts.objective, micro, world, device)[0]
-    sums = forward_backward(parts.net, parts.objective, micro, counts, world, device)
-    grads = {name: p.grad.detach().clone() for name, p in parts.lm.named_parameters() if p.grad is not None}
-    norm = clip_gradients([p for p in parts.lm.parameters() if p.requires_grad], recipe.train.max_grad_norm)
-    figures = read_step(parts.objective, sums, norm, counts)
-    return figures.loss, figures.grad_norm, grads
-
-
-def ours_cli(recipe_path: Path) -> tuple[float, float]:
-    """(loss, grad_norm) of step one from metrics.jsonl of `finetune train RECIPE`."""
-    import subprocess
-
-    import yaml
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "finetune", "train", str(recipe_path), "--overwrite"], cwd=ROOT,
-                          capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise RuntimeError(f"finetune train {recipe_path} failed:\n{done.stderr[-3000:]}")
-    run = Path(yaml.safe_load(recipe_path.read_text())["output_dir"])
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    first = next(x for x in lines if "loss" in x)
-    return first["loss"], first["grad_norm"]
-
-
 # --- TRL -----------------------------------------------------------------------------------------------------
 
 def line_reward(line: dict) -> float:
@@ -337,7 +292,7 @@ def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Pa
     """(loss, pre-clip grad norm, gradients by name) of TRL's GRPOTrainer's first step on the replayed rollouts."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     lines = [json.loads(x) for x in replay.read_text().splitlines()]
@@ -365,71 +320,30 @@ def trl_step(case: Case, loss_type: str, work: Path, policy: Path, reference: Pa
     def replay_reward(prompts: list, completions: list, replay_reward: list[float], **kwargs: Any) -> list[float]:
         return list(replay_reward)
 
-    captured: dict[str, Any] = {}
-
-    class Gradients(TrainerCallback):
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            captured.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
     if case.beta:  # TRL builds its reference from the policy's _name_or_path: point it at ours
         model.config._name_or_path = str(reference)
+    output_dir = work / f"trl-{loss_type}-{case.name}"
+    step_one = trl_compare.trl_args(output_dir, case.micro, case.accum, case.trl_bf16)
     args = GRPOConfig(
-        output_dir=str(work / f"trl-{loss_type}-{case.name}"), per_device_train_batch_size=case.micro,
-        gradient_accumulation_steps=case.accum, num_generations=GROUP_SIZE, max_completion_length=case.max_new,
-        beta=case.beta, loss_type=loss_type, scale_rewards=case.scale,
-        mask_truncated_completions=case.mask_truncated, use_bias_correction_kl=case.kl_gradient == "exact",
-        temperature=case.temperature, bf16=case.trl_bf16, learning_rate=1e-3, lr_scheduler_type="constant",
-        max_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        shuffle_dataset=False, max_grad_norm=1e9, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=replay_reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": [json.dumps(g) for g in groups]}),
-                          processing_class=AutoTokenizer.from_pretrained(TOKENIZER), rollout_func=rollout_func,
-                          callbacks=[Gradients()])
-    trainer.remove_callback(PrinterCallback)  # its log lines would interleave with the table
-    trainer.train()
-    log = next(x for x in trainer.state.log_history if "loss" in x)
-    return log["loss"], log["grad_norm"], captured
+        **step_one, num_generations=GROUP_SIZE, max_completion_length=case.max_new, beta=case.beta,
+        loss_type=loss_type, scale_rewards=case.scale, mask_truncated_completions=case.mask_truncated,
+        use_bias_correction_kl=case.kl_gradient == "exact", temperature=case.temperature, shuffle_dataset=False)
+    return trl_compare.trl_first_step(lambda callbacks: GRPOTrainer(
+        model=model, reward_funcs=replay_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": [json.dumps(g) for g in groups]}),
+        processing_class=AutoTokenizer.from_pretrained(TOKENIZER), rollout_func=rollout_func,
+        callbacks=callbacks))
 
 
 # --- the comparison --------------------------------------------------------------------------------------------
 
-def rel(a: float, b: float) -> float:
-    """|a - b| / |b|; where |b| < 1e-6 (a loss that is 0 mathematically: normalize sequences at beta 0, where each
-    group's advantages sum to 0 and every completion weighs the same) the absolute difference."""
-    return abs(a - b) / abs(b) if abs(b) >= 1e-6 else abs(a - b)
-
-
-def grad_rel(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """||a - b|| / ||b|| over every parameter's gradient."""
-    diff = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
-    return math.sqrt(diff / max(sum(float(b[n].double().pow(2).sum()) for n in b), 1e-300))
-
-
 def compare(cases: list[Case], cli: set[str], work: Path, inputs: tuple[Path, Path, Path]) -> list[dict]:
     """Each case: ours (step functions; the CLI too when named in `cli`) and TRL."""
-    rows = []
-    header = (f"{'case':<36} {'ours loss':>14} {'TRL loss':>14} {'rel':>8} {'ours |g|':>12} {'TRL |g|':>12} "
-              f"{'rel':>8} {'grad rel':>8} {'CLI rel':>8}")
-    print(header, flush=True)
-    for case in cases:
-        files = case_files(case, work, inputs)
-        recipe = write_recipe(case, work, *files)
-        loss, norm, grads = ours_step(recipe)
-        t_loss, t_norm, t_grads = trl_step(case, LOSS_TYPE[case.normalize], work, *files)
-        row = {"case": case.name, "known_difference": case.known_difference, "ours_loss": loss,
-               "trl_loss": t_loss, "loss_rel": rel(loss, t_loss), "ours_grad_norm": norm, "trl_grad_norm": t_norm,
-               "grad_norm_rel": rel(norm, t_norm), "grad_rel": grad_rel(grads, t_grads)}
-        if case.name in cli or "all" in cli:
-            c_loss, c_norm = ours_cli(recipe)
-            row |= {"cli_loss": c_loss, "cli_grad_norm": c_norm,
-                    "cli_rel": max(rel(c_loss, t_loss), rel(c_norm, t_norm))}
-        rows.append(row)
-        cli_rel = f"{row['cli_rel']:.1e}" if "cli_rel" in row else "-"
-        mark = "*" if abs(t_loss) < 1e-6 else "!" if case.known_difference else " "
-        print(f"{case.name:<36} {loss:>14.9f} {t_loss:>14.9f} {row['loss_rel']:>7.1e}{mark} {norm:>12.7f} "
-              f"{t_norm:>12.7f} {row['grad_norm_rel']:>8.1e} {row['grad_rel']:>8.1e} {cli_rel:>8}", flush=True)
-    return rows
+    table = trl_compare.Table(36, 14, 9, 12, 7, zero=True)
+    return trl_compare.side_by_side(
+        cases, cli, table, lambda case: write_recipe(case, work, *case_files(case, work, inputs)),
+        lambda case: trl_step(case, LOSS_TYPE[case.normalize], work, *case_files(case, work, inputs)))
 
 
 def bnpo(work: Path, inputs: tuple[Path, Path, Path]) -> list[dict]:
@@ -445,43 +359,27 @@ def bnpo(work: Path, inputs: tuple[Path, Path, Path]) -> list[dict]:
             one = one or grads
             ours = ours_step(write_recipe(case, work, *inputs))[1]
             rows.append({"case": f"bnpo-{case.name}", "trl_loss": t_loss, "trl_grad_norm": t_norm,
-                         "grad_rel_to_one_batch": grad_rel(grads, one), "ours_tokens_grad_norm": ours})
+                         "grad_rel_to_one_batch": trl_compare.grad_rel(grads, one),
+                         "ours_tokens_grad_norm": ours})
             print(f"{'bnpo-' + case.name:<32} {t_loss:>14.9f} {t_norm:>12.7f} "
                   f"{rows[-1]['grad_rel_to_one_batch']:>17.2e} {ours:>16.7f}", flush=True)
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trl-path", help="a directory holding the trl package (pip install --target)")
-    parser.add_argument("--work", type=Path, help="where models, rollouts and runs go (default: a temp dir)")
-    parser.add_argument("--cli", nargs="*", default=[f"{t}{n}-group-b{b:g}-4x4" for t in ("", "mt16-")
-                                                     for b in BETAS for n in LOSS_TYPE],
-                        help="case names also run through `finetune train` (all: every case)")
+    cli = [f"{t}{n}-group-b{b:g}-4x4" for t in ("", "mt16-") for b in BETAS for n in LOSS_TYPE]
+    parser = trl_compare.make_parser(__doc__, cli, work="models, rollouts and runs")
     parser.add_argument("--only", choices=("single", "multiturn"),
                         help="the single-turn cases (and bnpo) or the multi-turn ones only (default: both)")
     parser.add_argument("--varied-prompts", action="store_true", help="prompts of 3 to 9 ids (TRL left-pads them)")
     parser.add_argument("--quick", action="store_true", help="the split 4 x 4 only")
-    parser.add_argument("--json", type=Path, help="write every row here")
-    parser.add_argument("--pins", action="store_true", help="print TRL's figures as tests/rl/test_grpo_trl.py pins them")
+    trl_compare.add_outputs(parser, "tests/rl/test_grpo_trl.py")
     args = parser.parse_args()
-    if args.trl_path:
-        sys.path.insert(0, args.trl_path)
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    try:
-        import trl
-    except ImportError:
-        sys.exit("TRL not importable: install trl==1.16.0 with pip --target DIR and pass --trl-path DIR")
+    trl = trl_compare.start_trl(args.trl_path, user_warnings=False)
     import torch
-    import transformers
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed gradient_checkpointing
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(1)  # the same reduction order on every run, and a fair share of a shared machine
     print(f"TRL {trl.__version__}, torch {torch.__version__}; prompts {'varied' if args.varied_prompts else 'equal'}")
-    work = args.work or Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = trl_compare.work_dir(args.work, "grpo-vs-trl-")
     policy, reference = write_models(work)
     inputs = (policy, reference, write_replay(work / "replay.jsonl", args.varied_prompts))
     print(f"policy {weights_digest(policy)[:16]}, reference {weights_digest(reference)[:16]}, rollouts "
@@ -495,16 +393,12 @@ def main() -> None:
             cases += [c for c in all_cases(multiturn) if not args.quick or (c.micro, c.accum) == (4, 4)] + extra
     rows = compare(cases, set(args.cli), work, inputs)
     rows += [] if args.only == "multiturn" else bnpo(work, inputs)
-    worst = max(max(r["loss_rel"], r["grad_norm_rel"], r.get("cli_rel", 0.0)) for r in rows
-                if "loss_rel" in r and not r["known_difference"])
     print(f"\n* a loss that is 0 mathematically: absolute difference\n! a setting where ours and TRL's differ "
           f"(docs/rl-trl-figures.md)\nworst relative difference of a loss or grad norm, ours vs TRL, other rows: "
-          f"{worst:.2e}")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+          f"{trl_compare.worst(rows, whole_gradient=False):.2e}")
+    trl_compare.write_json(args.json, rows)
     if args.pins:  # the rows that should match, full precision: tests/rl/test_grpo_trl.py's TRL table
-        print("".join(f'    "{r["case"]}": ({r["trl_loss"]!r}, {r["trl_grad_norm"]!r}),\n' for r in rows
-                      if "loss_rel" in r and not r["known_difference"]), end="")
+        print(trl_compare.pins(r for r in rows if "loss_rel" in r and not r["known_difference"]), end="")
 
 
 if __name__ == "__main__":

@@ -256,3 +256,28 @@ def teacher_dir(path, vocab: int = 1024, seed: int = 1, hidden: int = 48):
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config, vocab_size=vocab)).save_pretrained(path)
     AutoTokenizer.from_pretrained(ROOT / "examples" / "tokenizer").save_pretrained(path)
     return path
+
+
+def load_benchmark(name: str) -> Any:
+    """benchmarks/NAME.py imported as the module NAME, once (benchmarks/ joins sys.path: the benchmarks import
+    each other and benchmarks/trl_compare.py by name)."""
+    import importlib
+
+    benchmarks = str(ROOT / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.append(benchmarks)
+    return importlib.import_module(name)
+
+
+def trl_or_skip() -> str:
+    """The directory that holds TRL (installed, or by `pip install --target /tmp/trl_pkgs`), for a benchmark's
+    --trl-path; the test is skipped where there is none (CI has no TRL)."""
+    import importlib.machinery
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.find_spec("trl") or importlib.machinery.PathFinder.find_spec("trl", ["/tmp/trl_pkgs"])
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("TRL is not installed (CI has no TRL)")
+    return str(next(iter(spec.submodule_search_locations))).removesuffix("/trl")

@@ -13,16 +13,12 @@ relative; once through `finetune train`. docs/preference.md has the table and wh
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 
 import pytest
-from helpers import ROOT, one_thread, run_cli
+from helpers import load_benchmark, one_thread, run_cli
 
-spec = importlib.util.spec_from_file_location("preference_vs_trl", ROOT / "benchmarks" / "preference_vs_trl.py")
-bench = sys.modules["preference_vs_trl"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
-spec.loader.exec_module(bench)
+bench = load_benchmark("preference_vs_trl")
 Case = bench.Case
 
 TOLERANCE = 1e-5

@@ -12,18 +12,14 @@ benchmark in its own process. docs/preference.md, "Reward models", has the table
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TEST_ENV, one_thread, run_cli
+from helpers import ROOT, TEST_ENV, load_benchmark, one_thread, run_cli, trl_or_skip
 
-spec = importlib.util.spec_from_file_location("reward_vs_trl", ROOT / "benchmarks" / "reward_vs_trl.py")
-bench = sys.modules["reward_vs_trl"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
-spec.loader.exec_module(bench)
+bench = load_benchmark("reward_vs_trl")
 Case = bench.Case
 
 TOLERANCE = 1e-5
@@ -101,10 +97,7 @@ def test_the_cli_gives_trls_figures(inputs):
 def test_the_whole_gradient_equals_trls(tmp_path):
     """With TRL at hand: the benchmark itself, ours and TRL's RewardTrainer side by side, every parameter's gradient
     (||ours - TRL|| / ||TRL||) within 1e-5, split 4 x 4 and packed."""
-    spec = importlib.util.find_spec("trl") or importlib.machinery.PathFinder.find_spec("trl", ["/tmp/trl_pkgs"])
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("TRL is not installed (CI has no TRL)")
-    trl_path = str(next(iter(spec.submodule_search_locations))).removesuffix("/trl")
+    trl_path = trl_or_skip()
     out = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reward_vs_trl.py"), "--trl-path", trl_path,
                            "--work", str(tmp_path / "work"), "--cli", "--json", str(out), "--cases",

@@ -18,17 +18,13 @@ null on the environment's tokens).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, one_thread, run_cli
+from helpers import load_benchmark, one_thread, run_cli
 
-spec = importlib.util.spec_from_file_location("grpo_vs_trl", ROOT / "benchmarks" / "grpo_vs_trl.py")
-bench = sys.modules["grpo_vs_trl"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up there
-spec.loader.exec_module(bench)
+bench = load_benchmark("grpo_vs_trl")
 Case = bench.Case
 
 TOLERANCE = 1e-5
