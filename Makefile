@@ -22,7 +22,7 @@ quickstart: $(STAMP)
 	$(VENV)/bin/finetune train examples/yaml/quickstart.yaml output_dir=runs/quickstart --overwrite
 
 # The suite in TEST_WORKERS processes (pytest-xdist; worksteal evens out the long distributed and resume tests):
-# on the 2-core CI machine about 7 minutes (6:48 measured on 2026-11-28; README, "Development").
+# on the 2-core CI machine about 6-7 minutes (5:52 for 3,206 tests on 2026-11-28; README, "Development").
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check finetune tests benchmarks scripts
