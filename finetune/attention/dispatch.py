@@ -130,9 +130,7 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         # A padding mask, a cache prefix or a bidirectional module: transformers' own path, mask and all.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       position_ids=position_ids, sliding_window=sliding_window, **kwargs)
-    for unsupported in ("softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"{ATTN_NAME} does not support {unsupported}; set model.attn_implementation: eager")
+    _refuse_unsupported(kwargs, _UNSUPPORTED_HERE)
     if not isinstance(docs, Documents) or (docs.batch, docs.length) != (batch, q_length):
         docs = None
     if docs is not None:
@@ -174,9 +172,7 @@ def _sharded(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, va
              kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
     """This rank's share of rows split across context-parallel ranks: the documents' exchange (docs.sharded), Ulysses's
     around this same attention over whole rows for this rank's heads, or the ring's own blockwise attention."""
-    for unsupported in ("softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"distributed.context_parallel does not support {unsupported} attention (this model's)")
+    _refuse_unsupported(kwargs, "distributed.context_parallel does not support {} attention (this model's)")
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out, _ = sdpa_varlen_attention(module, q, k, v, None, dropout=dropout, scaling=scaling,
@@ -185,6 +181,16 @@ def _sharded(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, va
 
     out = docs.sharded(attend, query, key, value, scaling=scaling, sliding_window=sliding_window, dropout=dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+_UNSUPPORTED_HERE = f"{ATTN_NAME} does not support {{}}; set model.attn_implementation: eager"
+
+
+def _refuse_unsupported(kwargs: dict[str, Any], message: str) -> None:
+    """A ValueError (`message` with the argument's name) for attention arguments our kernels do not apply."""
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(message.format(unsupported))
 
 
 def _window_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:

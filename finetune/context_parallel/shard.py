@@ -81,7 +81,7 @@ def shard_batch(batch: MicroBatch, context: ContextGroup, device: torch.device) 
         teacher = StoredTeacherFields(teacher.ids[keep], teacher.logprobs[keep]).to(device)
     pairs = batch.pairs
     if pairs is not None:  # each position's document travels with its token; the pairs' sums: sequence_sums.py
-        doc_index = _padded_to(pairs.doc_index.cpu(), labels, positions, multiple(context), fill=-1)[0]
+        doc_index = _lengthened(pairs.doc_index.cpu(), length - pairs.doc_index.shape[1], -1)  # padding: no pair
         pairs = dataclasses.replace(pairs, doc_index=doc_index[:, take]).to(device)
     return dataclasses.replace(
         batch, input_ids=to_device(ids[:, take], device), pairs=pairs, context=context,
@@ -126,14 +126,17 @@ def _packed_form(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return ids, labels, torch.where(real, steps, steps - real.sum(dim=1, keepdim=True))
 
 
-def _padded_to(ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, ranks: int,
-               fill: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows lengthened to a multiple of `ranks` with one more document (token `fill`, no label, positions from
-    0)."""
+def _padded_to(ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+               ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows lengthened to a multiple of `ranks` with one more document (token 0, no label, positions from 0)."""
     extra = -ids.shape[1] % ranks
     if not extra:
         return ids, labels, positions
     rows = ids.shape[0]
-    return (torch.cat([ids, ids.new_full((rows, extra), fill)], dim=1),
-            torch.cat([labels, labels.new_full((rows, extra), IGNORE_INDEX)], dim=1),
+    return (_lengthened(ids, extra, 0), _lengthened(labels, extra, IGNORE_INDEX),
             torch.cat([positions, torch.arange(extra).expand(rows, extra)], dim=1))
+
+
+def _lengthened(rows: torch.Tensor, extra: int, fill: int) -> torch.Tensor:
+    """[b, L] rows with `extra` more columns of `fill`."""
+    return torch.cat([rows, rows.new_full((rows.shape[0], extra), fill)], dim=1) if extra else rows
