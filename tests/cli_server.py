@@ -149,16 +149,9 @@ class CliServer:
         """(exit status, stdout, stderr) of `python -m finetune ARGS` run in `cwd` with `env` added."""
         with tempfile.TemporaryDirectory(prefix="finetune-cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            job = {"args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err), "env": env,
-                   "timeout": max(1, int(timeout))}
-            with self.lock:
-                self.proc.stdin.write(json.dumps(job) + "\n")
-                self.proc.stdin.flush()
-                line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"CLI server died: {self._log()}")
-            read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
-            return json.loads(line), read(out), read(err)
+            code = self._send({"args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err), "env": env,
+                               "timeout": max(1, int(timeout))})
+            return code, _read(out), _read(err)
 
     def run_ranks(self, ranks: int, args: list[str], cwd: Path, env: dict[str, str], timeout: float,
                   script: str | None = None) -> tuple[int, str, str]:
@@ -168,22 +161,30 @@ class CliServer:
         with tempfile.TemporaryDirectory(prefix="finetune-ranks-") as tmp:
             outs = [str(Path(tmp) / f"stdout{r}") for r in range(ranks)]
             errs = [str(Path(tmp) / f"stderr{r}") for r in range(ranks)]
-            job = {"args": args, "cwd": str(cwd), "stdouts": outs, "stderrs": errs, "env": env, "ranks": ranks,
-                   "timeout": max(1, int(timeout)), "script": script}
-            with self.lock:
-                self.proc.stdin.write(json.dumps(job) + "\n")
-                self.proc.stdin.flush()
-                line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"CLI server died: {self._log()}")
-            codes = json.loads(line)
-            read = lambda p: Path(p).read_text(errors="replace") if Path(p).exists() else ""  # noqa: E731
-            return next((c for c in codes if c), 0), "".join(map(read, outs)), "".join(map(read, errs))
+            codes = self._send({"args": args, "cwd": str(cwd), "stdouts": outs, "stderrs": errs, "env": env,
+                                "ranks": ranks, "timeout": max(1, int(timeout)), "script": script})
+            return next((c for c in codes if c), 0), "".join(map(_read, outs)), "".join(map(_read, errs))
+
+    def _send(self, job: dict) -> object:
+        """Hand the server one job and wait for its answer (the exit status, or each rank's)."""
+        with self.lock:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"CLI server died: {self._log()}")
+        return json.loads(line)
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
         self.log.close()
+
+
+def _read(path: str | Path) -> str:
+    """A run's output file, or "" when the run never opened it."""
+    path = Path(path)
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def forking() -> bool:

@@ -162,6 +162,16 @@ def python_path(*first: Path | str, without: Path | None = None) -> str:
     return os.pathsep.join(dict.fromkeys([*map(str, first), *inherited]))
 
 
+@pytest.fixture(scope="module")
+def single_thread() -> Any:
+    """One torch thread for a whole module (helpers.one_thread): the TRL side-by-sides' tests run as their
+    benchmarks do, in the same reduction order, and take a fair share of a shared machine."""
+    from helpers import one_thread
+
+    with one_thread():
+        yield
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

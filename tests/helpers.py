@@ -269,6 +269,29 @@ def load_benchmark(name: str) -> Any:
     return importlib.import_module(name)
 
 
+def example_after_quickstart(example: str, tmp_path: Path) -> Path:
+    """examples/yaml/EXAMPLE.yaml's commands: the quickstart's SFT, then the example from its model; the example's run
+    directory (tmp_path/run)."""
+    sft = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'sft'}", timeout=1800)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    recipe = ROOT / "examples" / "yaml" / f"{example}.yaml"
+    done = run_cli("train", str(recipe), f"model.path={tmp_path / 'sft' / 'final'}", f"output_dir={tmp_path / 'run'}",
+                   timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path / "run"
+
+
+def first_cli_step(bench: Any, case: Any, work: Path, files: list[Path]) -> dict[str, Any]:
+    """A TRL side-by-side's case through `finetune train` (its recipe from the benchmark, in work/cli): the run's
+    first metrics line."""
+    (work / "cli").mkdir()
+    recipe = bench.write_recipe(case, work / "cli", *files)
+    done = run_cli("train", str(recipe))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in (work / "cli" / f"ours-{case.name}" / "metrics.jsonl").read_text().splitlines()]
+    return next(x for x in lines if "loss" in x)
+
+
 def trl_or_skip() -> str:
     """The directory that holds TRL (installed, or by `pip install --target /tmp/trl_pkgs`), for a benchmark's
     --trl-path; the test is skipped where there is none (CI has no TRL)."""

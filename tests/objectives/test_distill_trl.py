@@ -13,12 +13,11 @@ Both score `answer<|im_end|>`: the chat template the pinned figures used writes 
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from helpers import load_benchmark, one_thread, run_cli
+from helpers import first_cli_step, load_benchmark
 
 bench = load_benchmark("distill_vs_trl")
+pytestmark = pytest.mark.usefixtures("single_thread")
 Case = bench.Case
 
 TOLERANCE = 1e-5
@@ -55,13 +54,6 @@ TRL_KNOWN = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """One thread, as the benchmark: the same reduction order, and a fair share of a shared machine."""
-    with one_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("distill-vs-trl")
@@ -94,12 +86,7 @@ def test_the_cli_gives_trls_figures(inputs):
     grad_norm are TRL's."""
     work, *files = inputs
     case = Case(0.5, 2.0, 4, 4)
-    (work / "cli").mkdir()
-    recipe = bench.write_recipe(case, work / "cli", *files)
-    done = run_cli("train", str(recipe))
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(x) for x in (work / "cli" / f"ours-{case.name}" / "metrics.jsonl").read_text().splitlines()]
-    first = next(x for x in lines if "loss" in x)
+    first = first_cli_step(bench, case, work, files)
     assert bench.rel(first["loss"], TRL[case.name][0]) <= TOLERANCE and 0 <= first["agreement"] <= 1
     assert bench.rel(first["grad_norm"], TRL[case.name][1]) <= TOLERANCE
 

@@ -14,6 +14,7 @@ from helpers import (
     TINY,
     assert_resume_checks_reference_weights,
     eval_lines,
+    example_after_quickstart,
     run_cli,
     train_lines,
 )
@@ -311,12 +312,6 @@ def test_dpo_auto_without_an_adapter_gives_checkpoints_the_digest_of_model_path(
 def test_the_dpo_example_learns_past_0_9_after_the_quickstart(tmp_path):
     """examples/yaml/quickstart-dpo.yaml's two commands (the quickstart's SFT, then DPO from its model): eval
     reward accuracy starts at 0 (the policy is the reference) and ends at >= 0.9 (README: 1.00 from step 5)."""
-    sft = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'sft'}", timeout=1800)
-    assert sft.returncode == 0, sft.stderr[-3000:]
-    example = ROOT / "examples" / "yaml" / "quickstart-dpo.yaml"
-    dpo = run_cli("train", str(example), f"model.path={tmp_path / 'sft' / 'final'}", f"output_dir={tmp_path / 'dpo'}",
-                  timeout=1800)
-    assert dpo.returncode == 0, dpo.stderr[-3000:]
-    evals = eval_lines(tmp_path / "dpo")
+    evals = eval_lines(example_after_quickstart("quickstart-dpo", tmp_path))
     assert evals[0]["eval_reward_accuracy"] < 0.5 and evals[0]["eval_pairs"] == 100
     assert evals[-1]["eval_reward_accuracy"] >= 0.9, evals

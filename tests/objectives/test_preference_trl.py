@@ -13,12 +13,12 @@ relative; once through `finetune train`. docs/preference.md has the table and wh
 from __future__ import annotations
 
 import hashlib
-import json
 
 import pytest
-from helpers import load_benchmark, one_thread, run_cli
+from helpers import first_cli_step, load_benchmark
 
 bench = load_benchmark("preference_vs_trl")
+pytestmark = pytest.mark.usefixtures("single_thread")
 Case = bench.Case
 
 TOLERANCE = 1e-5
@@ -43,13 +43,6 @@ TRL = {
     "orpo-16x1": (9.312975883483887, 4.831915855407715),
 }
 TRL_ORPO_4X4 = (9.30035400390625, 4.969634532928467)  # TRL's ORPO at 4 x 4: its cross-entropy per micro-batch
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """One thread, as the benchmark: the same reduction order, and a fair share of a shared machine."""
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +76,7 @@ def test_the_cli_gives_trls_figures(inputs):
     """`finetune train` with train.max_steps 1: metrics.jsonl's loss and grad_norm are TRL's."""
     work, *files = inputs
     case = Case("dpo", "sigmoid", micro=4, accum=4)
-    (work / "cli").mkdir()
-    recipe = bench.write_recipe(case, work / "cli", *files)
-    done = run_cli("train", str(recipe))
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(x) for x in (work / "cli" / f"ours-{case.name}" / "metrics.jsonl").read_text().splitlines()]
-    first = next(x for x in lines if "loss" in x)
+    first = first_cli_step(bench, case, work, files)
     assert bench.rel(first["loss"], TRL[case.name][0]) <= TOLERANCE and abs(first["reward_margin"]) > 1e-3
     assert bench.rel(first["grad_norm"], TRL[case.name][1]) <= TOLERANCE
 

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from helpers import QUICKSTART, ROOT, TINY, eval_lines, run_cli, train_lines
+from helpers import QUICKSTART, ROOT, TINY, eval_lines, example_after_quickstart, run_cli, train_lines
 
 from finetune.batch import MicroBatch
 from finetune.data.collate import collate
@@ -337,13 +337,8 @@ def test_reward_recipes_are_checked():
 def test_the_reward_example_ranks_past_0_85_after_the_quickstart(tmp_path):
     """examples/yaml/quickstart-reward.yaml after the quickstart's SFT: eval reward accuracy >= 0.85 at the end
     (README: 0.90 after its 30 steps), the final model a sequence classifier."""
-    sft = run_cli("train", str(QUICKSTART), f"output_dir={tmp_path / 'sft'}", timeout=1800)
-    assert sft.returncode == 0, sft.stderr[-3000:]
-    example = ROOT / "examples" / "yaml" / "quickstart-reward.yaml"
-    run = run_cli("train", str(example), f"model.path={tmp_path / 'sft' / 'final'}", f"output_dir={tmp_path / 'rm'}",
-                  timeout=1800)
-    assert run.returncode == 0, run.stderr[-3000:]
-    evals = eval_lines(tmp_path / "rm")
+    run = example_after_quickstart("quickstart-reward", tmp_path)
+    evals = eval_lines(run)
     assert evals[-1]["eval_reward_accuracy"] >= 0.85 and evals[-1]["eval_pairs"] == 100, evals
-    config = json.loads((tmp_path / "rm" / "final" / "config.json").read_text())
+    config = json.loads((run / "final" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]

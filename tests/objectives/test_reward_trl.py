@@ -17,9 +17,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TEST_ENV, load_benchmark, one_thread, run_cli, trl_or_skip
+from helpers import ROOT, TEST_ENV, first_cli_step, load_benchmark, trl_or_skip
 
 bench = load_benchmark("reward_vs_trl")
+pytestmark = pytest.mark.usefixtures("single_thread")
 Case = bench.Case
 
 TOLERANCE = 1e-5
@@ -39,13 +40,6 @@ TRL = {
     "reward-4x4-center0.01-margin": (1.3766170740127563, 11.360745429992676),
     "reward-packed-center0.01-margin": (1.3766175508499146, 11.360746383666992),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """One thread, as the benchmark: the same reduction order, and a fair share of a shared machine."""
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +78,7 @@ def test_the_cli_gives_trls_figures(inputs):
     """`finetune train` with train.max_steps 1: metrics.jsonl's loss and grad_norm are TRL's."""
     work, *files = inputs
     case = Case(4, 4, bench.CENTER, margin=True)
-    (work / "cli").mkdir()
-    recipe = bench.write_recipe(case, work / "cli", *files)
-    done = run_cli("train", str(recipe))
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(x) for x in (work / "cli" / f"ours-{case.name}" / "metrics.jsonl").read_text().splitlines()]
-    first = next(x for x in lines if "loss" in x)
+    first = first_cli_step(bench, case, work, files)
     assert bench.rel(first["loss"], TRL[case.name][0]) <= TOLERANCE and first["pairs"] == 16
     assert bench.rel(first["grad_norm"], TRL[case.name][1]) <= TOLERANCE
 

@@ -22,9 +22,10 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import load_benchmark, one_thread, run_cli
+from helpers import first_cli_step, load_benchmark
 
 bench = load_benchmark("grpo_vs_trl")
+pytestmark = pytest.mark.usefixtures("single_thread")
 Case = bench.Case
 
 TOLERANCE = 1e-5
@@ -142,13 +143,6 @@ CASES = bench.all_cases() + EXTRA_CASES + MULTITURN_CASES
 TRL_BNPO_4X4 = 2.0210530757904053  # TRL's bnpo (per-micro-batch token mean), beta 0.04, scale group, 4 x 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """One thread, as the benchmark: the same reduction order, and a fair share of a shared machine."""
-    with one_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, Path]:
     work = tmp_path_factory.mktemp("grpo-vs-trl")
@@ -193,12 +187,7 @@ def test_the_cli_gives_trls_figures(inputs):
     """`finetune train` with train.max_steps 1: metrics.jsonl's loss and grad_norm are TRL's."""
     work, *files = inputs
     case = Case("tokens", "group", 0.04, 4, 4)
-    (work / "cli").mkdir()
-    recipe = bench.write_recipe(case, work / "cli", *files)
-    done = run_cli("train", str(recipe))
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(x) for x in (work / "cli" / f"ours-{case.name}" / "metrics.jsonl").read_text().splitlines()]
-    first = next(x for x in lines if "loss" in x)
+    first = first_cli_step(bench, case, work, files)
     assert bench.rel(first["loss"], TRL[case.name][0]) <= TOLERANCE and first["kl"] > 1  # the reference differs
     assert bench.rel(first["grad_norm"], TRL[case.name][1]) <= TOLERANCE
 
